@@ -1,0 +1,1 @@
+"""The public face of Tandem: the gateway service and the `tandem` command line."""

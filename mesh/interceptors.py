@@ -1,0 +1,313 @@
+"""Server interceptors, applied in one fixed order by `mesh.server`:
+
+1. `RequestContextInterceptor`: request id (from `x-request-id` or new), one structured log line per call,
+   and the single place where domain errors become gRPC status (unknown exceptions become INTERNAL with
+   the request id, never internals).
+2. `AuthInterceptor`: the caller's token -> `Principal` in `current_principal()`; public methods pass.
+3. `ValidationInterceptor`: size limit, parsing and contract rules on every request message, answering
+   MESSAGE_TOO_LARGE, MALFORMED_REQUEST or INVALID_ARGUMENT with the fields named.
+4. OpenTelemetry's own aio server interceptor: a span per call, parented by the caller's trace context
+   carried in metadata.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from mesh.errors import R, ResourceExhausted, TandemError, Unauthenticated
+from mesh.errors import InvalidArgument as InvalidArgumentError
+from mesh.identity import Principal, TokenVerifier
+from mesh.observability import caller_var, request_id_var
+from mesh.status import status_for
+from mesh.validation import violations
+
+log = logging.getLogger("tandem.rpc")
+
+principal_var: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("tandem_principal", default=None)
+
+REQUEST_ID_KEY = "x-request-id"
+AUTHORIZATION_KEY = "authorization"
+ALWAYS_PUBLIC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+Behavior = Callable[..., Any]
+Authenticator = Callable[[str], Awaitable[Principal | None]]
+
+
+def current_principal() -> Principal:
+    """The authenticated caller of the call being served; raises if the method was public."""
+    principal = principal_var.get()
+    if principal is None:
+        raise Unauthenticated("this call requires credentials", reason=R.ERROR_REASON_MISSING_CREDENTIALS)
+    return principal
+
+
+def _metadata(context: grpc.aio.ServicerContext[Any, Any], key: str) -> str:
+    for item in context.invocation_metadata() or ():
+        if item.key == key and isinstance(item.value, str):
+            return item.value
+    return ""
+
+
+def _rewrap(
+    handler: grpc.RpcMethodHandler,
+    wrap_unary: Callable[[Behavior], Behavior],
+    wrap_stream: Callable[[Behavior], Behavior],
+    request_deserializer: Callable[[bytes], Any] | None | bool = True,
+) -> grpc.RpcMethodHandler:
+    """A copy of `handler` whose behavior is wrapped; unary responses and streamed ones differ in shape."""
+    deserializer = handler.request_deserializer if request_deserializer is True else request_deserializer
+    serializer = handler.response_serializer
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), deserializer, serializer)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), deserializer, serializer)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), deserializer, serializer)
+    return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), deserializer, serializer)
+
+
+async def _drain(result: Any) -> AsyncIterator[Any]:
+    """Iterate a streaming behavior's result, whether an async generator or a coroutine using write()."""
+    if inspect.isasyncgen(result) or hasattr(result, "__aiter__"):
+        async for item in result:
+            yield item
+    else:
+        await result
+
+
+class _Interceptor(grpc.aio.ServerInterceptor):
+    """Wraps each method handler with `around(method, request, context, proceed)`."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        return self.wrap(method, handler)
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        def wrap_unary(behavior: Behavior) -> Behavior:
+            async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                async def proceed() -> Any:
+                    return await behavior(request, context)
+
+                return await self.around(method, context, proceed)
+
+            return unary
+
+        def wrap_stream(behavior: Behavior) -> Behavior:
+            async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+                # The whole stream runs inside one `around_stream`, yielding as it goes.
+                async for item in self.around_stream(method, context, _drain(behavior(request, context))):
+                    yield item
+
+            return stream
+
+        return _rewrap(handler, wrap_unary, wrap_stream)
+
+    async def around(
+        self, method: str, context: grpc.aio.ServicerContext[Any, Any], proceed: Callable[[], Awaitable[Any]]
+    ) -> Any:
+        await self.before(method, context)
+        return await proceed()
+
+    async def around_stream(
+        self, method: str, context: grpc.aio.ServicerContext[Any, Any], stream: AsyncIterator[Any]
+    ) -> AsyncIterator[Any]:
+        await self.before(method, context)
+        async for item in stream:
+            yield item
+
+    async def before(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        return None
+
+
+class RequestContextInterceptor(_Interceptor):
+    """Request id, a log line per call, and the mapping of errors to status."""
+
+    def __init__(self, service: str) -> None:
+        self._service = service
+
+    async def _fail(self, context: grpc.aio.ServicerContext[Any, Any], error: BaseException, rid: str) -> None:
+        if isinstance(error, TandemError):
+            await context.abort_with_status(status_for(error, rid))
+        log.exception("unhandled error", extra={"service": self._service})
+        internal = TandemError(f"internal error; quote request id {rid} when reporting it")
+        await context.abort_with_status(status_for(internal, rid))
+
+    def _start(self, context: grpc.aio.ServicerContext[Any, Any]) -> tuple[str, contextvars.Token[str]]:
+        rid = _metadata(context, REQUEST_ID_KEY)[:64] or uuid.uuid4().hex
+        context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
+        return rid, request_id_var.set(rid)
+
+    def _log(self, method: str, context: grpc.aio.ServicerContext[Any, Any], started: float, error: Any) -> None:
+        code = "OK"
+        reason = ""
+        if isinstance(error, TandemError):
+            code, reason = error.code, error.reason_name
+        elif error is not None:
+            code = getattr(context.code(), "name", "") or "UNKNOWN"
+        log.info(
+            "rpc",
+            extra={
+                "service": self._service,
+                "method": method,
+                "code": code,
+                "reason": reason,
+                "duration_ms": round((time.perf_counter() - started) * 1000, 3),
+            },
+        )
+
+    async def around(
+        self, method: str, context: grpc.aio.ServicerContext[Any, Any], proceed: Callable[[], Awaitable[Any]]
+    ) -> Any:
+        rid, token = self._start(context)
+        started = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            return await proceed()
+        except Exception as exc:
+            error = exc
+            await self._fail(context, exc, rid)
+        finally:
+            self._log(method, context, started, error)
+            request_id_var.reset(token)
+
+    async def around_stream(
+        self, method: str, context: grpc.aio.ServicerContext[Any, Any], stream: AsyncIterator[Any]
+    ) -> AsyncIterator[Any]:
+        rid, token = self._start(context)
+        started = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            async for item in stream:
+                yield item
+        except Exception as exc:
+            error = exc
+            await self._fail(context, exc, rid)
+        finally:
+            self._log(method, context, started, error)
+            request_id_var.reset(token)
+
+
+class AuthInterceptor(_Interceptor):
+    """Authenticates every non-public call. Authenticators are tried in order (mesh tokens first; the
+    gateway adds organization API keys); the first that recognises the credential decides."""
+
+    def __init__(self, verifier: TokenVerifier, public_methods: Collection[str]) -> None:
+        self._verifier = verifier
+        self._public = public_methods
+        self.authenticators: list[Authenticator] = []
+
+    async def before(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        header = _metadata(context, AUTHORIZATION_KEY)
+        if method.startswith(ALWAYS_PUBLIC_PREFIXES) or method in self._public:
+            if header:
+                # A public method still learns who is calling when credentials are offered.
+                try:
+                    principal_var.set(await self._authenticate(header))
+                except TandemError:
+                    principal_var.set(None)
+            else:
+                principal_var.set(None)
+            return
+        if not header:
+            raise Unauthenticated("this call requires credentials", reason=R.ERROR_REASON_MISSING_CREDENTIALS)
+        principal = await self._authenticate(header)
+        principal_var.set(principal)
+        caller_var.set(f"{principal.kind}:{principal.subject}")
+
+    async def _authenticate(self, header: str) -> Principal:
+        scheme, _, credential = header.partition(" ")
+        if scheme.lower() != "bearer" or not credential:
+            raise Unauthenticated("authorization must be 'Bearer <token>'", reason=R.ERROR_REASON_INVALID_CREDENTIALS)
+        if credential.startswith("tdm1."):
+            return self._verifier.verify(credential)
+        for authenticate in self.authenticators:
+            principal = await authenticate(credential)
+            if principal is not None:
+                return principal
+        raise Unauthenticated("credentials are not recognised", reason=R.ERROR_REASON_INVALID_CREDENTIALS)
+
+
+class ValidationInterceptor(_Interceptor):
+    """Parses each request itself (so size and decoding failures get reasons) and checks contract rules."""
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self._limit = max_message_bytes
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        parse = handler.request_deserializer
+        if parse is None:
+            return handler
+
+        def check(raw: bytes) -> Message:
+            if len(raw) > self._limit:
+                raise ResourceExhausted(
+                    f"request is {len(raw)} bytes; the limit is {self._limit}",
+                    reason=R.ERROR_REASON_MESSAGE_TOO_LARGE,
+                    metadata={"limit_bytes": str(self._limit)},
+                )
+            try:
+                message: Message = parse(raw)
+            except (DecodeError, ValueError, TypeError):
+                raise InvalidArgumentError(
+                    "request is not a valid protobuf message for this method",
+                    reason=R.ERROR_REASON_MALFORMED_REQUEST,
+                ) from None
+            found = violations(message)
+            if found:
+                names = ", ".join(v.field for v in found[:5])
+                raise InvalidArgumentError(f"invalid request: {names}", violations=found)
+            return message
+
+        async def checked_iter(requests: AsyncIterator[bytes]) -> AsyncIterator[Message]:
+            async for raw in requests:
+                yield check(raw)
+
+        def prepare(request: Any) -> Any:
+            return check(request) if isinstance(request, bytes) else checked_iter(request)
+
+        def wrap_unary(behavior: Behavior) -> Behavior:
+            async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                return await behavior(prepare(request), context)
+
+            return unary
+
+        def wrap_stream(behavior: Behavior) -> Behavior:
+            async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+                async for item in _drain(behavior(prepare(request), context)):
+                    yield item
+
+            return stream
+
+        return _rewrap(handler, wrap_unary, wrap_stream, request_deserializer=None)
+
+
+def server_interceptors(
+    service: str, verifier: TokenVerifier, public_methods: Collection[str], max_message_bytes: int
+) -> tuple[Sequence[grpc.aio.ServerInterceptor], AuthInterceptor]:
+    """The interceptors in their fixed order, and the auth interceptor for adding authenticators."""
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor  # noqa: PLC0415
+
+    auth = AuthInterceptor(verifier, public_methods)
+    chain: list[grpc.aio.ServerInterceptor] = [
+        RequestContextInterceptor(service),
+        auth,
+        ValidationInterceptor(max_message_bytes),
+        aio_server_interceptor(),
+    ]
+    return chain, auth

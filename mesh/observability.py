@@ -1,0 +1,107 @@
+"""Structured logs and OpenTelemetry tracing for every Tandem process.
+
+Logs are JSON lines (or text for people) carrying the request id, the caller and the trace id of the call
+being served. Spans go to an OTLP collector when one is configured and to a local JSON-lines file
+otherwise, so a trace can always be inspected after the fact.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("tandem_request_id", default="")
+caller_var: contextvars.ContextVar[str] = contextvars.ContextVar("tandem_caller", default="")
+
+_RESERVED = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, context, and any `extra=` fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if rid := request_id_var.get():
+            entry["request_id"] = rid
+        if caller := caller_var.get():
+            entry["caller"] = caller
+        span = trace.get_current_span().get_span_context()
+        if span.is_valid:
+            entry["trace_id"] = format(span.trace_id, "032x")
+        for key, value in record.__dict__.items():
+            if key not in _RESERVED and not key.startswith("_"):
+                entry[key] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str = "INFO", fmt: str = "json", stream: IO[str] | None = None) -> None:
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(
+        JsonFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends finished spans to a file, one OTLP-shaped JSON object per line."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._path = path
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = [json.dumps(json.loads(span.to_json()), separators=(",", ":")) for span in spans]
+        with self._lock, self._path.open("a") as handle:
+            handle.write("".join(line + "\n" for line in lines))
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+
+_configured = False
+
+
+def configure_tracing(service_name: str, otlp_endpoint: str, trace_file: Path) -> None:
+    """Install the global tracer provider once per process (the one-process mesh shares it)."""
+    global _configured  # noqa: PLW0603 - OpenTelemetry's provider is process-global by design
+    if _configured:
+        return
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    exporter: SpanExporter
+    if otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
+
+        exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=not otlp_endpoint.startswith("https"))
+    else:
+        exporter = JsonLinesSpanExporter(trace_file)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    _configured = True
+
+
+def flush_tracing() -> None:
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.force_flush()

@@ -1,0 +1,176 @@
+"""The one way a Tandem service boots.
+
+`start_service` builds a `grpc.aio` server with explicit message limits and keepalive, the interceptors in
+their fixed order, grpc health and reflection, plaintext on loopback or mTLS when configured, and calls the
+service's `setup(server, deps)`. `serve` runs one or more services in this process until SIGINT/SIGTERM,
+then drains: health turns NOT_SERVING, new calls are refused, in-flight calls get `drain_grace_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import import_module
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from mesh.clients import ClientFactory
+from mesh.identity import TokenSigner, TokenVerifier, load_signing_key
+from mesh.interceptors import AuthInterceptor, server_interceptors
+from mesh.observability import configure_logging, configure_tracing, flush_tracing
+from mesh.settings import Settings
+
+log = logging.getLogger("tandem.server")
+
+
+@dataclass
+class Deps:
+    """What a service's setup receives: settings, identity, typed clients for its peers."""
+
+    service: str
+    settings: Settings
+    signer: TokenSigner
+    verifier: TokenVerifier
+    clients: ClientFactory
+    auth: AuthInterceptor
+
+
+@dataclass
+class Registration:
+    """What a service's setup returns: its gRPC service names, public methods and shutdown hooks."""
+
+    service_names: Sequence[str]
+    public_methods: Sequence[str] = ()
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+
+Setup = Callable[[grpc.aio.Server, Deps], Awaitable[Registration]]
+
+
+@dataclass
+class RunningService:
+    name: str
+    address: str
+    port: int
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    registration: Registration
+    deps: Deps
+
+    async def stop(self, grace: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        for hook in reversed(self.registration.on_stop):
+            await hook()
+        await self.deps.clients.close()
+
+
+def setup_for(service: str) -> Setup:
+    """The `setup` function of `services/<service>` (or `gateway`)."""
+    module = import_module("gateway.servicer" if service == "gateway" else f"services.{service}.servicer")
+    fn: Setup = module.setup
+    return fn
+
+
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    # gRPC core refuses anything past this hard limit itself (RESOURCE_EXHAUSTED); below it our validation
+    # interceptor measures each request against max_message_bytes and answers with a reason.
+    hard_limit = settings.max_message_bytes * 2 + 64 * 1024
+    keepalive_ms = int(settings.keepalive_s * 1000)
+    return [
+        ("grpc.max_receive_message_length", hard_limit),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    tls = settings.tls
+    if not tls.enabled:
+        return None
+    assert tls.cert_file and tls.key_file and tls.ca_file
+    return grpc.ssl_server_credentials(
+        [(tls.key_file.read_bytes(), tls.cert_file.read_bytes())],
+        root_certificates=tls.ca_file.read_bytes(),
+        require_client_auth=True,
+    )
+
+
+async def start_service(service: str, settings: Settings, setup: Setup | None = None) -> RunningService:
+    signer = TokenSigner(load_signing_key(settings.mesh_key, settings.state_dir))
+    verifier = signer.verifier
+    public: set[str] = set()
+    interceptors, auth = server_interceptors(service, verifier, public, settings.max_message_bytes)
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(settings))
+    deps = Deps(service, settings, signer, verifier, ClientFactory(settings, signer, service), auth)
+    registration = await (setup or setup_for(service))(server, deps)
+    public.update(registration.public_methods)
+
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*registration.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+
+    bind = f"{settings.host}:{settings.port(service)}"
+    credentials = _server_credentials(settings)
+    port = server.add_secure_port(bind, credentials) if credentials else server.add_insecure_port(bind)
+    await server.start()
+    for name in ["", *registration.service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    address = f"{settings.host}:{port}"
+    log.info("serving", extra={"service": service, "address": address})
+    return RunningService(service, address, port, server, health_servicer, registration, deps)
+
+
+async def serve(
+    services: Sequence[str],
+    settings: Settings,
+    on_ready: Callable[[list[RunningService]], None] | None = None,
+    stop_event: asyncio.Event | None = None,
+) -> None:
+    """Run services in this process until SIGINT/SIGTERM (or `stop_event`), then drain and stop.
+
+    Services start in the given order with their ports from settings; a peer a service calls is reached
+    through `settings.target(peer)`. When a port is 0 the chosen port is written back into the settings
+    so later services in this process find it.
+    """
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    configure_tracing("tandem-" + "+".join(services), settings.otlp_endpoint, settings.trace_path)
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    running: list[RunningService] = []
+    try:
+        for name in services:
+            service = await start_service(name, settings)
+            setattr(settings.ports, name, service.port)
+            running.append(service)
+        if on_ready:
+            on_ready(running)
+        await stop.wait()
+    finally:
+        log.info("draining", extra={"grace_s": settings.drain_grace_s})
+        await asyncio.gather(*(s.stop(settings.drain_grace_s) for s in reversed(running)))
+        flush_tracing()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+
+
+def run_single(service: str) -> None:
+    """Entry point of `python -m services.<name>`: one service, settings from env/TOML."""
+    settings = Settings()
+    configure_logging(settings.log_level, settings.log_format)
+    asyncio.run(serve([service], settings))

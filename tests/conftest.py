@@ -1,0 +1,51 @@
+"""Shared fixtures. PostgreSQL tests start a real server once per session; in CI (CI=true) a missing
+server is an error, never a skip, so the scale-out store cannot silently go untested."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import postgres
+
+
+def _gpu_present() -> bool:
+    return Path("/dev/nvidia0").exists() or Path("/proc/driver/nvidia/gpus").exists()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _gpu_present():
+        return
+    skip = pytest.mark.skip(reason="no NVIDIA GPU on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> Iterator[str]:
+    if not postgres.available():
+        if os.environ.get("CI"):
+            pytest.fail("PostgreSQL is not installed; .ci/run installs it")
+        pytest.skip("PostgreSQL is not installed (apt-get install -y postgresql)")
+    with postgres.postgres_server() as url:
+        yield url
+
+
+@pytest.fixture
+def postgres_url(postgres_admin_url: str, request: pytest.FixtureRequest) -> str:
+    name = "t_" + re.sub(r"[^a-z0-9]+", "_", request.node.name.lower())[:50]
+    return postgres.create_database(postgres_admin_url, name)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each store test runs on both stores: an SQLite file and a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'store.db'}"
+    url: str = request.getfixturevalue("postgres_url")
+    return url

@@ -1,0 +1,1 @@
+"""Helpers the tests share: real servers started for the test session (PostgreSQL), free ports."""
