@@ -39,6 +39,8 @@ class Deps:
     verifier: TokenVerifier
     clients: ClientFactory
     auth: AuthInterceptor
+    colocated: Sequence[str] = ()
+    """Services running in this same process (all of them under `tandem up`)."""
 
 
 @dataclass
@@ -106,13 +108,15 @@ def _server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
     )
 
 
-async def start_service(service: str, settings: Settings, setup: Setup | None = None) -> RunningService:
+async def start_service(
+    service: str, settings: Settings, setup: Setup | None = None, colocated: Sequence[str] = ()
+) -> RunningService:
     signer = TokenSigner(load_signing_key(settings.mesh_key, settings.state_dir))
     verifier = signer.verifier
     public: set[str] = set()
     interceptors, auth = server_interceptors(service, verifier, public, settings.max_message_bytes)
     server = grpc.aio.server(interceptors=interceptors, options=server_options(settings))
-    deps = Deps(service, settings, signer, verifier, ClientFactory(settings, signer, service), auth)
+    deps = Deps(service, settings, signer, verifier, ClientFactory(settings, signer, service), auth, colocated)
     registration = await (setup or setup_for(service))(server, deps)
     public.update(registration.public_methods)
 
@@ -154,7 +158,7 @@ async def serve(
     running: list[RunningService] = []
     try:
         for name in services:
-            service = await start_service(name, settings)
+            service = await start_service(name, settings, colocated=services)
             setattr(settings.ports, name, service.port)
             running.append(service)
         if on_ready:

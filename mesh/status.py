@@ -8,6 +8,7 @@ failed call back into `RpcError`, which carries `.code` and `.reason`; nobody pa
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -17,6 +18,10 @@ from grpc_status import rpc_status
 from mesh.errors import ERROR_DOMAIN, FieldViolation, TandemError, reason_name
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+class _Status(NamedTuple("_Status", [("code", grpc.StatusCode), ("details", str), ("trailing_metadata", tuple[tuple[str, str | bytes], ...])]), grpc.Status):  # type: ignore[misc]
+    """A status with trailing metadata beyond the details blob (the request id)."""
 
 
 def _pack(message: object) -> any_pb2.Any:
@@ -46,7 +51,9 @@ def status_for(error: TandemError, request_id: str = "") -> grpc.Status:
         details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
     code = grpc.StatusCode[error.code]
     proto = status_pb2.Status(code=code.value[0], message=error.message, details=details)
-    return rpc_status.to_status(proto)
+    base = rpc_status.to_status(proto)
+    trailing = tuple(base.trailing_metadata) + ((("x-request-id", request_id),) if request_id else ())
+    return _Status(base.code, base.details, trailing)
 
 
 class RpcError(Exception):

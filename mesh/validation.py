@@ -43,7 +43,7 @@ class _Rule:
 
 
 def _is_repeated(field: FieldDescriptor) -> bool:
-    return field.label == FieldDescriptor.LABEL_REPEATED
+    return bool(field.is_repeated)
 
 
 def _is_map(field: FieldDescriptor) -> bool:

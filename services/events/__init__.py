@@ -1,0 +1,1 @@
+"""Event stream: durable, ordered, resumable job events and metric series."""

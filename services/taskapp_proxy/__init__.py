@@ -1,0 +1,1 @@
+"""Task App proxy: registered Task Apps and authenticated rollout calls to them."""

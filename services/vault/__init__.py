@@ -1,0 +1,1 @@
+"""Secret vault: organization-scoped, sealed-box credentials injected only at run time."""

@@ -1,0 +1,9 @@
+"""Run the vault service alone (the deployment shape): `python -m services.vault`.
+
+Settings come from TANDEM_* environment variables and the TOML file in TANDEM_CONFIG (see mesh.settings).
+"""
+
+from mesh.server import run_single
+
+if __name__ == "__main__":
+    run_single("vault")
