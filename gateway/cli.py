@@ -1,8 +1,8 @@
 """`tandem`: the command line. Every subcommand talks to the gateway, except `up`, which starts the mesh.
 
-    tandem up                 run every service in this process (state in ./.tandem)
-    tandem up --state-dir D   keep state elsewhere
-    tandem status             ask a running mesh which services are serving
+tandem up                 run every service in this process (state in ./.tandem)
+tandem up --state-dir D   keep state elsewhere
+tandem status             ask a running mesh which services are serving
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ async def _status(settings: Settings) -> dict[str, str]:
     for service in MESH_SERVICES:
         target = settings.target(service)
         async with open_channel(target, settings) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
+            stub: Any = health_pb2_grpc.HealthStub(channel)  # the stubs' typing omits methods
             try:
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
                 result[service] = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

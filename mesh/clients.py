@@ -24,10 +24,13 @@ StubT = TypeVar("StubT")
 TOKEN_TTL_S = 300.0
 
 
-def _with_metadata(details: grpc.aio.ClientCallDetails, extra: list[tuple[str, str]], timeout: float | None) -> Any:
+def _with_metadata(
+    details: grpc.aio.ClientCallDetails, extra: list[tuple[str, str]], timeout: float | None
+) -> Any:
     metadata = grpc.aio.Metadata(*(details.metadata or ()))
+    present = {key for key, _ in metadata}
     for key, value in extra:
-        if key not in metadata:
+        if key not in present:
             metadata.add(key, value)
     return grpc.aio.ClientCallDetails(
         method=details.method,
@@ -59,12 +62,14 @@ class _Identity:
         return extra
 
 
-class _UnaryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+class _UnaryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, identity: _Identity, deadline_s: float) -> None:
         self._identity = identity
         self._deadline = deadline_s
 
-    async def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
         timeout = details.timeout if details.timeout is not None else self._deadline
         call = await continuation(_with_metadata(details, self._identity.metadata(), timeout), request)
         try:
@@ -73,12 +78,14 @@ class _UnaryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[m
             raise rpc_error_from(error) from None
 
 
-class _StreamUnaryInterceptor(grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+class _StreamUnaryInterceptor(grpc.aio.StreamUnaryClientInterceptor):
     def __init__(self, identity: _Identity, deadline_s: float) -> None:
         self._identity = identity
         self._deadline = deadline_s
 
-    async def intercept_stream_unary(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
+    async def intercept_stream_unary(
+        self, continuation: Callable[..., Any], details: Any, requests: Any
+    ) -> Any:
         timeout = details.timeout if details.timeout is not None else self._deadline
         call = await continuation(_with_metadata(details, self._identity.metadata(), timeout), requests)
         try:
@@ -87,7 +94,7 @@ class _StreamUnaryInterceptor(grpc.aio.StreamUnaryClientInterceptor):  # type: i
             raise rpc_error_from(error) from None
 
 
-class _StreamingInterceptor(grpc.aio.UnaryStreamClientInterceptor, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+class _StreamingInterceptor(grpc.aio.UnaryStreamClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
     """Long streams get no default deadline (they are meant to stay open); identity still applies."""
 
     def __init__(self, identity: _Identity) -> None:
@@ -100,12 +107,20 @@ class _StreamingInterceptor(grpc.aio.UnaryStreamClientInterceptor, grpc.aio.Stre
         except grpc.aio.AioRpcError as error:
             raise rpc_error_from(error) from None
 
-    async def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
-        call = await continuation(_with_metadata(details, self._identity.metadata(), details.timeout), request)
+    async def intercept_unary_stream(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        call = await continuation(
+            _with_metadata(details, self._identity.metadata(), details.timeout), request
+        )
         return self._relay(call)
 
-    async def intercept_stream_stream(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
-        call = await continuation(_with_metadata(details, self._identity.metadata(), details.timeout), requests)
+    async def intercept_stream_stream(
+        self, continuation: Callable[..., Any], details: Any, requests: Any
+    ) -> Any:
+        call = await continuation(
+            _with_metadata(details, self._identity.metadata(), details.timeout), requests
+        )
         return self._relay(call)
 
 
@@ -136,7 +151,7 @@ def open_channel(
         _UnaryInterceptor(identity, settings.default_deadline_s),
         _StreamUnaryInterceptor(identity, settings.default_deadline_s),
         _StreamingInterceptor(identity),
-        *aio_client_interceptors(),
+        *aio_client_interceptors(),  # type: ignore[no-untyped-call]
     ]
     tls = settings.tls
     if tls.enabled:
@@ -146,7 +161,9 @@ def open_channel(
             private_key=tls.key_file.read_bytes(),
             certificate_chain=tls.cert_file.read_bytes(),
         )
-        return grpc.aio.secure_channel(target, credentials, channel_options(settings), interceptors=interceptors)
+        return grpc.aio.secure_channel(
+            target, credentials, channel_options(settings), interceptors=interceptors
+        )
     return grpc.aio.insecure_channel(target, channel_options(settings), interceptors=interceptors)
 
 

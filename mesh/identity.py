@@ -92,7 +92,9 @@ class TokenVerifier:
     def verify(self, token: str, *, now: float | None = None) -> Principal:
         parts = token.split(".")
         if len(parts) != 3 or parts[0] != PREFIX:
-            raise Unauthenticated("credentials are not a Tandem token", reason=R.ERROR_REASON_INVALID_CREDENTIALS)
+            raise Unauthenticated(
+                "credentials are not a Tandem token", reason=R.ERROR_REASON_INVALID_CREDENTIALS
+            )
         try:
             self._key.verify(f"{parts[0]}.{parts[1]}".encode(), _unb64(parts[2]))
             claims = json.loads(_unb64(parts[1]))
@@ -102,7 +104,9 @@ class TokenVerifier:
             ) from None
         current = time.time() if now is None else now
         if not isinstance(claims, dict) or claims.get("kind") not in ("service", "job", "user"):
-            raise Unauthenticated("credentials carry no known kind", reason=R.ERROR_REASON_INVALID_CREDENTIALS)
+            raise Unauthenticated(
+                "credentials carry no known kind", reason=R.ERROR_REASON_INVALID_CREDENTIALS
+            )
         if float(claims.get("exp", 0)) + CLOCK_SKEW_S < current:
             raise Unauthenticated("credentials have expired", reason=R.ERROR_REASON_CREDENTIALS_EXPIRED)
         return Principal(

@@ -18,13 +18,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from mesh.errors import R, ResourceExhausted, TandemError, Unauthenticated, Unimplemented
 from mesh.errors import InvalidArgument as InvalidArgumentError
+from mesh.errors import R, ResourceExhausted, TandemError, Unauthenticated, Unimplemented
 from mesh.identity import Principal, TokenVerifier
 from mesh.observability import caller_var, request_id_var
 from mesh.status import status_for
@@ -32,13 +32,16 @@ from mesh.validation import violations
 
 log = logging.getLogger("tandem.rpc")
 
-principal_var: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("tandem_principal", default=None)
+principal_var: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
+    "tandem_principal", default=None
+)
 
 REQUEST_ID_KEY = "x-request-id"
 AUTHORIZATION_KEY = "authorization"
 ALWAYS_PUBLIC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 Behavior = Callable[..., Any]
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 Authenticator = Callable[[str], Awaitable[Principal | None]]
 
 
@@ -51,27 +54,36 @@ def current_principal() -> Principal:
 
 
 def _metadata(context: grpc.aio.ServicerContext[Any, Any], key: str) -> str:
-    for item in context.invocation_metadata() or ():
-        if item.key == key and isinstance(item.value, str):
-            return item.value
+    for item_key, value in context.invocation_metadata() or ():
+        if item_key == key and isinstance(value, str):
+            return value
     return ""
 
 
 def _rewrap(
-    handler: grpc.RpcMethodHandler,
+    handler: Handler,
     wrap_unary: Callable[[Behavior], Behavior],
     wrap_stream: Callable[[Behavior], Behavior],
-    request_deserializer: Callable[[bytes], Any] | None | bool = True,
-) -> grpc.RpcMethodHandler:
-    """A copy of `handler` whose behavior is wrapped; unary responses and streamed ones differ in shape."""
-    deserializer = handler.request_deserializer if request_deserializer is True else request_deserializer
+    *,
+    raw_requests: bool = False,
+) -> Handler:
+    """A copy of `handler` whose behavior is wrapped; unary responses and streamed ones differ in shape.
+
+    With `raw_requests` the new handler receives undecoded request bytes (the validator decodes them).
+    """
+    deserializer = None if raw_requests else handler.request_deserializer
     serializer = handler.response_serializer
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), deserializer, serializer)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), deserializer, serializer)
+        return grpc.stream_unary_rpc_method_handler(
+            wrap_unary(handler.stream_unary), deserializer, serializer
+        )
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), deserializer, serializer)
+        return grpc.unary_stream_rpc_method_handler(
+            wrap_stream(handler.unary_stream), deserializer, serializer
+        )
+    assert handler.stream_stream is not None
     return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), deserializer, serializer)
 
 
@@ -89,16 +101,16 @@ class _Interceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        method: str = handler_call_details.method
         return self.wrap(method, handler)
 
-    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def wrap(self, method: str, handler: Handler) -> Handler:
         def wrap_unary(behavior: Behavior) -> Behavior:
             async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 async def proceed() -> Any:
@@ -141,7 +153,9 @@ class RequestContextInterceptor(_Interceptor):
     def __init__(self, service: str) -> None:
         self._service = service
 
-    async def _fail(self, context: grpc.aio.ServicerContext[Any, Any], error: BaseException, rid: str) -> None:
+    async def _fail(
+        self, context: grpc.aio.ServicerContext[Any, Any], error: BaseException, rid: str
+    ) -> None:
         if isinstance(error, TandemError):
             await context.abort_with_status(status_for(error, rid))
         if isinstance(error, NotImplementedError):  # the generated base class of a method not written yet
@@ -156,7 +170,9 @@ class RequestContextInterceptor(_Interceptor):
         context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
         return rid, request_id_var.set(rid)
 
-    def _log(self, method: str, context: grpc.aio.ServicerContext[Any, Any], started: float, error: Any) -> None:
+    def _log(
+        self, method: str, context: grpc.aio.ServicerContext[Any, Any], started: float, error: Any
+    ) -> None:
         code = "OK"
         reason = ""
         if isinstance(error, TandemError):
@@ -238,7 +254,9 @@ class AuthInterceptor(_Interceptor):
     async def _authenticate(self, header: str) -> Principal:
         scheme, _, credential = header.partition(" ")
         if scheme.lower() != "bearer" or not credential:
-            raise Unauthenticated("authorization must be 'Bearer <token>'", reason=R.ERROR_REASON_INVALID_CREDENTIALS)
+            raise Unauthenticated(
+                "authorization must be 'Bearer <token>'", reason=R.ERROR_REASON_INVALID_CREDENTIALS
+            )
         if credential.startswith("tdm1."):
             return self._verifier.verify(credential)
         for authenticate in self.authenticators:
@@ -254,7 +272,7 @@ class ValidationInterceptor(_Interceptor):
     def __init__(self, max_message_bytes: int) -> None:
         self._limit = max_message_bytes
 
-    def wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def wrap(self, method: str, handler: Handler) -> Handler:
         parse = handler.request_deserializer
         if parse is None:
             return handler
@@ -299,7 +317,7 @@ class ValidationInterceptor(_Interceptor):
 
             return stream
 
-        return _rewrap(handler, wrap_unary, wrap_stream, request_deserializer=None)
+        return _rewrap(handler, wrap_unary, wrap_stream, raw_requests=True)
 
 
 def server_interceptors(
@@ -309,10 +327,11 @@ def server_interceptors(
     from opentelemetry.instrumentation.grpc import aio_server_interceptor  # noqa: PLC0415
 
     auth = AuthInterceptor(verifier, public_methods)
+    tracing: grpc.aio.ServerInterceptor = aio_server_interceptor()  # type: ignore[no-untyped-call]
     chain: list[grpc.aio.ServerInterceptor] = [
         RequestContextInterceptor(service),
         auth,
         ValidationInterceptor(max_message_bytes),
-        aio_server_interceptor(),
+        tracing,
     ]
     return chain, auth

@@ -55,7 +55,9 @@ class JsonFormatter(logging.Formatter):
 def configure_logging(level: str = "INFO", fmt: str = "json", stream: IO[str] | None = None) -> None:
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(
-        JsonFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+        JsonFormatter()
+        if fmt == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -14,7 +14,7 @@ import hashlib
 from google.protobuf.message import DecodeError
 from tandem.common.v1 import types_pb2
 
-from mesh.errors import R, InvalidArgument
+from mesh.errors import InvalidArgument, R
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
@@ -32,12 +32,17 @@ def fingerprint(*parts: object) -> str:
 
 
 def encode(query_fingerprint: str, last_key: str = "", last_number: int = 0) -> str:
-    cursor = types_pb2.PageCursor(query_fingerprint=query_fingerprint, last_key=last_key, last_number=last_number)
+    cursor = types_pb2.PageCursor(
+        query_fingerprint=query_fingerprint, last_key=last_key, last_number=last_number
+    )
     return base64.urlsafe_b64encode(cursor.SerializeToString()).decode().rstrip("=")
 
 
 def decode(token: str, query_fingerprint: str) -> types_pb2.PageCursor | None:
-    """The cursor in `token`, None for the first page; INVALID_PAGE_TOKEN if it is not ours or not for this query."""
+    """The cursor in `token`, None for the first page.
+
+    INVALID_PAGE_TOKEN if the token is not ours or belongs to another query.
+    """
     if not token:
         return None
     try:

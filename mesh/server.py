@@ -116,7 +116,9 @@ async def start_service(
     public: set[str] = set()
     interceptors, auth = server_interceptors(service, verifier, public, settings.max_message_bytes)
     server = grpc.aio.server(interceptors=interceptors, options=server_options(settings))
-    deps = Deps(service, settings, signer, verifier, ClientFactory(settings, signer, service), auth, colocated)
+    deps = Deps(
+        service, settings, signer, verifier, ClientFactory(settings, signer, service), auth, colocated
+    )
     registration = await (setup or setup_for(service))(server, deps)
     public.update(registration.public_methods)
 

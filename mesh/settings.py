@@ -63,8 +63,8 @@ class Settings(BaseSettings):
 
     state_dir: Path = Field(Path(".tandem"), description="Folder for SQLite files, keys, logs and traces.")
     host: str = Field("127.0.0.1", description="Interface the services bind to.")
-    ports: Ports = Field(default_factory=Ports)  # type: ignore[arg-type]
-    targets: Targets = Field(default_factory=Targets)  # type: ignore[arg-type]
+    ports: Ports = Field(default_factory=Ports)
+    targets: Targets = Field(default_factory=Targets)
     store_url: str = Field(
         "",
         description="Database URL. Empty: one SQLite file per service in state_dir. "
@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     default_deadline_s: float = Field(10.0, gt=0, description="Deadline for unary calls that set none.")
     drain_grace_s: float = Field(5.0, ge=0, description="How long in-flight calls may finish on SIGTERM.")
     keepalive_s: float = Field(30.0, gt=0, description="HTTP/2 keepalive ping interval on long streams.")
-    tls: Tls = Field(default_factory=Tls)  # type: ignore[arg-type]
+    tls: Tls = Field(default_factory=Tls)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["json", "text"] = Field("json", description="json for machines, text for people.")
     otlp_endpoint: str = Field("", description="OTLP/gRPC collector for spans; empty writes trace_file.")

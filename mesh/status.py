@@ -8,7 +8,7 @@ failed call back into `RpcError`, which carries `.code` and `.reason`; nobody pa
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
@@ -20,7 +20,17 @@ from mesh.errors import ERROR_DOMAIN, FieldViolation, TandemError, reason_name
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 
-class _Status(NamedTuple("_Status", [("code", grpc.StatusCode), ("details", str), ("trailing_metadata", tuple[tuple[str, str | bytes], ...])]), grpc.Status):  # type: ignore[misc]
+class _Status(
+    NamedTuple(
+        "_Status",
+        [
+            ("code", grpc.StatusCode),
+            ("details", str),
+            ("trailing_metadata", tuple[tuple[str, str | bytes], ...]),
+        ],
+    ),
+    grpc.Status,
+):
     """A status with trailing metadata beyond the details blob (the request id)."""
 
 
@@ -63,6 +73,7 @@ class RpcError(Exception):
         self,
         code: grpc.StatusCode,
         message: str,
+        *,
         reason: str = "",
         metadata: dict[str, str] | None = None,
         violations: list[FieldViolation] | None = None,
@@ -90,9 +101,9 @@ def _details_blob(trailing: Iterable[tuple[str, str | bytes]] | None) -> bytes |
 
 def rpc_error_from(error: grpc.RpcError) -> RpcError:
     """Decode a failed call (sync or asyncio) into an `RpcError`."""
-    code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]
-    message: str = error.details() or ""  # type: ignore[attr-defined]
-    trailing = error.trailing_metadata()  # type: ignore[attr-defined]
+    code: grpc.StatusCode = error.code()
+    message: str = error.details() or ""
+    trailing: Any = error.trailing_metadata()
     blob = _details_blob(trailing)
     if blob is None:
         return RpcError(code, message)

@@ -55,12 +55,10 @@ class Executor(abc.ABC):
     dialect: Dialect
 
     @abc.abstractmethod
-    async def execute(self, sql: str, params: Params = ()) -> int:
-        ...
+    async def execute(self, sql: str, params: Params = ()) -> int: ...
 
     @abc.abstractmethod
-    async def fetchall(self, sql: str, params: Params = ()) -> list[Row]:
-        ...
+    async def fetchall(self, sql: str, params: Params = ()) -> list[Row]: ...
 
     async def fetchone(self, sql: str, params: Params = ()) -> Row | None:
         rows = await self.fetchall(sql, params)
@@ -82,8 +80,7 @@ class Database(Executor):
         ...
 
     @abc.abstractmethod
-    async def close(self) -> None:
-        ...
+    async def close(self) -> None: ...
 
     async def migrate(self, service: str, migrations: Sequence[Migration]) -> list[int]:
         """Apply the service's pending migrations in version order; returns the versions applied."""
@@ -98,9 +95,12 @@ class Database(Executor):
                 " service TEXT NOT NULL, version INTEGER NOT NULL, name TEXT NOT NULL,"
                 " applied_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (service, version))"
             )
-            done = {r["version"] for r in await tx.fetchall(
-                "SELECT version FROM tandem_migrations WHERE service = ?", (service,)
-            )}
+            done = {
+                r["version"]
+                for r in await tx.fetchall(
+                    "SELECT version FROM tandem_migrations WHERE service = ?", (service,)
+                )
+            }
             known = set(versions)
             if unknown := sorted(done - known):
                 raise StoreError(f"{service}: database has migrations this code does not know: {unknown}")
@@ -265,7 +265,11 @@ class PostgresDatabase(Database):
         from psycopg_pool import AsyncConnectionPool  # noqa: PLC0415
 
         pool = AsyncConnectionPool(
-            url, min_size=min_size, max_size=max_size, open=False, kwargs={"row_factory": dict_row, "autocommit": True}
+            url,
+            min_size=min_size,
+            max_size=max_size,
+            open=False,
+            kwargs={"row_factory": dict_row, "autocommit": True},
         )
         await pool.open(wait=True, timeout=30.0)
         return cls(url, pool)

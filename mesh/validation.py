@@ -47,10 +47,12 @@ def _is_repeated(field: FieldDescriptor) -> bool:
 
 
 def _is_map(field: FieldDescriptor) -> bool:
+    message_type = field.message_type
     return (
         field.type == FieldDescriptor.TYPE_MESSAGE
-        and field.message_type.has_options
-        and field.message_type.GetOptions().map_entry
+        and message_type is not None
+        and message_type.has_options
+        and bool(message_type.GetOptions().map_entry)
     )
 
 
@@ -62,11 +64,12 @@ def _plan(descriptor: Descriptor) -> tuple[_Rule, ...]:
         options = field.GetOptions()
         if options.HasExtension(validation_pb2.field):
             rules = options.Extensions[validation_pb2.field]
+        message_type = field.message_type
         nested = (
-            field.type == FieldDescriptor.TYPE_MESSAGE
+            message_type is not None
             and not _is_map(field)
-            and field.message_type.full_name.startswith("tandem.")
-            and _has_rules(field.message_type)
+            and message_type.full_name.startswith("tandem.")
+            and _has_rules(message_type)
         )
         if rules is None and not nested:
             continue
@@ -83,7 +86,7 @@ def _has_rules(descriptor: Descriptor, _seen: frozenset[str] = frozenset()) -> b
     for field in descriptor.fields:
         if field.GetOptions().HasExtension(validation_pb2.field):
             return True
-        if field.type == FieldDescriptor.TYPE_MESSAGE and _has_rules(field.message_type, seen):
+        if field.message_type is not None and _has_rules(field.message_type, seen):
             return True
     return False
 
@@ -97,7 +100,9 @@ def _is_set(message: Message, field: FieldDescriptor) -> bool:
     return bool(value)
 
 
-def _check_scalar(path: str, value: object, field: FieldDescriptor, rule: _Rule, out: list[FieldViolation]) -> None:
+def _check_scalar(
+    path: str, value: object, field: FieldDescriptor, rule: _Rule, out: list[FieldViolation]
+) -> None:
     rules = rule.rules
     if rules is None:
         return
@@ -108,16 +113,25 @@ def _check_scalar(path: str, value: object, field: FieldDescriptor, rule: _Rule,
             out.append(FieldViolation(path, f"must be at least {rules.min_len} {unit}"))
         if rules.max_len and size > rules.max_len:
             out.append(FieldViolation(path, f"must be at most {rules.max_len} {unit}, got {size}"))
-        if rule.pattern is not None and isinstance(value, str) and value and not rule.pattern.fullmatch(value):
+        if (
+            rule.pattern is not None
+            and isinstance(value, str)
+            and value
+            and not rule.pattern.fullmatch(value)
+        ):
             out.append(FieldViolation(path, f"must match {rules.pattern}"))
     elif field.type in _NUMERIC and isinstance(value, int | float):
         if rules.HasField("min") and value < rules.min:
             out.append(FieldViolation(path, f"must be >= {rules.min:g}, got {value}"))
         if rules.HasField("max") and value > rules.max:
             out.append(FieldViolation(path, f"must be <= {rules.max:g}, got {value}"))
-    elif field.type == FieldDescriptor.TYPE_ENUM and rules.defined_only and isinstance(value, int):
-        if field.enum_type.values_by_number.get(value) is None:
-            out.append(FieldViolation(path, f"{value} is not a defined {field.enum_type.name}"))
+    elif (
+        field.enum_type is not None
+        and rules.defined_only
+        and isinstance(value, int)
+        and field.enum_type.values_by_number.get(value) is None
+    ):
+        out.append(FieldViolation(path, f"{value} is not a defined {field.enum_type.name}"))
 
 
 def _walk(message: Message, prefix: str, out: list[FieldViolation], depth: int) -> None:
@@ -134,7 +148,9 @@ def _walk(message: Message, prefix: str, out: list[FieldViolation], depth: int) 
         value = getattr(message, field.name)
         if _is_repeated(field):
             if rules is not None and rules.max_items and len(value) > rules.max_items:
-                out.append(FieldViolation(path, f"must have at most {rules.max_items} items, got {len(value)}"))
+                out.append(
+                    FieldViolation(path, f"must have at most {rules.max_items} items, got {len(value)}")
+                )
             if _is_map(field):
                 continue
             for index, item in enumerate(value):

@@ -1,1 +1,2 @@
-"""Scheduler: job groups, priorities, GPU placement and recovery over local processes, Slurm and Kubernetes."""
+"""Scheduler: job groups, priorities, GPU placement and recovery over local processes, Slurm and
+Kubernetes."""

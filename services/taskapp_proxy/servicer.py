@@ -22,5 +22,5 @@ class TaskAppServiceServicer(taskapp_service_pb2_grpc.TaskAppServiceServicer):
 
 
 async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
-    taskapp_service_pb2_grpc.add_TaskAppServiceServicer_to_server(TaskAppServiceServicer(deps), server)
+    taskapp_service_pb2_grpc.add_TaskAppServiceServicer_to_server(TaskAppServiceServicer(deps), server)  # type: ignore[abstract]  # methods not written yet answer UNIMPLEMENTED
     return Registration(service_names=[SERVICE_NAME])

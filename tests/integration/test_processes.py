@@ -31,14 +31,18 @@ FULL_NAMES = {
 def health_of(port: int, service: str = "", timeout: float = 5.0) -> int:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         grpc.channel_ready_future(channel).result(timeout=timeout)
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
         return int(reply.status)
 
 
 def reflected(port: int) -> set[str]:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        replies = stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
         return {s.name for r in replies for s in r.list_services_response.service}
 
 
@@ -53,8 +57,15 @@ def test_tandem_up_serves_every_service_and_stops_on_ctrl_c(tmp_path: Path) -> N
         env, _ = mesh_env(tmp_path / "state")
         for name, port in ports.items():
             env[f"TANDEM_PORTS__{name.upper()}"] = str(port)
-        status = subprocess.run([sys.executable, "-m", "gateway.cli", "status", "--json"], cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=30)
+        status = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "status", "--json"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        )
         assert status.returncode == 0, status.stderr
         assert set(json.loads(status.stdout).values()) == {"SERVING"}
         code, out = stop(proc, signal.SIGINT)
@@ -78,7 +89,9 @@ def test_one_service_alone(tmp_path: Path, service: str) -> None:
         deadline = time.monotonic() + 30
         while True:
             try:
-                assert health_of(port, FULL_NAMES[service], timeout=2) == health_pb2.HealthCheckResponse.SERVING
+                assert (
+                    health_of(port, FULL_NAMES[service], timeout=2) == health_pb2.HealthCheckResponse.SERVING
+                )
                 break
             except grpc.FutureTimeoutError:
                 assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
@@ -101,5 +114,7 @@ def test_services_do_not_import_the_ml_stack() -> None:
         "heavy = sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    )
     assert result.stdout.strip() == ""

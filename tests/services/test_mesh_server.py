@@ -23,8 +23,8 @@ from tandem.vault.v1 import vault_service_pb2, vault_service_pb2_grpc
 from mesh.clients import ClientFactory, open_channel
 from mesh.identity import TokenSigner, load_signing_key
 from mesh.server import Deps, Registration, start_service
-from mesh.status import RpcError, rpc_error_from
 from mesh.settings import Settings
+from mesh.status import RpcError, rpc_error_from
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,7 +74,9 @@ async def test_every_service_is_serving_and_reflected(mesh: Mesh) -> None:
                 reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
             reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-            responses = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            responses = reflection.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            )
             listed = [s.name async for r in responses for s in r.list_services_response.service]
             assert full_name in listed
             assert "grpc.health.v1.Health" in listed
@@ -87,7 +89,13 @@ async def test_server_info_is_public_and_reports_every_service(mesh: Mesh) -> No
     info = reply.server_info
     assert info.all_serving
     assert info.topology == server_info_pb2.ServerInfo.TOPOLOGY_SINGLE_PROCESS
-    assert [s.component for s in info.services] == ["gateway", "vault", "scheduler", "taskapp-proxy", "events"]
+    assert [s.component for s in info.services] == [
+        "gateway",
+        "vault",
+        "scheduler",
+        "taskapp-proxy",
+        "events",
+    ]
     assert [s.address for s in info.services][1:] == [
         mesh.address(n) for n in ("vault", "scheduler", "taskapp_proxy", "events")
     ]
@@ -97,7 +105,10 @@ async def test_server_info_is_public_and_reports_every_service(mesh: Mesh) -> No
 async def test_server_info_reports_an_unreachable_service(tmp_path: Path) -> None:
     settings = mesh_settings(tmp_path)
     settings.targets.vault = "127.0.0.1:1"  # nothing listens there
-    async with running_mesh(settings, services=["gateway"]) as mesh, grpc.aio.insecure_channel(mesh.address("gateway")) as ch:
+    async with (
+        running_mesh(settings, services=["gateway"]) as mesh,
+        grpc.aio.insecure_channel(mesh.address("gateway")) as ch,
+    ):
         reply = await gateway_service_pb2_grpc.GatewayServiceStub(ch).GetServerInfo(
             gateway_service_pb2.GetServerInfoRequest(), timeout=10
         )
@@ -181,7 +192,9 @@ async def test_unauthenticated_caller_learns_nothing_about_the_request(mesh: Mes
 
 async def test_oversized_message_gets_a_reason(mesh: Mesh) -> None:
     token = signer_of(mesh).issue("service", "test")
-    big = vault_service_pb2.PutSecretRequest(parent="orgs/acme", secret_id="big", key_id="k1", ciphertext=b"x" * (LIMIT + 1))
+    big = vault_service_pb2.PutSecretRequest(
+        parent="orgs/acme", secret_id="big", key_id="k1", ciphertext=b"x" * (LIMIT + 1)
+    )
     with pytest.raises(RpcError) as info:
         await call_put(mesh, token, big)
     assert (info.value.code, info.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "MESSAGE_TOO_LARGE")
@@ -190,7 +203,9 @@ async def test_oversized_message_gets_a_reason(mesh: Mesh) -> None:
 
 async def test_far_oversized_message_is_refused_by_the_transport(mesh: Mesh) -> None:
     token = signer_of(mesh).issue("service", "test")
-    huge = vault_service_pb2.PutSecretRequest(parent="orgs/acme", secret_id="big", key_id="k1", ciphertext=b"x" * (LIMIT * 3))
+    huge = vault_service_pb2.PutSecretRequest(
+        parent="orgs/acme", secret_id="big", key_id="k1", ciphertext=b"x" * (LIMIT * 3)
+    )
     with pytest.raises(RpcError) as info:
         await call_put(mesh, token, huge)
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -198,7 +213,9 @@ async def test_far_oversized_message_is_refused_by_the_transport(mesh: Mesh) -> 
 
 async def test_contract_rules_are_enforced_with_field_names(mesh: Mesh) -> None:
     token = signer_of(mesh).issue("service", "test")
-    bad = vault_service_pb2.PutSecretRequest(parent="orgs/ACME!", secret_id="", key_id="k1", ciphertext=b"x" * 80)
+    bad = vault_service_pb2.PutSecretRequest(
+        parent="orgs/ACME!", secret_id="", key_id="k1", ciphertext=b"x" * 80
+    )
     with pytest.raises(RpcError) as info:
         await call_put(mesh, token, bad)
     error = info.value
@@ -218,7 +235,9 @@ async def test_request_id_is_echoed_and_attached_to_errors(mesh: Mesh) -> None:
 
 async def _slow_setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     class Slow(vault_service_pb2_grpc.VaultServiceServicer):
-        async def GetPublicKey(self, request: object, context: object) -> vault_service_pb2.GetPublicKeyResponse:
+        async def GetPublicKey(
+            self, request: object, context: object
+        ) -> vault_service_pb2.GetPublicKeyResponse:
             await asyncio.sleep(0.5)
             return vault_service_pb2.GetPublicKeyResponse()
 
@@ -271,7 +290,9 @@ async def test_trace_context_crosses_the_call(mesh: Mesh) -> None:
     tracer = trace.get_tracer("test")
     with tracer.start_as_current_span("caller") as parent:
         channel = open_channel(mesh.address("gateway"), mesh.settings)
-        await gateway_service_pb2_grpc.GatewayServiceStub(channel).GetServerInfo(gateway_service_pb2.GetServerInfoRequest())
+        await gateway_service_pb2_grpc.GatewayServiceStub(channel).GetServerInfo(
+            gateway_service_pb2.GetServerInfoRequest()
+        )
         await channel.close()
     trace_id = parent.get_span_context().trace_id
     spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]

@@ -25,24 +25,73 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def make_pki(folder: Path) -> dict[str, Path]:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "1",
-             "-subj", "/CN=tandem-test-ca", "-keyout", "ca.key", "-out", "ca.pem", cwd=folder)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=tandem-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        cwd=folder,
+    )
     for name in ("server", "client"):
-        _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-                 "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=folder)
+        _openssl(
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            cwd=folder,
+        )
         (folder / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=folder)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+            "-out",
+            f"{name}.pem",
+            cwd=folder,
+        )
     return {n: folder / n for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
 
 
 async def test_mtls_accepts_mesh_peers_and_refuses_others(tmp_path: Path) -> None:
     pki = make_pki(tmp_path)
-    server_settings = mesh_settings(tmp_path, tls=Tls(cert_file=pki["server.pem"], key_file=pki["server.key"], ca_file=pki["ca.pem"]))
+    server_settings = mesh_settings(
+        tmp_path, tls=Tls(cert_file=pki["server.pem"], key_file=pki["server.key"], ca_file=pki["ca.pem"])
+    )
     server = await start_service("events", server_settings)
     target = f"127.0.0.1:{server.port}"
     try:
-        client_settings = mesh_settings(tmp_path, tls=Tls(cert_file=pki["client.pem"], key_file=pki["client.key"], ca_file=pki["ca.pem"]))
+        client_settings = mesh_settings(
+            tmp_path, tls=Tls(cert_file=pki["client.pem"], key_file=pki["client.key"], ca_file=pki["ca.pem"])
+        )
         async with open_channel(target, client_settings) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
             assert reply.status == health_pb2.HealthCheckResponse.SERVING

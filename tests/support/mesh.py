@@ -16,7 +16,11 @@ from mesh.settings import Ports, Settings
 
 def mesh_settings(state_dir: Path, **overrides: Any) -> Settings:
     """Settings for a test mesh: every port 0 (chosen at start), state in the test's folder."""
-    return Settings(state_dir=state_dir, ports=Ports(gateway=0, vault=0, scheduler=0, taskapp_proxy=0, events=0), **overrides)
+    return Settings(
+        state_dir=state_dir,
+        ports=Ports(gateway=0, vault=0, scheduler=0, taskapp_proxy=0, events=0),
+        **overrides,
+    )
 
 
 @dataclass

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psycopg
+
 
 def _bin(name: str) -> str | None:
     candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)
@@ -53,13 +55,15 @@ def postgres_server() -> Iterator[str]:
         run(pg_ctl, "-D", str(data), "-o", options, "-l", str(root / "server.log"), "-w", "-t", "60", "start")
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:
-        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"], capture_output=True)
+        subprocess.run(
+            [*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "-w", "stop"],
+            capture_output=True,
+            check=False,
+        )
         shutil.rmtree(root, ignore_errors=True)
 
 
 def create_database(admin_url: str, name: str) -> str:
-    import psycopg
-
     with psycopg.connect(admin_url, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
         conn.execute(f'CREATE DATABASE "{name}"')

@@ -29,12 +29,18 @@ def mesh_env(state_dir: Path) -> tuple[dict[str, str], dict[str, int]]:
 
 
 @contextmanager
-def tandem_up(state_dir: Path, timeout_s: float = 60.0) -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
+def tandem_up(
+    state_dir: Path, timeout_s: float = 60.0
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
     """`tandem up` in a child process; yields once it printed its addresses."""
     env, ports = mesh_env(state_dir)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "up"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "gateway.cli", "up"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         wait_for_line(proc, READY_LINE, timeout_s)
@@ -65,10 +71,18 @@ def stop(proc: subprocess.Popen[str], sig: int = signal.SIGINT, timeout_s: float
     return proc.returncode, out
 
 
-def run_service(service: str, state_dir: Path, extra_env: Sequence[tuple[str, str]] = ()) -> tuple[subprocess.Popen[str], int]:
+def run_service(
+    service: str, state_dir: Path, extra_env: Sequence[tuple[str, str]] = ()
+) -> tuple[subprocess.Popen[str], int]:
     env, ports = mesh_env(state_dir)
     env.update(extra_env)
     module = "gateway" if service == "gateway" else f"services.{service}"
-    proc = subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     return proc, ports[service]

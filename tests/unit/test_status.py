@@ -5,7 +5,15 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from mesh.errors import FieldViolation, InvalidArgument, NotFound, R, ResourceExhausted, TandemError, reason_name
+from mesh.errors import (
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    R,
+    ResourceExhausted,
+    TandemError,
+    reason_name,
+)
 from mesh.status import STATUS_DETAILS_KEY, RpcError, rpc_error_from, status_for
 
 
@@ -35,7 +43,9 @@ def test_reason_names_drop_the_prefix() -> None:
 
 
 def test_code_reason_message_and_metadata_survive() -> None:
-    error = round_trip(NotFound("no such secret", reason=R.ERROR_REASON_SECRET_NOT_FOUND, metadata={"x": "1"}), "rid-9")
+    error = round_trip(
+        NotFound("no such secret", reason=R.ERROR_REASON_SECRET_NOT_FOUND, metadata={"x": "1"}), "rid-9"
+    )
     assert error.code == grpc.StatusCode.NOT_FOUND
     assert error.reason == "SECRET_NOT_FOUND"
     assert error.message == "no such secret"
@@ -44,8 +54,13 @@ def test_code_reason_message_and_metadata_survive() -> None:
 
 
 def test_field_violations_survive() -> None:
-    violations = [FieldViolation("spec.tasks[0].name", "is required"), FieldViolation("priority", "must be <= 1000")]
-    error = round_trip(InvalidArgument("bad spec", reason=R.ERROR_REASON_INVALID_JOB_SPEC, violations=violations))
+    violations = [
+        FieldViolation("spec.tasks[0].name", "is required"),
+        FieldViolation("priority", "must be <= 1000"),
+    ]
+    error = round_trip(
+        InvalidArgument("bad spec", reason=R.ERROR_REASON_INVALID_JOB_SPEC, violations=violations)
+    )
     assert error.reason == "INVALID_JOB_SPEC"
     assert error.violations == violations
 
@@ -76,7 +91,11 @@ def test_a_failure_without_details_still_decodes() -> None:
             return ()
 
     error = rpc_error_from(Bare())
-    assert (error.code, error.reason, error.message) == (grpc.StatusCode.UNAVAILABLE, "", "connection refused")
+    assert (error.code, error.reason, error.message) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "",
+        "connection refused",
+    )
 
 
 def test_every_domain_error_maps_to_a_canonical_code() -> None:

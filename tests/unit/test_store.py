@@ -24,7 +24,9 @@ MIGRATIONS = [
 async def test_migrations_apply_once_in_order(store_url: str) -> None:
     db = await open_database(store_url, "svc", MIGRATIONS)
     try:
-        rows = await db.fetchall("SELECT version, name FROM tandem_migrations WHERE service = ? ORDER BY version", ("svc",))
+        rows = await db.fetchall(
+            "SELECT version, name FROM tandem_migrations WHERE service = ? ORDER BY version", ("svc",)
+        )
         assert [(r["version"], r["name"]) for r in rows] == [(1, "items"), (2, "counter")]
         assert await db.migrate("svc", MIGRATIONS) == []
         extra = [*MIGRATIONS, Migration(3, "index", "CREATE INDEX items_n ON items (n)")]
@@ -55,10 +57,13 @@ async def test_migration_versions_must_increase(store_url: str) -> None:
 
 
 async def test_failed_migration_leaves_nothing_half_applied(store_url: str) -> None:
-    broken = [*MIGRATIONS, Migration(3, "broken", "CREATE TABLE t3 (x INTEGER); CREATE TABLE items (dup INTEGER)")]
+    broken = [
+        *MIGRATIONS,
+        Migration(3, "broken", "CREATE TABLE t3 (x INTEGER); CREATE TABLE items (dup INTEGER)"),
+    ]
     db = await open_database(store_url, "svc", MIGRATIONS)
     try:
-        with pytest.raises(Exception):  # noqa: B017, PT011 - each driver raises its own error type here
+        with pytest.raises(Exception):  # noqa: B017 - each driver raises its own error type here
             await db.migrate("svc", broken)
         assert await db.fetchone("SELECT version FROM tandem_migrations WHERE version = 3") is None
         await db.execute("CREATE TABLE t3 (x INTEGER)")  # proves t3 was rolled back

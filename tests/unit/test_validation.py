@@ -13,20 +13,28 @@ def fields(message: object) -> dict[str, str]:
 
 
 def test_valid_request_has_no_violations() -> None:
-    request = vault_service_pb2.PutSecretRequest(parent="orgs/acme", secret_id="env-key", key_id="k1", ciphertext=b"x" * 80)
+    request = vault_service_pb2.PutSecretRequest(
+        parent="orgs/acme", secret_id="env-key", key_id="k1", ciphertext=b"x" * 80
+    )
     assert violations(request) == []
 
 
 def test_required_pattern_and_length() -> None:
-    request = vault_service_pb2.PutSecretRequest(parent="orgs/Bad Org", secret_id="", key_id="k1", ciphertext=b"x" * 80)
+    request = vault_service_pb2.PutSecretRequest(
+        parent="orgs/Bad Org", secret_id="", key_id="k1", ciphertext=b"x" * 80
+    )
     found = fields(request)
     assert "must match" in found["parent"]
     assert found["secret_id"] == "is required"
 
 
 def test_bytes_length_limits() -> None:
-    small = vault_service_pb2.PutSecretRequest(parent="orgs/acme", secret_id="a", key_id="k1", ciphertext=b"x")
-    big = vault_service_pb2.PutSecretRequest(parent="orgs/acme", secret_id="a", key_id="k1", ciphertext=b"x" * 9000)
+    small = vault_service_pb2.PutSecretRequest(
+        parent="orgs/acme", secret_id="a", key_id="k1", ciphertext=b"x"
+    )
+    big = vault_service_pb2.PutSecretRequest(
+        parent="orgs/acme", secret_id="a", key_id="k1", ciphertext=b"x" * 9000
+    )
     assert "at least" in fields(small)["ciphertext"]
     assert "at most" in fields(big)["ciphertext"]
 
@@ -42,7 +50,9 @@ def test_repeated_elements_and_counts_are_checked() -> None:
     found = fields(request)
     assert any(path.startswith("secrets[1]") for path in found)
     assert not any(path.startswith("secrets[0]") for path in found)
-    crowded = vault_service_pb2.OpenSecretsRequest(secrets=[f"orgs/acme/secrets/s{i}" for i in range(200)], recipient_public_key=b"k" * 32)
+    crowded = vault_service_pb2.OpenSecretsRequest(
+        secrets=[f"orgs/acme/secrets/s{i}" for i in range(200)], recipient_public_key=b"k" * 32
+    )
     assert "at most" in fields(crowded)["secrets"]
 
 

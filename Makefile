@@ -1,0 +1,75 @@
+# Tandem: the few targets a developer and CI need. `make help` lists them.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NPM_STAMP := node_modules/.installed
+HAND_WRITTEN := $(wildcard mesh services gateway trainer scripts benchmarks tests)
+
+.DEFAULT_GOAL := help
+.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast up demo clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (Python 3.11+)"; exit 1; }
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,dev]'
+	touch $(STAMP)
+
+$(NPM_STAMP): package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $(NPM_STAMP)
+
+setup: $(STAMP) $(NPM_STAMP)  ## create .venv with every Python extra CI needs, and the Node tools (buf, grpc-js)
+
+gen: $(STAMP) $(NPM_STAMP)  ## regenerate gen/python from protos/ (commit the result)
+	npx buf lint
+	$(PY) scripts/gen.py
+
+gen-check: $(STAMP)  ## fail if gen/python differs from what protos/ generate
+	$(PY) scripts/gen.py --check
+
+buf-lint: $(NPM_STAMP)  ## buf lint (STANDARD + COMMENTS) over protos/
+	npx buf lint
+
+buf-breaking: $(NPM_STAMP)  ## buf breaking against the previous commit's protos (FILE rules)
+	@if git cat-file -e HEAD~1:protos 2>/dev/null; then \
+		npx buf breaking --against '.git#ref=HEAD~1'; \
+	else echo "no earlier protos to compare with"; fi
+
+lint: $(STAMP)  ## ruff lint and format check (includes the banned-import rule)
+	$(VENV)/bin/ruff check $(HAND_WRITTEN)
+	$(VENV)/bin/ruff format --check $(HAND_WRITTEN)
+
+format: $(STAMP)  ## ruff format and autofix
+	$(VENV)/bin/ruff format $(HAND_WRITTEN)
+	$(VENV)/bin/ruff check --fix $(HAND_WRITTEN)
+
+typecheck: $(STAMP)  ## mypy --strict on the hand-written runtime, services and gateway
+	$(VENV)/bin/mypy mesh services gateway scripts
+
+docs: $(STAMP)  ## refresh the RPC tables in the service READMEs
+	$(PY) scripts/rpc_tables.py
+
+docs-check: $(STAMP)
+	$(PY) scripts/rpc_tables.py --check
+
+check: lint typecheck buf-lint buf-breaking gen-check docs-check  ## every static check CI runs
+
+test: setup  ## set up, then run the whole test suite (PostgreSQL is started by the tests themselves)
+	$(PY) -m pytest
+
+test-fast: setup  ## the suite without tests marked slow
+	$(PY) -m pytest -m 'not slow'
+
+up: setup  ## run every service in this process (state in ./.tandem); Ctrl-C stops
+	$(VENV)/bin/tandem up
+
+demo: up  ## the main job; for now the mesh itself (`tandem up`)
+
+clean:  ## remove the virtual environment, Node tools and local state
+	rm -rf $(VENV) node_modules .tandem .pytest_cache .mypy_cache .ruff_cache
