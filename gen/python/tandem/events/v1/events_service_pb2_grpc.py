@@ -141,7 +141,7 @@ class EventServiceServicer:
         retries. The first event creates the log. Fails with INVALID_ARGUMENT / PAYLOAD_TOO_LARGE when an
         event exceeds 64 KiB; INVALID_ARGUMENT / INVALID_ARGUMENT when a `core` payload disagrees with
         `type`, or a `job.state_changed` event carries a terminal state (use CloseJobStream);
-        FAILED_PRECONDITION / JOB_STATE_CONFLICT when the log is closed.
+        FAILED_PRECONDITION / JOB_STREAM_CLOSED when the log is closed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -204,7 +204,7 @@ class EventServiceServicer:
     def PublishMetrics(self, request, context):
         """Records points of a job's metric series. A point replaces any earlier point with the same (name,
         step), so retries are idempotent. `train.step` events record their metrics without this call. Fails
-        with NOT_FOUND / JOB_NOT_FOUND; FAILED_PRECONDITION / JOB_STATE_CONFLICT when the job's log is closed.
+        with NOT_FOUND / JOB_NOT_FOUND; FAILED_PRECONDITION / JOB_STREAM_CLOSED when the job's log is closed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

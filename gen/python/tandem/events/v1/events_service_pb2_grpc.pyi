@@ -60,7 +60,7 @@ class EventServiceStub:
     retries. The first event creates the log. Fails with INVALID_ARGUMENT / PAYLOAD_TOO_LARGE when an
     event exceeds 64 KiB; INVALID_ARGUMENT / INVALID_ARGUMENT when a `core` payload disagrees with
     `type`, or a `job.state_changed` event carries a terminal state (use CloseJobStream);
-    FAILED_PRECONDITION / JOB_STATE_CONFLICT when the log is closed.
+    FAILED_PRECONDITION / JOB_STREAM_CLOSED when the log is closed.
     """
     Subscribe: _grpc.UnaryStreamMultiCallable[_events_service_pb2.SubscribeRequest, _events_service_pb2.SubscribeResponse]
     """Streams one job's events from a cursor: first the retained history after `after_seq`, then new
@@ -99,7 +99,7 @@ class EventServiceStub:
     PublishMetrics: _grpc.UnaryUnaryMultiCallable[_events_service_pb2.PublishMetricsRequest, _events_service_pb2.PublishMetricsResponse]
     """Records points of a job's metric series. A point replaces any earlier point with the same (name,
     step), so retries are idempotent. `train.step` events record their metrics without this call. Fails
-    with NOT_FOUND / JOB_NOT_FOUND; FAILED_PRECONDITION / JOB_STATE_CONFLICT when the job's log is closed.
+    with NOT_FOUND / JOB_NOT_FOUND; FAILED_PRECONDITION / JOB_STREAM_CLOSED when the job's log is closed.
     """
     ListMetrics: _grpc.UnaryUnaryMultiCallable[_events_service_pb2.ListMetricsRequest, _events_service_pb2.ListMetricsResponse]
     """Reads a job's metric series over a step range, optionally downsampled to at most `max_points` per
@@ -151,7 +151,7 @@ class EventServiceAsyncStub(EventServiceStub):
     retries. The first event creates the log. Fails with INVALID_ARGUMENT / PAYLOAD_TOO_LARGE when an
     event exceeds 64 KiB; INVALID_ARGUMENT / INVALID_ARGUMENT when a `core` payload disagrees with
     `type`, or a `job.state_changed` event carries a terminal state (use CloseJobStream);
-    FAILED_PRECONDITION / JOB_STATE_CONFLICT when the log is closed.
+    FAILED_PRECONDITION / JOB_STREAM_CLOSED when the log is closed.
     """
     Subscribe: _aio.UnaryStreamMultiCallable[_events_service_pb2.SubscribeRequest, _events_service_pb2.SubscribeResponse]  # type: ignore[assignment]
     """Streams one job's events from a cursor: first the retained history after `after_seq`, then new
@@ -190,7 +190,7 @@ class EventServiceAsyncStub(EventServiceStub):
     PublishMetrics: _aio.UnaryUnaryMultiCallable[_events_service_pb2.PublishMetricsRequest, _events_service_pb2.PublishMetricsResponse]  # type: ignore[assignment]
     """Records points of a job's metric series. A point replaces any earlier point with the same (name,
     step), so retries are idempotent. `train.step` events record their metrics without this call. Fails
-    with NOT_FOUND / JOB_NOT_FOUND; FAILED_PRECONDITION / JOB_STATE_CONFLICT when the job's log is closed.
+    with NOT_FOUND / JOB_NOT_FOUND; FAILED_PRECONDITION / JOB_STREAM_CLOSED when the job's log is closed.
     """
     ListMetrics: _aio.UnaryUnaryMultiCallable[_events_service_pb2.ListMetricsRequest, _events_service_pb2.ListMetricsResponse]  # type: ignore[assignment]
     """Reads a job's metric series over a step range, optionally downsampled to at most `max_points` per
@@ -245,7 +245,7 @@ class EventServiceServicer(metaclass=_abc_1.ABCMeta):
         retries. The first event creates the log. Fails with INVALID_ARGUMENT / PAYLOAD_TOO_LARGE when an
         event exceeds 64 KiB; INVALID_ARGUMENT / INVALID_ARGUMENT when a `core` payload disagrees with
         `type`, or a `job.state_changed` event carries a terminal state (use CloseJobStream);
-        FAILED_PRECONDITION / JOB_STATE_CONFLICT when the log is closed.
+        FAILED_PRECONDITION / JOB_STREAM_CLOSED when the log is closed.
         """
 
     @_abc_1.abstractmethod
@@ -320,7 +320,7 @@ class EventServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_events_service_pb2.PublishMetricsResponse, _abc.Awaitable[_events_service_pb2.PublishMetricsResponse]]:
         """Records points of a job's metric series. A point replaces any earlier point with the same (name,
         step), so retries are idempotent. `train.step` events record their metrics without this call. Fails
-        with NOT_FOUND / JOB_NOT_FOUND; FAILED_PRECONDITION / JOB_STATE_CONFLICT when the job's log is closed.
+        with NOT_FOUND / JOB_NOT_FOUND; FAILED_PRECONDITION / JOB_STREAM_CLOSED when the job's log is closed.
         """
 
     @_abc_1.abstractmethod

@@ -165,7 +165,7 @@ class ServiceStatus(_message.Message):
     service: _builtins.str
     """Output only. The fully qualified gRPC service, e.g. `tandem.vault.v1.VaultService`."""
     address: _builtins.str
-    """Output only. The address the gateway dials, `host:port` or `unix:/path`; `inproc` in a single process.
+    """Output only. The address the gateway dials, `host:port` or `unix:/path`.
     Empty when the deployment hides internal addresses from callers without credentials (the setting
     `gateway.expose_addresses`; shown by default only on loopback deployments).
     """
