@@ -79,13 +79,16 @@ class RpcError(Exception):
         violations: list[FieldViolation] | None = None,
         retry_after_s: float | None = None,
     ) -> None:
-        super().__init__(f"{code.name} {reason or '-'}: {message}")
+        super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason
         self.metadata = metadata or {}
         self.violations = violations or []
         self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return f"{self.code.name} {self.reason or '-'}: {self.message}"
 
     @property
     def request_id(self) -> str:
