@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.events.v1 import event_pb2, metric_pb2
+from tandem.events.v1 import event_pb2, job_stream_pb2, metric_pb2
 
 from mesh.errors import FailedPrecondition, InvalidArgument, NotFound, R, Unavailable
 from mesh.store import Database, Executor
@@ -139,8 +139,8 @@ class Broker:
             return None
         first = window.events[0].seq
         last = window.events[-1].seq
-        if after_seq + 1 < first or after_seq > last:
-            return None
+        if after_seq + 1 < first or after_seq >= last:
+            return None  # not covered, or nothing newer here (another replica may have newer: ask storage)
         start = after_seq + 1 - first
         return [window.events[i] for i in range(start, min(start + limit, len(window.events)))]
 
@@ -148,9 +148,13 @@ class Broker:
 class EventLog:
     """Publishing, reading, closing and compacting job logs on one database."""
 
-    def __init__(self, db: Database, broker: Broker, max_group: int = 256) -> None:
+    def __init__(
+        self, db: Database, broker: Broker, max_group: int = 256, retention_interval_s: float = 60.0
+    ) -> None:
         self.db = db
         self.broker = broker
+        self._retention_interval_s = retention_interval_s
+        self._retention: asyncio.Task[None] | None = None
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._max_group = max_group
         self._writer: asyncio.Task[None] | None = None
@@ -158,11 +162,14 @@ class EventLog:
 
     async def start(self) -> None:
         self._writer = asyncio.create_task(self._write_loop(), name="events-writer")
+        self._retention = asyncio.create_task(
+            self._retention_loop(self._retention_interval_s), name="events-retention"
+        )
         if self.db.dialect == "postgres":
             self._listener = asyncio.create_task(self._listen_loop(), name="events-listener")
 
     async def stop(self) -> None:
-        for task in (self._writer, self._listener):
+        for task in (self._writer, self._listener, self._retention):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -371,6 +378,43 @@ class EventLog:
         if removed:
             self.broker.forget(job)
         return removed, info
+
+    async def policy(self, org: str) -> job_stream_pb2.RetentionPolicy:
+        row = await self.db.fetchone("SELECT body FROM retention_policies WHERE org = ?", (org,))
+        if row is None:
+            return job_stream_pb2.RetentionPolicy(name=f"orgs/{org}/retentionPolicy")
+        return job_stream_pb2.RetentionPolicy.FromString(bytes(row["body"]))
+
+    async def set_policy(self, org: str, policy: job_stream_pb2.RetentionPolicy) -> None:
+        await self.db.execute(
+            "INSERT INTO retention_policies (org, body) VALUES (?, ?)"
+            " ON CONFLICT (org) DO UPDATE SET body = excluded.body",
+            (org, policy.SerializeToString()),
+        )
+
+    async def apply_retention(self) -> int:
+        """One pass of every organization's policy over its logs; returns how many events it removed."""
+        removed = 0
+        for row in await self.db.fetchall("SELECT org, body FROM retention_policies"):
+            policy = job_stream_pb2.RetentionPolicy.FromString(bytes(row["body"]))
+            max_age = policy.max_age.ToNanoseconds() / 1e9 if policy.max_age.ToNanoseconds() > 0 else None
+            if not policy.max_events_per_job and max_age is None:
+                continue
+            for info in await self.jobs_of(row["org"]):
+                if info.terminal or policy.compact_live_jobs:
+                    count, _ = await self.compact(info.job, policy.max_events_per_job, max_age)
+                    removed += count
+        return removed
+
+    async def _retention_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                removed = await self.apply_retention()
+                if removed:
+                    log.info("retention pass", extra={"removed_events": removed})
+            except Exception:
+                log.exception("retention pass failed; retrying at the next interval")
 
     async def _listen_loop(self) -> None:
         """PostgreSQL only: wake local subscribers for commits made by any replica."""

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import duration_pb2
+from google.protobuf import duration_pb2, field_mask_pb2
 from tandem.common.v1 import types_pb2
-from tandem.events.v1 import event_pb2, events_service_pb2_grpc, metric_pb2
+from tandem.events.v1 import event_pb2, events_service_pb2_grpc, job_stream_pb2, metric_pb2
 from tandem.events.v1 import events_service_pb2 as pb
 from tandem.scheduler.v1 import job_pb2
 
@@ -337,3 +337,72 @@ async def test_events_survive_a_restart(tmp_path: Path, store_url: str) -> None:
         assert [e.seq for e in listed.events] == list(range(1, 8))
         assert list((await publish(client.stub, ev(message="after"))).seqs) == [8]
         await client.channel.close()
+
+
+async def test_retention_policy_compacts_closed_logs(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TANDEM_EVENTS_RETENTION_INTERVAL_S", "0.1")
+    settings = mesh_settings(tmp_path, store_url=store_url)
+    async with running_mesh(settings, services=["events"]) as mesh:
+        client = Client(
+            mesh, TokenSigner(load_signing_key("", settings.state_dir)).issue("service", "scheduler")
+        )
+        stub = client.stub
+        name = "orgs/acme/retentionPolicy"
+        default = await stub.GetRetentionPolicy(pb.GetRetentionPolicyRequest(name=name))
+        assert default.retention_policy.max_events_per_job == 0
+        assert not default.retention_policy.HasField("update_time")
+        live = "orgs/acme/jobs/live"
+        await publish(stub, *(ev(message=str(i)) for i in range(10)))
+        await publish(stub, *(ev(message=str(i)) for i in range(10)), job=live)
+        await stub.CloseJobStream(
+            pb.CloseJobStreamRequest(
+                job=JOB, state_changed=event_pb2.JobStateChanged(state=job_pb2.Job.STATE_SUCCEEDED)
+            )
+        )
+        policy = job_stream_pb2.RetentionPolicy(name=name, max_events_per_job=3)
+        mask = field_mask_pb2.FieldMask(paths=["max_events_per_job"])
+        updated = await stub.UpdateRetentionPolicy(
+            pb.UpdateRetentionPolicyRequest(retention_policy=policy, update_mask=mask)
+        )
+        assert updated.retention_policy.max_events_per_job == 3
+        assert updated.retention_policy.HasField("update_time")
+        for _ in range(100):
+            info = (await stub.GetJobStreamInfo(pb.GetJobStreamInfoRequest(job=JOB))).info
+            if info.first_retained_seq > 1:
+                break
+            await asyncio.sleep(0.05)
+        assert (info.first_retained_seq, info.last_seq, info.retained_event_count) == (9, 11, 3)
+        running = (await stub.GetJobStreamInfo(pb.GetJobStreamInfoRequest(job=live))).info
+        assert running.first_retained_seq == 1  # live logs are kept unless compact_live_jobs is set
+        with pytest.raises(RpcError) as bad_mask:
+            await stub.UpdateRetentionPolicy(
+                pb.UpdateRetentionPolicyRequest(
+                    retention_policy=policy, update_mask=field_mask_pb2.FieldMask(paths=["name"])
+                )
+            )
+        assert bad_mask.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        await client.channel.close()
+
+
+async def test_replicas_on_postgres_fan_out_to_each_other(tmp_path: Path, postgres_url: str) -> None:
+    """Two events replicas on one PostgreSQL database: a subscriber on B sees what is published on A."""
+    settings_a = mesh_settings(tmp_path / "a", store_url=postgres_url, mesh_key="22" * 32)
+    settings_b = mesh_settings(tmp_path / "b", store_url=postgres_url, mesh_key="22" * 32)
+    token = TokenSigner(load_signing_key("22" * 32, tmp_path)).issue("service", "scheduler")
+    async with (
+        running_mesh(settings_a, services=["events"]) as a,
+        running_mesh(settings_b, services=["events"]) as b,
+    ):
+        on_a, on_b = Client(a, token), Client(b, token)
+        await publish(on_a.stub, ev(message="first"))
+        stream = on_b.stub.Subscribe(pb.SubscribeRequest(job=JOB))
+        assert [e.message for e in (await stream.read()).events.events] == ["first"]
+        for i in range(20):
+            await publish(on_a.stub if i % 2 else on_b.stub, ev(message=f"m{i}"))
+        seen = await asyncio.wait_for(collect(stream, 20), 10)
+        assert [e.seq for e in seen] == list(range(2, 22))
+        stream.cancel()
+        await on_a.channel.close()
+        await on_b.channel.close()
