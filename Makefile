@@ -8,7 +8,7 @@ NPM_STAMP := node_modules/.installed
 HAND_WRITTEN := $(wildcard mesh services gateway trainer scripts benchmarks tests)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast up demo clean
+.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast up demo bench-events clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -70,6 +70,9 @@ up: setup  ## run every service in this process (state in ./.tandem); Ctrl-C sto
 	$(VENV)/bin/tandem up
 
 demo: up  ## the main job; for now the mesh itself (`tandem up`)
+
+bench-events: setup  ## events service: ingest, fan-out to 50 subscribers, latency, each against a no-storage baseline
+	$(PY) benchmarks/events.py
 
 clean:  ## remove the virtual environment, Node tools and local state
 	rm -rf $(VENV) node_modules .tandem .pytest_cache .mypy_cache .ruff_cache
