@@ -19,6 +19,7 @@ from tandem.scheduler.v1 import job_pb2
 from mesh.clients import open_channel
 from mesh.identity import TokenSigner, load_signing_key
 from mesh.status import RpcError
+from services.events.log import RING_SIZE
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
 
 pytestmark = pytest.mark.timeout(60)
@@ -406,3 +407,30 @@ async def test_replicas_on_postgres_fan_out_to_each_other(tmp_path: Path, postgr
         stream.cancel()
         await on_a.channel.close()
         await on_b.channel.close()
+
+
+async def test_a_stalled_subscriber_slows_nobody_and_still_gets_everything(
+    scheduler: events_service_pb2_grpc.EventServiceStub,
+) -> None:
+    total = RING_SIZE + 1500  # more than the in-memory window: the stalled reader must fall back to storage
+    await publish(scheduler, ev(message="start"))
+    stalled = scheduler.Subscribe(pb.SubscribeRequest(job=JOB))
+    assert [e.seq for e in (await stalled.read()).events.events] == [1]
+    live = scheduler.Subscribe(pb.SubscribeRequest(job=JOB, after_seq=1))
+    reader = asyncio.ensure_future(collect(live, total))
+    for start in range(0, total, 500):
+        await publish(scheduler, *(ev(message=str(i)) for i in range(start, min(start + 500, total))))
+    assert [e.seq for e in await asyncio.wait_for(reader, 30)] == list(range(2, total + 2))
+    late = await asyncio.wait_for(collect(stalled, total), 30)
+    assert [e.seq for e in late] == list(range(2, total + 2))
+    live.cancel()
+    stalled.cancel()
+
+
+async def test_a_retry_storm_is_applied_once(scheduler: events_service_pb2_grpc.EventServiceStub) -> None:
+    batch = [ev(message=f"e{i}", producer_id="storm", producer_seq=i) for i in range(1, 21)]
+    replies = await asyncio.gather(*(publish(scheduler, *batch) for _ in range(30)))
+    assert {tuple(r.seqs) for r in replies} == {tuple(range(1, 21))}
+    assert sorted(r.duplicate_count for r in replies) == [0] + [20] * 29
+    info = (await scheduler.GetJobStreamInfo(pb.GetJobStreamInfoRequest(job=JOB))).info
+    assert (info.last_seq, info.retained_event_count) == (20, 20)
