@@ -15,7 +15,7 @@ import sqlite3
 import time
 import zlib
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -75,7 +75,7 @@ class Database(Executor):
     url: str
 
     @abc.abstractmethod
-    def transaction(self) -> Any:
+    def transaction(self) -> AbstractAsyncContextManager[Executor]:
         """`async with db.transaction() as tx:` commits on success, rolls back on error."""
         ...
 

@@ -26,12 +26,12 @@ class JobTokenClaims(_message.Message):
     mints tokens for arbitrary callers. A task presents its token to the vault (OpenSecrets), to the event
     service (Publish for its own job) and to RefreshJobToken.
 
-    Wire form: `tjt1.` + base64url(serialized JobTokenClaims) + `.` + base64url(signature), unpadded, where
-    the signature is Ed25519 over the ASCII bytes of everything before the second dot. The scheduler signs
-    with the mesh's job-token signing key; verifiers hold the matching public keys in their configuration,
-    indexed by `key_id`, so they verify offline without calling the scheduler. Verifiers reject a token
-    whose signature, `key_id` or times do not check out (UNAUTHENTICATED / INVALID_CREDENTIALS or
-    CREDENTIALS_EXPIRED).
+    Wire form: the mesh's signed token, `tdm1.` + base64url(JSON claims) + `.` + base64url(signature),
+    unpadded, where the signature is Ed25519 over the ASCII bytes of everything before the second dot. The
+    JSON claims are `kind: "job"`, `sub` (the job), `org`, `iat`, `exp`, `jti` (the token id), and under
+    `ext` the task, attempt and secrets of this message. Verifiers hold the mesh's public key and verify
+    offline, without calling the scheduler; a token whose signature or times do not check out is refused
+    with UNAUTHENTICATED / INVALID_CREDENTIALS or CREDENTIALS_EXPIRED.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
