@@ -60,6 +60,86 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0 if all(v == "SERVING" for v in result.values()) else 1
 
 
+def _read_secret_value(name: str) -> bytes:
+    """The value from standard input when it is piped, else from a prompt that does not echo. Never argv:
+    command lines end up in shell history and in every process listing."""
+    if sys.stdin.isatty():
+        import getpass  # noqa: PLC0415
+
+        value = getpass.getpass(f"Value for {name} (input hidden): ").encode()
+    else:
+        value = sys.stdin.buffer.read().rstrip(b"\r\n")
+    if not value:
+        raise SystemExit("error: the value is empty; pipe it on standard input or type it at the prompt")
+    return value
+
+
+async def _secrets(args: argparse.Namespace) -> int:
+    from tandem.vault.v1 import vault_service_pb2 as pb  # noqa: PLC0415
+    from tandem.vault.v1 import vault_service_pb2_grpc  # noqa: PLC0415
+
+    from mesh.clients import open_channel  # noqa: PLC0415
+    from mesh.identity import TokenSigner, load_signing_key  # noqa: PLC0415
+    from mesh.secrets import seal_for_upload  # noqa: PLC0415
+    from mesh.status import RpcError  # noqa: PLC0415
+
+    settings = _settings(args)
+    # Until the gateway's API keys exist, the CLI acts as the local administrator of a mesh it can reach
+    # the state folder of: it signs its calls with that mesh's key.
+    token = TokenSigner(load_signing_key(settings.mesh_key, settings.state_dir)).issue("service", "cli")
+    parent = f"orgs/{args.org}"
+    async with open_channel(settings.target("vault"), settings, token=token) as channel:
+        vault = vault_service_pb2_grpc.VaultServiceStub(channel)
+        try:
+            if args.action == "put":
+                value = _read_secret_value(args.name)
+                key = await vault.GetPublicKey(pb.GetPublicKeyRequest(parent=parent))
+                sealed = seal_for_upload(key.public_key, value)
+                del value
+                reply = await vault.PutSecret(
+                    pb.PutSecretRequest(
+                        parent=parent, secret_id=args.name, key_id=key.key_id, ciphertext=sealed
+                    )
+                )
+                verb = "created" if reply.created else "updated"
+                result = {
+                    "secret": reply.secret.name,
+                    "version": reply.version.version,
+                    "result": verb,
+                    "fingerprint": reply.version.fingerprint,
+                }
+                print(
+                    json.dumps(result)
+                    if args.json
+                    else f"{verb} {reply.secret.name} version {reply.version.version}"
+                    f" (fingerprint {reply.version.fingerprint})"
+                )
+            else:
+                listed = await vault.ListSecrets(pb.ListSecretsRequest(parent=parent))
+                rows = [
+                    {
+                        "secret": s.name,
+                        "versions": s.version_count,
+                        "latest": s.latest_version.version,
+                        "fingerprint": s.latest_version.fingerprint,
+                    }
+                    for s in listed.secrets
+                ]
+                if args.json:
+                    print(json.dumps(rows, indent=2))
+                else:
+                    for row in rows:
+                        print(f"{row['secret']:<50} v{row['latest']:<4} {row['fingerprint']}")
+        except RpcError as error:
+            print(f"error: {error.reason or error.code.name}: {error.message}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _cmd_secrets(args: argparse.Namespace) -> int:
+    return asyncio.run(_secrets(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem",
@@ -77,6 +157,24 @@ def build_parser() -> argparse.ArgumentParser:
     p_status.add_argument("--state-dir", help="state folder of the mesh (default .tandem)")
     p_status.add_argument("--json", action="store_true", help="print JSON for scripts")
     p_status.set_defaults(func=_cmd_status)
+
+    p_secrets = sub.add_parser(
+        "secrets",
+        help="upload or list organization secrets (values are sealed on this machine before they leave it)",
+        description="The value of `put` is read from standard input or a hidden prompt, never from the command "
+        "line. It is sealed to the organization's public key here; the vault never sees it in transit.",
+    )
+    secrets_sub = p_secrets.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p_put = secrets_sub.add_parser(
+        "put", help="seal and upload a value: `echo -n $KEY | tandem secrets put env-key`"
+    )
+    p_put.add_argument("name", help="secret id: lowercase letters, digits and hyphens")
+    p_list = secrets_sub.add_parser("list", help="list secrets (metadata and fingerprints, never values)")
+    for p in (p_put, p_list):
+        p.add_argument("--org", default="default", help="organization id (default: default)")
+        p.add_argument("--state-dir", help="state folder of the local mesh (default .tandem)")
+        p.add_argument("--json", action="store_true", help="print JSON for scripts")
+        p.set_defaults(func=_cmd_secrets)
     return parser
 
 
