@@ -26,3 +26,7 @@ class VaultSettings(BaseSettings):
         default_factory=lambda: ["taskapp_proxy"],
         description="Mesh services allowed to open secrets without a job token (Task App key checks).",
     )
+    forward_audit: bool = Field(
+        True,
+        description="Copy audit records to the events service (`orgs/{org}/jobs/vault-audit`, job logs).",
+    )

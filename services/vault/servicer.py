@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import timestamp_pb2
+from tandem.events.v1 import events_service_pb2_grpc
 from tandem.vault.v1 import audit_pb2, org_key_pb2, secret_pb2, vault_service_pb2, vault_service_pb2_grpc
 
 from mesh import paging
@@ -24,6 +25,7 @@ from mesh.server import Deps, Registration
 from mesh.store import open_database
 from services.vault import crypto
 from services.vault.config import VaultSettings
+from services.vault.forwarder import AuditForwarder
 from services.vault.store import MIGRATIONS
 from services.vault.vault import Actor, AuditRecord, PutResult, RotateResult, SecretMeta, Vault, secret_name
 
@@ -341,4 +343,8 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     vault = Vault(db, master, config.max_value_bytes)
     servicer = VaultServiceServicer(vault, deps.verifier, config.injection_services)
     vault_service_pb2_grpc.add_VaultServiceServicer_to_server(servicer, server)
-    return Registration(service_names=[SERVICE_NAME], on_stop=[db.close])
+    events = deps.clients.stub(events_service_pb2_grpc.EventServiceStub, "events")
+    forwarder = AuditForwarder(db, events.Publish)
+    if config.forward_audit:
+        await forwarder.start()
+    return Registration(service_names=[SERVICE_NAME], on_stop=[forwarder.stop, db.close])

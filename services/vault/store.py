@@ -37,5 +37,10 @@ MIGRATIONS = [
             "sqlite": _TABLES.format(blob="BLOB", serial="INTEGER"),
             "postgres": _TABLES.format(blob="BYTEA", serial="BIGSERIAL"),
         },
-    )
+    ),
+    Migration(
+        2,
+        "audit forwarding cursor",
+        "CREATE TABLE vault_forward_cursor (name TEXT PRIMARY KEY, last_id BIGINT NOT NULL)",
+    ),
 ]

@@ -14,6 +14,7 @@ import grpc
 import nacl.public
 import psycopg
 import pytest
+from tandem.events.v1 import events_service_pb2, events_service_pb2_grpc
 from tandem.vault.v1 import (
     audit_pb2,
     org_key_pb2,
@@ -421,3 +422,38 @@ async def test_plaintext_never_reaches_storage_or_logs(
         assert VALUE[:prefix_length] not in dump
         assert VALUE[:prefix_length] not in logs
     assert VALUE.hex().encode()[:16] not in dump
+
+
+async def test_audit_records_reach_the_events_service(tmp_path: Path) -> None:
+    settings = mesh_settings(tmp_path)
+    async with running_mesh(settings, services=["events", "vault"]) as mesh:
+        signer = TokenSigner(load_signing_key("", settings.state_dir))
+        user = Caller(mesh, signer.issue("user", "alice", org="acme"))
+        await upload(user.stub, "env-key", VALUE)
+        token = job_token(signer, [SECRET])
+        job = Caller(mesh, token)
+        await open_with(job.stub, [SECRET], token)
+        async with open_channel(
+            mesh.address("events"), settings, token=signer.issue("service", "test")
+        ) as ch:
+            events = events_service_pb2_grpc.EventServiceStub(ch)
+
+            async def types_of(job_name: str) -> list[str]:
+                try:
+                    listed = await events.ListEvents(events_service_pb2.ListEventsRequest(job=job_name))
+                except RpcError:
+                    return []
+                return [e.type for e in listed.events]
+
+            for _ in range(100):
+                org_log, job_log = (
+                    await types_of("orgs/acme/jobs/vault-audit"),
+                    await types_of("orgs/acme/jobs/run-1"),
+                )
+                if len(org_log) >= 3 and job_log:
+                    break
+                await asyncio.sleep(0.1)
+        assert org_log == ["secret.create_key", "secret.upload", "secret.inject"]
+        assert job_log == ["secret.inject"]
+        await user.channel.close()
+        await job.channel.close()
