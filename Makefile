@@ -8,7 +8,7 @@ NPM_STAMP := node_modules/.installed
 HAND_WRITTEN := $(wildcard mesh services gateway trainer scripts benchmarks tests)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast up demo bench-events clean
+.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast up demo bench-events bench-vault clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -73,6 +73,9 @@ demo: up  ## the main job; for now the mesh itself (`tandem up`)
 
 bench-events: setup  ## events service: ingest, fan-out to 50 subscribers, latency, each against a no-storage baseline
 	$(PY) benchmarks/events.py
+
+bench-vault: setup  ## vault: uploads and injections per second against a no-crypto, no-storage echo baseline
+	$(PY) benchmarks/vault.py
 
 clean:  ## remove the virtual environment, Node tools and local state
 	rm -rf $(VENV) node_modules .tandem .pytest_cache .mypy_cache .ruff_cache

@@ -1,10 +1,11 @@
 """Copies the vault's audit log to the events service, so audit records can be watched live.
 
 The vault's own table stays the authoritative, durable record (written in the transaction of each change).
-This forwarder tails it by id and publishes each record to `orgs/{org}/jobs/vault-audit`, and an injection
+This forwarder tails it by time and publishes each record to `orgs/{org}/jobs/vault-audit`, and an injection
 for a job also to that job's log, with producer id `vault` and the audit id as producer sequence, so a
 resend after a crash or an unreachable events service is applied once. Rows are forwarded once they are a
-second old, which lets PostgreSQL transactions that took an earlier id commit first.
+second old, and every pass re-reads the last ten seconds, so a PostgreSQL transaction that committed late
+is still forwarded.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from mesh.store import Database
 log = logging.getLogger("tandem.vault.audit")
 AUDIT_JOB = "vault-audit"
 SETTLE_S = 1.0
+RESCAN_S = 10.0
 Publish = Callable[[events_service_pb2.PublishRequest], Awaitable[Any]]
 
 
@@ -64,6 +66,7 @@ class AuditForwarder:
         self._publish = publish
         self._interval = interval_s
         self._task: asyncio.Task[None] | None = None
+        self._sent: dict[int, float] = {}  # audit id -> time, for the re-scanned window only
 
     async def start(self) -> None:
         await self._db.execute(
@@ -78,26 +81,37 @@ class AuditForwarder:
                 await self._task
 
     async def forward_once(self, settle_s: float = SETTLE_S) -> int:
+        """Publish the records of the window after the cursor, then move the cursor to the newest record
+        sent less `RESCAN_S`. Re-sending a record is harmless (events dedupe by audit id); re-scanning is
+        what catches a PostgreSQL transaction that took an id early and committed late."""
         cursor = await self._db.fetchone("SELECT last_id FROM vault_forward_cursor WHERE name = 'events'")
-        last = int(cursor["last_id"]) if cursor else 0
+        since = int(cursor["last_id"]) / 1e6 if cursor else 0.0
         rows = await self._db.fetchall(
-            "SELECT * FROM vault_audit WHERE id > ? AND time < ? ORDER BY id LIMIT 500",
-            (last, time.time() - settle_s),
+            "SELECT * FROM vault_audit WHERE time > ? AND time < ? ORDER BY time, id LIMIT 2000",
+            (since, time.time() - settle_s),
         )
+        fresh = [row for row in rows if int(row["id"]) not in self._sent]
         if not rows:
             return 0
         by_job: dict[str, list[event_pb2.Event]] = {}
-        for row in rows:
+        for row in fresh:
             event = audit_event(row)
             by_job.setdefault(f"orgs/{row['org']}/jobs/{AUDIT_JOB}", []).append(event)
             if int(row["actor_kind"]) == audit_pb2.AuditEvent.Actor.KIND_JOB and "#" in row["actor_id"]:
                 by_job.setdefault(row["actor_id"].split("#", 1)[0], []).append(event)
         for job, events in by_job.items():
-            await self._publish(events_service_pb2.PublishRequest(job=job, events=events))
+            for start in range(0, len(events), 1000):
+                await self._publish(
+                    events_service_pb2.PublishRequest(job=job, events=events[start : start + 1000])
+                )
+        self._sent.update({int(row["id"]): float(row["time"]) for row in fresh})
+        newest = float(rows[-1]["time"])
+        next_since = max(since, newest - RESCAN_S) if len(rows) < 2000 else newest
+        self._sent = {k: t for k, t in self._sent.items() if t > next_since}
         await self._db.execute(
-            "UPDATE vault_forward_cursor SET last_id = ? WHERE name = 'events'", (int(rows[-1]["id"]),)
+            "UPDATE vault_forward_cursor SET last_id = ? WHERE name = 'events'", (int(next_since * 1e6),)
         )
-        return len(rows)
+        return len(fresh)
 
     async def _loop(self) -> None:
         while True:

@@ -20,6 +20,7 @@ from tandem.vault.v1 import audit_pb2, org_key_pb2, secret_pb2
 from mesh.errors import (
     AlreadyExists,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -129,13 +130,20 @@ class Vault:
                 reason=R.ERROR_REASON_AUDIT_UNAVAILABLE,
             ) from exc
 
-    async def refuse(self, record: AuditRecord, error: TandemError) -> TandemError:
-        """Audit a refusal, then hand back the error to raise (AUDIT_UNAVAILABLE if it cannot be audited)."""
-        record.outcome = Outcome.OUTCOME_DENIED
-        record.reason = error.reason
+    async def refuse(
+        self, record: AuditRecord | Sequence[AuditRecord], error: TandemError, *, failed: bool = False
+    ) -> TandemError:
+        """Audit a refusal, then hand back the error to raise (AUDIT_UNAVAILABLE if it cannot be audited).
+        `failed` marks an entitled caller whose call failed (stale key, bad ciphertext, unknown secret)
+        rather than a caller who was denied."""
+        records = [record] if isinstance(record, AuditRecord) else list(record)
+        for item in records:
+            item.outcome = Outcome.OUTCOME_FAILED if failed else Outcome.OUTCOME_DENIED
+            item.reason = error.reason
         try:
             async with self.db.transaction() as tx:
-                await self._audit(tx, record)
+                for item in records:
+                    await self._audit(tx, item)
         except Unavailable as unavailable:
             return unavailable
         return error
@@ -241,6 +249,7 @@ class Vault:
                     "key_id is not the organization's active key; fetch the public key again and re-seal",
                     reason=R.ERROR_REASON_STALE_KEY_ID,
                 ),
+                failed=True,
             )
         try:
             value = crypto.unseal(self.master.unwrap(bytes(key["private_box"])), ciphertext)
@@ -250,6 +259,7 @@ class Vault:
                 InvalidArgument(
                     "ciphertext does not open with the named key", reason=R.ERROR_REASON_CIPHERTEXT_INVALID
                 ),
+                failed=True,
             ) from None
         if len(value) > self.max_value_bytes:
             raise await self.refuse(
@@ -258,6 +268,7 @@ class Vault:
                     f"the value is larger than {self.max_value_bytes} bytes",
                     reason=R.ERROR_REASON_SECRET_TOO_LARGE,
                 ),
+                failed=True,
             )
         fingerprint = self.master.fingerprint(org, value)
         resealed = crypto.seal(bytes(key["public_key"]), value)
@@ -276,7 +287,7 @@ class Vault:
                     "key_id was rotated during the upload; fetch the public key again and re-seal",
                     reason=R.ERROR_REASON_STALE_KEY_ID,
                 )
-                record.outcome, record.reason = Outcome.OUTCOME_DENIED, stale.reason
+                record.outcome, record.reason = Outcome.OUTCOME_FAILED, stale.reason
                 await self._audit(tx, record)
                 raise stale
             existing = await tx.fetchone(
@@ -335,9 +346,8 @@ class Vault:
         meta = await self._meta(self.db, org, secret_id)
         record = AuditRecord(org, actor, Action.ACTION_READ_METADATA, secret=name)
         if meta is None or not visible:
-            raise await self.refuse(
-                record, NotFound(f"{name} not found", reason=R.ERROR_REASON_SECRET_NOT_FOUND)
-            )
+            missing = NotFound(f"{name} not found", reason=R.ERROR_REASON_SECRET_NOT_FOUND)
+            raise await self.refuse(record, missing, failed=visible)
         async with self.db.transaction() as tx:
             await self._audit(tx, record)
         return meta
@@ -373,7 +383,8 @@ class Vault:
                 await self._audit(tx, record)
                 await self._remember(tx, org, actor, "DeleteSecret", body, b"")
                 return
-        raise await self.refuse(record, NotFound(f"{name} not found", reason=R.ERROR_REASON_SECRET_NOT_FOUND))
+        missing = NotFound(f"{name} not found", reason=R.ERROR_REASON_SECRET_NOT_FOUND)
+        raise await self.refuse(record, missing, failed=True)
 
     async def set_version_state(
         self, org: str, secret_id: str, version: int, enabled: bool, actor: Actor
@@ -399,9 +410,8 @@ class Vault:
                 meta = await self._meta(tx, org, secret_id)
                 assert meta is not None
                 return next(v for v in meta.versions if int(v["version"]) == version)
-        raise await self.refuse(
-            record, NotFound(f"{name}/versions/{version} not found", reason=R.ERROR_REASON_SECRET_NOT_FOUND)
-        )
+        missing = NotFound(f"{name}/versions/{version} not found", reason=R.ERROR_REASON_SECRET_NOT_FOUND)
+        raise await self.refuse(record, missing, failed=True)
 
     # ---- runtime injection --------------------------------------------------------------------
 
@@ -418,40 +428,46 @@ class Vault:
         parsed = [(n.split("/")[1], n.split("/")[3], n) for n in names]
         if len(set(names)) != len(names):
             raise InvalidArgument("secrets must be distinct")
+        every = [AuditRecord(org, actor, Action.ACTION_INJECT, secret=name) for org, _, name in parsed]
         for org, _, name in parsed:
             if token_org is not None and (org != token_org or declared is None or name not in declared):
-                record = AuditRecord(org, actor, Action.ACTION_INJECT, secret=name)
                 raise await self.refuse(
-                    record,
+                    every,
                     PermissionDenied(
                         f"{name} is not declared by this job's spec",
                         reason=R.ERROR_REASON_SECRET_NOT_DECLARED,
                     ),
                 )
         opened: list[Opened] = []
-        records: list[AuditRecord] = []
-        for org, secret_id, name in parsed:
+        for (org, secret_id, name), record in zip(parsed, every, strict=True):
             row = await self.db.fetchone(
                 "SELECT v.version, v.fingerprint, v.sealed, k.private_box FROM vault_versions v"
                 " JOIN vault_org_keys k ON k.org = v.org AND k.key_id = v.key_id"
                 " WHERE v.org = ? AND v.secret_id = ? AND v.state = ? ORDER BY v.version DESC LIMIT 1",
                 (org, secret_id, VersionState.STATE_ENABLED),
             )
-            record = AuditRecord(org, actor, Action.ACTION_INJECT, secret=name)
             if row is None or row["private_box"] is None:
                 raise await self.refuse(
-                    record,
+                    every,
                     NotFound(
                         f"{name} does not exist or has no enabled version",
                         reason=R.ERROR_REASON_SECRET_NOT_FOUND,
                     ),
+                    failed=True,
                 )
-            value = crypto.unseal(self.master.unwrap(bytes(row["private_box"])), bytes(row["sealed"]))
+            try:
+                value = crypto.unseal(self.master.unwrap(bytes(row["private_box"])), bytes(row["sealed"]))
+            except crypto.OpenFailed:  # a stored value that does not open: wrong master key or damaged data
+                raise await self.refuse(
+                    every,
+                    Internal("a stored secret could not be opened; check the vault's master key"),
+                    failed=True,
+                ) from None
             sealed = crypto.seal(recipient, value)
             del value
             record.version, record.fingerprint = int(row["version"]), row["fingerprint"]
-            records.append(record)
             opened.append(Opened(name, int(row["version"]), row["fingerprint"], sealed))
+        records = every
         async with self.db.transaction() as tx:
             for record in records:
                 await self._audit(tx, record)
@@ -500,8 +516,8 @@ class Vault:
             privates.clear()
             await tx.execute(
                 "UPDATE vault_org_keys SET state = ?, private_box = NULL, retire_time = ?"
-                " WHERE org = ? AND key_id != ?",
-                (KeyState.STATE_RETIRED, now, org, new["key_id"]),
+                " WHERE org = ? AND key_id != ? AND state != ?",
+                (KeyState.STATE_RETIRED, now, org, new["key_id"], KeyState.STATE_RETIRED),
             )
             await self._audit(
                 tx,

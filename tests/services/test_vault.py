@@ -173,7 +173,9 @@ async def test_injection_refusals(
         else None
     )
     if audit is not None:
-        assert audit.audit_events[0].outcome == audit_pb2.AuditEvent.OUTCOME_DENIED
+        failed = audit_pb2.AuditEvent.OUTCOME_FAILED
+        expected = failed if case == "missing-secret" else audit_pb2.AuditEvent.OUTCOME_DENIED
+        assert audit.audit_events[0].outcome == expected
 
 
 async def test_bad_uploads(callers: dict[str, vault_service_pb2_grpc.VaultServiceStub]) -> None:
@@ -457,3 +459,30 @@ async def test_audit_records_reach_the_events_service(tmp_path: Path) -> None:
         assert job_log == ["secret.inject"]
         await user.channel.close()
         await job.channel.close()
+
+
+async def test_job_tokens_cannot_manage_secrets(mesh: Mesh, signer: TokenSigner) -> None:
+    job = Caller(mesh, job_token(signer, [SECRET]))
+    try:
+        with pytest.raises(RpcError) as own_org:
+            await job.stub.ListSecrets(pb.ListSecretsRequest(parent=ORG))
+        assert own_org.value.code == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(RpcError) as other_org:
+            await job.stub.ListSecrets(pb.ListSecretsRequest(parent="orgs/globex"))
+        assert (other_org.value.code, other_org.value.reason) == (grpc.StatusCode.NOT_FOUND, "ORG_NOT_FOUND")
+    finally:
+        await job.channel.close()
+
+
+async def test_a_deployment_value_limit_is_enforced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_VAULT_MAX_VALUE_BYTES", "16")
+    settings = mesh_settings(tmp_path)
+    async with running_mesh(settings, services=["vault"]) as mesh:
+        caller = Caller(
+            mesh, TokenSigner(load_signing_key("", settings.state_dir)).issue("user", "a", org="acme")
+        )
+        assert (await upload(caller.stub, "short", b"0123456789abcdef")).created
+        with pytest.raises(RpcError) as info:
+            await upload(caller.stub, "long", b"0123456789abcdef!")
+        assert (info.value.code, info.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "SECRET_TOO_LARGE")
+        await caller.channel.close()

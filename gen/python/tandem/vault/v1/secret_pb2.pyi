@@ -145,8 +145,8 @@ class SecretVersion(_message.Message):
     state: Global___SecretVersion.State.ValueType
     """Output only. The version's state."""
     fingerprint: _builtins.str
-    """Output only. A keyed hash of the plaintext: lowercase hex of the first 16 bytes of
-    HMAC-SHA256(org fingerprint key, value), 32 characters. Equal values in one organization have equal
+    """Output only. A keyed hash of the plaintext: `b2-` and the lowercase hex of a 16-byte keyed BLAKE2b
+    of the value, keyed per organization from the vault's master key (35 characters). Equal values in one organization have equal
     fingerprints, so users can tell which value a job received; without the vault's key it reveals
     nothing about the value. It survives key rotation.
     """
