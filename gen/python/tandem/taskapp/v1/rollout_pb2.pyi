@@ -36,7 +36,8 @@ class _RolloutModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RolloutMo
 
 class RolloutMode(_RolloutMode, metaclass=_RolloutModeEnumTypeWrapper):
     """The messages in this file model the Task App HTTP contract. The proxy sends a RolloutSpec as the JSON body
-    of `POST {base_url}/rollout` (proto3 JSON mapping, lowerCamelCase names) and parses the answer into a
+    of `POST {base_url}/rollout` (proto3 JSON mapping with the original snake_case field names, as hosted Task
+    App contracts use; docs/taskapp-openapi.yaml is the HTTP schema) and parses the answer into a
     RolloutResult; the fields the proxy adds itself (`error`, `duration`, `attempts`) are never sent by or to
     the app.
 
