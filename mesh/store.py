@@ -146,8 +146,9 @@ class _SqliteTx(Executor):
             raise IntegrityError(str(exc)) from exc
 
     async def fetchall(self, sql: str, params: Params = ()) -> list[Row]:
-        async with self._conn.execute(sql, tuple(params)) as cursor:
-            rows = await cursor.fetchall()
+        # One call on the connection's thread runs, fetches and closes the statement, so a caller cancelled
+        # mid-read cannot leave a statement open that pins an old snapshot for every later read.
+        rows = await self._conn.execute_fetchall(sql, tuple(params))
         return [dict(r) for r in rows]
 
 

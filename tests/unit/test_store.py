@@ -136,3 +136,19 @@ async def test_concurrent_writers_are_serialised(store_url: str) -> None:
 async def test_unknown_url_scheme_is_refused() -> None:
     with pytest.raises(StoreError, match="sqlite:///"):
         await open_database("mysql://x", "svc")
+
+
+async def test_cancelled_reads_do_not_pin_an_old_snapshot(store_url: str) -> None:
+    db = await open_database(store_url, "svc", MIGRATIONS)
+    try:
+        await db.execute("INSERT INTO items (id, n) VALUES (?, ?)", ("seed", 0))
+        for trial in range(20):
+            readers = [asyncio.ensure_future(db.fetchall("SELECT * FROM items")) for _ in range(10)]
+            await asyncio.sleep(0)
+            for reader in readers:
+                reader.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+            await db.execute("INSERT INTO items (id, n) VALUES (?, ?)", (f"t{trial}", trial))
+            assert await db.fetchone("SELECT n FROM items WHERE id = ?", (f"t{trial}",)) == {"n": trial}
+    finally:
+        await db.close()
