@@ -16,7 +16,7 @@ from typing import Any
 import nacl.public
 from tandem.vault.v1 import vault_service_pb2
 
-JOB_TOKEN_ENV = "TANDEM_JOB_TOKEN"
+JOB_TOKEN_ENV = "TANDEM_JOB_TOKEN"  # noqa: S105 - the name of the variable, not a token
 
 
 def seal_for_upload(public_key: bytes, value: bytes) -> bytes:
