@@ -94,18 +94,11 @@ class _StreamUnaryInterceptor(grpc.aio.StreamUnaryClientInterceptor):
             raise rpc_error_from(error) from None
 
 
-class _StreamingInterceptor(grpc.aio.UnaryStreamClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+class _StreamingInterceptor(grpc.aio.UnaryStreamClientInterceptor):
     """Long streams get no default deadline (they are meant to stay open); identity still applies."""
 
     def __init__(self, identity: _Identity) -> None:
         self._identity = identity
-
-    async def _relay(self, call: Any) -> AsyncIterator[Any]:
-        try:
-            async for item in call:
-                yield item
-        except grpc.aio.AioRpcError as error:
-            raise rpc_error_from(error) from None
 
     async def intercept_unary_stream(
         self, continuation: Callable[..., Any], details: Any, request: Any
@@ -113,7 +106,14 @@ class _StreamingInterceptor(grpc.aio.UnaryStreamClientInterceptor, grpc.aio.Stre
         call = await continuation(
             _with_metadata(details, self._identity.metadata(), details.timeout), request
         )
-        return self._relay(call)
+        return _relay(call)
+
+
+class _BidiInterceptor(grpc.aio.StreamStreamClientInterceptor):
+    """The same for bidirectional streams (grpc files an interceptor under one call shape only)."""
+
+    def __init__(self, identity: _Identity) -> None:
+        self._identity = identity
 
     async def intercept_stream_stream(
         self, continuation: Callable[..., Any], details: Any, requests: Any
@@ -121,7 +121,15 @@ class _StreamingInterceptor(grpc.aio.UnaryStreamClientInterceptor, grpc.aio.Stre
         call = await continuation(
             _with_metadata(details, self._identity.metadata(), details.timeout), requests
         )
-        return self._relay(call)
+        return _relay(call)
+
+
+async def _relay(call: Any) -> AsyncIterator[Any]:
+    try:
+        async for item in call:
+            yield item
+    except grpc.aio.AioRpcError as error:
+        raise rpc_error_from(error) from None
 
 
 def channel_options(settings: Settings) -> list[tuple[str, int]]:
@@ -151,6 +159,7 @@ def open_channel(
         _UnaryInterceptor(identity, settings.default_deadline_s),
         _StreamUnaryInterceptor(identity, settings.default_deadline_s),
         _StreamingInterceptor(identity),
+        _BidiInterceptor(identity),
         *aio_client_interceptors(),  # type: ignore[no-untyped-call]
     ]
     tls = settings.tls
