@@ -140,6 +140,17 @@ def _cmd_secrets(args: argparse.Namespace) -> int:
     return asyncio.run(_secrets(args))
 
 
+def _cmd_taskapp(args: argparse.Namespace) -> int:
+    """`tandem taskapp serve|check ...` hands its arguments to the Task App SDK's own commands."""
+    if args.action == "serve":
+        from tandem_taskapp.serve import main as serve_main  # noqa: PLC0415
+
+        return serve_main(args.rest)
+    from tandem_taskapp.check import main as check_main  # noqa: PLC0415
+
+    return check_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem",
@@ -175,6 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--state-dir", help="state folder of the local mesh (default .tandem)")
         p.add_argument("--json", action="store_true", help="print JSON for scripts")
         p.set_defaults(func=_cmd_secrets)
+
+    p_taskapp = sub.add_parser(
+        "taskapp",
+        help="serve a Task App written with the SDK, or check any Task App against the contract",
+        description="`tandem taskapp serve path/to/app.py [--port N] [--key-from-stdin]` runs a Task App; "
+        "`tandem taskapp check URL --key-from-stdin` runs the conformance checks and prints a pass/fail table.",
+    )
+    p_taskapp.add_argument("action", choices=["serve", "check"], help="what to do")
+    p_taskapp.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the action (see its --help)")
+    p_taskapp.set_defaults(func=_cmd_taskapp)
     return parser
 
 
