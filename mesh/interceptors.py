@@ -72,7 +72,7 @@ def _rewrap(
     With `raw_requests` the new handler receives undecoded request bytes (the validator decodes them).
     """
     deserializer = None if raw_requests else handler.request_deserializer
-    serializer = handler.response_serializer
+    serializer = _passthrough(handler.response_serializer)
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), deserializer, serializer)
     if handler.stream_unary:
@@ -85,6 +85,24 @@ def _rewrap(
         )
     assert handler.stream_stream is not None
     return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), deserializer, serializer)
+
+
+def _passthrough(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """The handler's response serializer, letting already-serialized `bytes` responses through unchanged.
+
+    A streaming handler that sends one message to many callers can serialize it once and yield the bytes;
+    messages are serialized exactly as before.
+    """
+    if serializer is None or getattr(serializer, "_tandem_passthrough", False):
+        return serializer
+
+    def serialize(response: Any) -> bytes:
+        if type(response) is bytes:
+            return response
+        return serializer(response)
+
+    serialize._tandem_passthrough = True  # type: ignore[attr-defined]
+    return serialize
 
 
 async def _drain(result: Any) -> AsyncIterator[Any]:

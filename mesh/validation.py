@@ -40,6 +40,52 @@ class _Rule:
     rules: validation_pb2.FieldRules | None
     pattern: re.Pattern[str] | None
     nested: bool
+    # Read once from the descriptor and the rules, so a walk touches no descriptor or options.
+    name: str = ""
+    repeated: bool = False
+    is_map: bool = False
+    is_message: bool = False
+    required: bool = False
+    max_items: int = 0
+    min_len: int = 0
+    max_len: int = 0
+    min: float | None = None
+    max: float | None = None
+    numeric: bool = False
+    defined: frozenset[int] | None = None  # defined_only enums: the defined numbers
+    enum_name: str = ""
+
+
+def _rule(
+    field: FieldDescriptor,
+    rules: validation_pb2.FieldRules | None,
+    pattern: re.Pattern[str] | None,
+    nested: bool,
+) -> _Rule:
+    enum_type = field.enum_type
+    return _Rule(
+        field,
+        rules,
+        pattern,
+        nested,
+        name=field.name,
+        repeated=_is_repeated(field),
+        is_map=_is_map(field),
+        is_message=field.type == FieldDescriptor.TYPE_MESSAGE,
+        required=bool(rules is not None and rules.required),
+        max_items=rules.max_items if rules is not None else 0,
+        min_len=rules.min_len if rules is not None else 0,
+        max_len=rules.max_len if rules is not None else 0,
+        min=rules.min if rules is not None and rules.HasField("min") else None,
+        max=rules.max if rules is not None and rules.HasField("max") else None,
+        numeric=field.type in _NUMERIC,
+        defined=(
+            frozenset(enum_type.values_by_number)
+            if enum_type is not None and rules is not None and rules.defined_only
+            else None
+        ),
+        enum_name=enum_type.name if enum_type is not None else "",
+    )
 
 
 def _is_repeated(field: FieldDescriptor) -> bool:
@@ -74,7 +120,7 @@ def _plan(descriptor: Descriptor) -> tuple[_Rule, ...]:
         if rules is None and not nested:
             continue
         pattern = re.compile(rules.pattern) if rules is not None and rules.pattern else None
-        plan.append(_Rule(field, rules, pattern, nested))
+        plan.append(_rule(field, rules, pattern, nested))
     return tuple(plan)
 
 
@@ -91,28 +137,26 @@ def _has_rules(descriptor: Descriptor, _seen: frozenset[str] = frozenset()) -> b
     return False
 
 
-def _is_set(message: Message, field: FieldDescriptor) -> bool:
-    value = getattr(message, field.name)
-    if _is_repeated(field):
-        return len(value) > 0
-    if field.type == FieldDescriptor.TYPE_MESSAGE:
-        return message.HasField(field.name)
+def _is_set(message: Message, rule: _Rule, value: object) -> bool:
+    if rule.repeated:
+        return len(value) > 0  # type: ignore[arg-type]
+    if rule.is_message:
+        return message.HasField(rule.name)
     return bool(value)
 
 
-def _check_scalar(
-    path: str, value: object, field: FieldDescriptor, rule: _Rule, out: list[FieldViolation]
-) -> None:
+def _check_scalar(path: str, value: object, rule: _Rule, out: list[FieldViolation]) -> None:
     rules = rule.rules
     if rules is None:
         return
     if isinstance(value, str | bytes):
         size = len(value)
-        unit = "characters" if isinstance(value, str) else "bytes"
-        if rules.min_len and size < rules.min_len:
-            out.append(FieldViolation(path, f"must be at least {rules.min_len} {unit}"))
-        if rules.max_len and size > rules.max_len:
-            out.append(FieldViolation(path, f"must be at most {rules.max_len} {unit}, got {size}"))
+        if rule.min_len and size < rule.min_len:
+            unit = "characters" if isinstance(value, str) else "bytes"
+            out.append(FieldViolation(path, f"must be at least {rule.min_len} {unit}"))
+        if rule.max_len and size > rule.max_len:
+            unit = "characters" if isinstance(value, str) else "bytes"
+            out.append(FieldViolation(path, f"must be at most {rule.max_len} {unit}, got {size}"))
         if (
             rule.pattern is not None
             and isinstance(value, str)
@@ -120,50 +164,68 @@ def _check_scalar(
             and not rule.pattern.fullmatch(value)
         ):
             out.append(FieldViolation(path, f"must match {rules.pattern}"))
-    elif field.type in _NUMERIC and isinstance(value, int | float):
-        if rules.HasField("min") and value < rules.min:
-            out.append(FieldViolation(path, f"must be >= {rules.min:g}, got {value}"))
-        if rules.HasField("max") and value > rules.max:
-            out.append(FieldViolation(path, f"must be <= {rules.max:g}, got {value}"))
-    elif (
-        field.enum_type is not None
-        and rules.defined_only
-        and isinstance(value, int)
-        and field.enum_type.values_by_number.get(value) is None
-    ):
-        out.append(FieldViolation(path, f"{value} is not a defined {field.enum_type.name}"))
+    elif rule.numeric and isinstance(value, int | float):
+        if rule.min is not None and value < rule.min:
+            out.append(FieldViolation(path, f"must be >= {rule.min:g}, got {value}"))
+        if rule.max is not None and value > rule.max:
+            out.append(FieldViolation(path, f"must be <= {rule.max:g}, got {value}"))
+    elif rule.defined is not None and isinstance(value, int) and value not in rule.defined:
+        out.append(FieldViolation(path, f"{value} is not a defined {rule.enum_name}"))
 
 
-def _walk(message: Message, prefix: str, out: list[FieldViolation], depth: int) -> None:
+def _scalar_ok(value: object, rule: _Rule) -> bool:
+    """True when `_check_scalar` would find nothing: the common case, decided without building a path."""
+    if isinstance(value, str):
+        if not value:
+            return not rule.min_len
+        size = len(value)
+        return (
+            (not rule.min_len or size >= rule.min_len)
+            and (not rule.max_len or size <= rule.max_len)
+            and (rule.pattern is None or rule.pattern.fullmatch(value) is not None)
+        )
+    if isinstance(value, bytes):
+        size = len(value)
+        return (not rule.min_len or size >= rule.min_len) and (not rule.max_len or size <= rule.max_len)
+    if rule.numeric and isinstance(value, int | float):
+        return (rule.min is None or value >= rule.min) and (rule.max is None or value <= rule.max)
+    return rule.defined is None or not isinstance(value, int) or value in rule.defined
+
+
+def _walk(message: Message, prefix: str, out: list[FieldViolation], depth: int) -> None:  # noqa: PLR0912
     if depth > 32:
         out.append(FieldViolation(prefix or "(request)", "nesting is too deep"))
         return
     for rule in _plan(message.DESCRIPTOR):
-        field = rule.field
-        path = f"{prefix}{field.name}"
-        rules = rule.rules
-        if rules is not None and rules.required and not _is_set(message, field):
-            out.append(FieldViolation(path, "is required"))
+        name = rule.name
+        if rule.is_message and not rule.repeated:
+            if rule.required and not message.HasField(name):
+                out.append(FieldViolation(f"{prefix}{name}", "is required"))
+            elif rule.nested and message.HasField(name):
+                _walk(getattr(message, name), f"{prefix}{name}.", out, depth + 1)
             continue
-        value = getattr(message, field.name)
-        if _is_repeated(field):
-            if rules is not None and rules.max_items and len(value) > rules.max_items:
+        value = getattr(message, name)
+        if rule.required and not _is_set(message, rule, value):
+            out.append(FieldViolation(f"{prefix}{name}", "is required"))
+            continue
+        if rule.repeated:
+            if rule.max_items and len(value) > rule.max_items:
                 out.append(
-                    FieldViolation(path, f"must have at most {rules.max_items} items, got {len(value)}")
+                    FieldViolation(
+                        f"{prefix}{name}", f"must have at most {rule.max_items} items, got {len(value)}"
+                    )
                 )
-            if _is_map(field):
+            if rule.is_map:
                 continue
-            for index, item in enumerate(value):
-                item_path = f"{path}[{index}]"
-                if rule.nested:
-                    _walk(item, item_path + ".", out, depth + 1)
-                else:
-                    _check_scalar(item_path, item, field, rule, out)
-        elif field.type == FieldDescriptor.TYPE_MESSAGE:
-            if rule.nested and message.HasField(field.name):
-                _walk(value, path + ".", out, depth + 1)
-        else:
-            _check_scalar(path, value, field, rule, out)
+            if rule.nested:
+                for index, item in enumerate(value):
+                    _walk(item, f"{prefix}{name}[{index}].", out, depth + 1)
+            elif rule.rules is not None:
+                for index, item in enumerate(value):
+                    if not _scalar_ok(item, rule):
+                        _check_scalar(f"{prefix}{name}[{index}]", item, rule, out)
+        elif rule.rules is not None and not _scalar_ok(value, rule):
+            _check_scalar(f"{prefix}{name}", value, rule, out)
 
 
 def violations(message: Message) -> list[FieldViolation]:

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.protobuf import timestamp_pb2
 from tandem.events.v1 import event_pb2, job_stream_pb2, metric_pb2
 
 from mesh.errors import FailedPrecondition, InvalidArgument, NotFound, R, Unavailable
@@ -31,6 +33,9 @@ MAX_EVENT_BYTES = 64 * 1024
 READ_BATCH = 512
 RING_SIZE = 8192
 NOTIFY_CHANNEL = "tandem_events"
+SERIALIZED_CACHE_SIZE = 256  # serialized Subscribe responses shared by subscribers at one cursor
+GATHER_TURNS = 8  # event-loop turns the writer waits while its queue still grows
+PRODUCER_CACHE_JOBS = 4096  # jobs whose producers' highest producer_seq the writer remembers
 TERMINAL_STATES = frozenset({5, 6, 7})  # tandem.scheduler.v1.Job.State SUCCEEDED, FAILED, CANCELLED
 
 
@@ -80,19 +85,75 @@ class _Pending:
 
 
 @dataclass
+class _Applied:
+    """What one commit group did, in memory until the transaction commits."""
+
+    outcomes: list[PublishResult | Exception] = field(default_factory=list)
+    appended: dict[str, list[event_pb2.Event]] = field(default_factory=dict)
+    jobs: dict[str, tuple[int, int]] = field(default_factory=dict)  # job -> (last seq, terminal state)
+    producer_max: dict[str, dict[str, int]] = field(default_factory=dict)  # job -> producer -> highest
+
+
+class _ProducerCache:
+    """The writer's record of the highest producer_seq committed per (job, producer), so a new producer
+    sequence needs no lookup. Valid for a job only while its last seq is the one this writer committed: a
+    job row that moved otherwise (another replica on PostgreSQL) drops the job's entries."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, tuple[int, dict[str, int]]] = {}
+
+    def check(self, job: str, last_seq: int) -> None:
+        entry = self._jobs.get(job)
+        if entry is not None and entry[0] != last_seq:
+            del self._jobs[job]
+
+    def highest(self, job: str, producer: str) -> int | None:
+        entry = self._jobs.get(job)
+        return None if entry is None else entry[1].get(producer)
+
+    def learn(self, job: str, producer: str, highest: int) -> None:
+        entry = self._jobs.get(job)
+        if entry is None:
+            entry = self._jobs[job] = (-1, {})  # last seq set by the commit; -1 never matches a row
+        entry[1][producer] = highest
+
+    def fresh(self, job: str, producer: str) -> None:
+        """A log created in this group has no producers yet."""
+        self.learn(job, producer, 0)
+
+    def commit(self, job: str, last_seq: int, producers: dict[str, int] | None) -> None:
+        entry = self._jobs.get(job)
+        table = entry[1] if entry is not None else {}
+        for producer, highest in (producers or {}).items():
+            if highest > table.get(producer, 0):
+                table[producer] = highest
+        self._jobs[job] = (last_seq, table)
+        if len(self._jobs) > PRODUCER_CACHE_JOBS:
+            self._jobs.pop(next(iter(self._jobs)))
+
+    def clear(self) -> None:
+        self._jobs.clear()
+
+
+@dataclass
 class _JobWindow:
-    """Recent committed events of one job, contiguous by seq."""
+    """Recent committed events of one job, contiguous by seq, and what this process knows of its log."""
 
     events: deque[event_pb2.Event] = field(default_factory=lambda: deque(maxlen=RING_SIZE))
     waiter: asyncio.Event = field(default_factory=asyncio.Event)
+    last_seq: int | None = None  # the newest committed seq known here; None: ask storage
+    terminal_state: int = 0  # nonzero once the log is known to be closed
 
 
 class Broker:
-    """Wakes subscribers when a job's log grows and serves recent events from memory."""
+    """Wakes subscribers when a job's log grows, serves recent events from memory, and knows each job's
+    newest committed seq and terminal state (from local commits, NOTIFY payloads and storage reads), so a
+    caught-up subscriber waits without asking storage."""
 
     def __init__(self) -> None:
         self._jobs: dict[str, _JobWindow] = {}
         self._orgs: dict[str, asyncio.Event] = {}
+        self._serialized: OrderedDict[tuple[Any, ...], bytes | None] = OrderedDict()
 
     def _window(self, job: str) -> _JobWindow:
         window = self._jobs.get(job)
@@ -109,14 +170,34 @@ class Broker:
             self._orgs[org] = asyncio.Event()
         return self._orgs[org]
 
-    def committed(self, job: str, events: Sequence[event_pb2.Event]) -> None:
+    def committed(
+        self, job: str, events: Sequence[event_pb2.Event], last_seq: int = 0, terminal_state: int = 0
+    ) -> None:
+        """A commit to `job` (local: with its events; another replica's: `last_seq` only), then wake."""
         window = self._window(job)
         if events:
             ring = window.events
             if ring and ring[-1].seq + 1 != events[0].seq:
                 ring.clear()  # not contiguous (compaction, another replica's writes): restart the window
             ring.extend(events)
+            last_seq = max(last_seq, events[-1].seq)
+        self.observe(job, last_seq, terminal_state)
         self.wake(job)
+
+    def observe(self, job: str, last_seq: int, terminal_state: int = 0) -> None:
+        """Record what storage or a peer said of the log; never moves the known last seq backwards."""
+        window = self._window(job)
+        if window.last_seq is None or last_seq > window.last_seq:
+            window.last_seq = last_seq
+        if terminal_state:
+            window.terminal_state = terminal_state
+
+    def known(self, job: str) -> tuple[int, int] | None:
+        """(newest committed seq, terminal state) as known here, or None when this process knows nothing."""
+        window = self._jobs.get(job)
+        if window is None or window.last_seq is None:
+            return None
+        return window.last_seq, window.terminal_state
 
     def wake(self, job: str) -> None:
         window = self._window(job)
@@ -133,16 +214,39 @@ class Broker:
             self._jobs[job].events.clear()
 
     def recent(self, job: str, after_seq: int, limit: int) -> list[event_pb2.Event] | None:
-        """Events after `after_seq` from memory, or None when the window does not cover that cursor."""
+        """Events after `after_seq` from memory; [] when nothing newer is known to be committed; None when
+        the window does not cover that cursor (read storage)."""
         window = self._jobs.get(job)
-        if window is None or not window.events:
+        if window is None:
             return None
-        first = window.events[0].seq
-        last = window.events[-1].seq
+        if window.last_seq is not None and after_seq >= window.last_seq:
+            return []
+        ring = window.events
+        if not ring:
+            return None
+        first = ring[0].seq
+        last = ring[-1].seq
         if after_seq + 1 < first or after_seq >= last:
-            return None  # not covered, or nothing newer here (another replica may have newer: ask storage)
+            return None  # not covered, or newer events only another replica wrote: ask storage
         start = after_seq + 1 - first
-        return [window.events[i] for i in range(start, min(start + limit, len(window.events)))]
+        stop = min(start + limit, len(ring))
+        if start == 0 and stop == len(ring):
+            return list(ring)
+        return list(itertools.islice(ring, start, stop))
+
+    def serialized(self, key: tuple[Any, ...]) -> tuple[bool, bytes | None]:
+        """A response serialized for an earlier subscriber at the same cursor with the same filter."""
+        cache = self._serialized
+        if key in cache:
+            cache.move_to_end(key)
+            return True, cache[key]
+        return False, None
+
+    def remember(self, key: tuple[Any, ...], data: bytes | None) -> None:
+        cache = self._serialized
+        cache[key] = data
+        if len(cache) > SERIALIZED_CACHE_SIZE:
+            cache.popitem(last=False)
 
 
 class EventLog:
@@ -159,6 +263,7 @@ class EventLog:
         self._max_group = max_group
         self._writer: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
+        self._producers = _ProducerCache()
 
     async def start(self) -> None:
         self._writer = asyncio.create_task(self._write_loop(), name="events-writer")
@@ -195,36 +300,36 @@ class EventLog:
     async def _write_loop(self) -> None:
         while True:
             group = [await self._queue.get()]
+            # Publishes whose bytes already arrived are parsed and queued by callbacks that are ready now:
+            # let them run (a few loop turns, no timer) so they share this commit instead of the next fsync.
+            for _ in range(GATHER_TURNS):
+                waiting = self._queue.qsize()
+                await asyncio.sleep(0)
+                if self._queue.qsize() == waiting:
+                    break
             while len(group) < self._max_group and not self._queue.empty():
                 group.append(self._queue.get_nowait())
             await self._commit(group)
 
-    async def _commit(self, group: list[_Pending]) -> None:  # noqa: PLR0912 - one transaction, top to bottom
-        outcomes: list[PublishResult | Exception] = []
-        appended: dict[str, list[event_pb2.Event]] = {}
+    async def _commit(self, group: list[_Pending]) -> None:
         try:
             async with self.db.transaction() as tx:
-                for pending in group:
-                    try:
-                        result, new = await self._apply(tx, pending)
-                    except (NotFound, FailedPrecondition) as refused:
-                        outcomes.append(refused)
-                        continue
-                    outcomes.append(result)
-                    if new:
-                        appended.setdefault(pending.job, []).extend(new)
+                applied = await self._apply_group(tx, group)
                 if self.db.dialect == "postgres":
-                    for job, new in appended.items():
-                        await tx.execute("SELECT pg_notify(?, ?)", (NOTIFY_CHANNEL, f"{job} {new[-1].seq}"))
+                    for job, (last_seq, close_state) in applied.jobs.items():
+                        payload = f"{job} {last_seq}" + (f" {close_state}" if close_state else "")
+                        await tx.execute("SELECT pg_notify(?, ?)", (NOTIFY_CHANNEL, payload))
         except Exception:
             log.exception("event commit failed; nothing in this group was acknowledged")
+            self._producers.clear()  # what the failed group learned was never committed
             for pending in group:
                 if not pending.future.done():
                     pending.future.set_exception(Unavailable("the event store could not commit; retry"))
             return
-        for job, new in appended.items():
-            self.broker.committed(job, new)
-        for pending, outcome in zip(group, outcomes, strict=True):
+        for job, (last_seq, close_state) in applied.jobs.items():
+            self._producers.commit(job, last_seq, applied.producer_max.get(job))
+            self.broker.committed(job, applied.appended.get(job, ()), last_seq, close_state)
+        for pending, outcome in zip(group, applied.outcomes, strict=True):
             if pending.future.done():
                 continue
             if isinstance(outcome, Exception):
@@ -232,93 +337,151 @@ class EventLog:
             else:
                 pending.future.set_result(outcome)
 
-    async def _apply(self, tx: Executor, pending: _Pending) -> tuple[PublishResult, list[event_pb2.Event]]:
+    async def _apply_group(self, tx: Executor, group: list[_Pending]) -> _Applied:  # noqa: PLR0912, PLR0915
+        """Assign seqs to a whole commit group with one read of its job rows, producer lookups only where a
+        producer_seq could be a retry, and one batched write per table."""
+        now_ns = time.time_ns()  # one receive time for the whole group
+        now = now_ns / 1e9
+        stamp = timestamp_pb2.Timestamp()
+        stamp.FromNanoseconds(now_ns)
+        names = sorted({p.job for p in group})
         lock = " FOR UPDATE" if tx.dialect == "postgres" else ""
-        row = await tx.fetchone(f"SELECT * FROM event_jobs WHERE job = ?{lock}", (pending.job,))  # noqa: S608
-        now = time.time()
-        if row is None:
-            if not pending.create:
-                raise NotFound(f"{pending.job} has no event log", reason=R.ERROR_REASON_JOB_NOT_FOUND)
-            await tx.execute(
-                "INSERT INTO event_jobs (job, org, last_seq, first_retained_seq, create_time)"
-                " VALUES (?, ?, 0, 1, ?)",
-                (pending.job, org_of(pending.job), now),
-            )
-            info = JobInfo(pending.job, org_of(pending.job), 0, 1, False, 0, now, None)
-        else:
-            info = JobInfo.from_row(row)
-        if info.terminal:
-            raise FailedPrecondition(
-                f"{pending.job} is closed; nothing more can be published",
-                reason=R.ERROR_REASON_JOB_STREAM_CLOSED,
-            )
-        known = await self._known_producer_seqs(tx, pending)
-        seqs: list[int] = []
-        new: list[event_pb2.Event] = []
-        duplicates = 0
-        next_seq = info.last_seq
-        for event in pending.events:
-            key = (event.producer_id, event.producer_seq)
-            if event.producer_id and key in known:
-                seqs.append(known[key])
-                duplicates += 1
-                continue
-            next_seq += 1
-            stored = event_pb2.Event()
-            stored.CopyFrom(event)
-            stored.job = pending.job
-            stored.seq = next_seq
-            stored.receive_time.FromNanoseconds(time.time_ns())
-            if not stored.HasField("time"):
-                stored.time.CopyFrom(stored.receive_time)
-            new.append(stored)
-            seqs.append(next_seq)
-            if event.producer_id:
-                known[key] = next_seq
-        if new:
-            await tx.executemany(
-                "INSERT INTO events (job, seq, type, level, receive_time, body) VALUES (?, ?, ?, ?, ?, ?)",
-                [(e.job, e.seq, e.type, int(e.level), now, e.SerializeToString()) for e in new],
-            )
-            producer_rows = [(e.job, e.producer_id, e.producer_seq, e.seq) for e in new if e.producer_id]
-            if producer_rows:
-                await tx.executemany(
-                    "INSERT INTO event_producers (job, producer_id, producer_seq, seq) VALUES (?, ?, ?, ?)",
-                    producer_rows,
-                )
-            await self._record_step_metrics(tx, new, now)
-        close = pending.close_state
-        await tx.execute(
-            "UPDATE event_jobs SET last_seq = ?, terminal = ?, terminal_state = ?, close_time = ?"
-            " WHERE job = ?",
-            (next_seq, 1 if close else 0, close, now if close else None, pending.job),
+        marks = ", ".join("?" for _ in names)
+        rows = await tx.fetchall(
+            f"SELECT * FROM event_jobs WHERE job IN ({marks}) ORDER BY job{lock}",  # noqa: S608
+            names,
         )
-        return PublishResult(seqs, duplicates, next_seq), new
-
-    async def _known_producer_seqs(self, tx: Executor, pending: _Pending) -> dict[tuple[str, int], int]:
-        ranges: dict[str, list[int]] = {}
-        for event in pending.events:
-            if event.producer_id:
-                ranges.setdefault(event.producer_id, []).append(event.producer_seq)
-        known: dict[tuple[str, int], int] = {}
-        for producer, numbers in ranges.items():
-            rows = await tx.fetchall(
+        infos: dict[str, JobInfo] = {r["job"]: JobInfo.from_row(r) for r in rows}
+        for name, existing in infos.items():
+            self._producers.check(name, existing.last_seq)
+        # Producer sequences that may be retries: at or below the highest one committed (unknown: ask).
+        known: dict[tuple[str, str, int], int] = {}
+        wanted: dict[tuple[str, str], list[int]] = {}
+        for pending in group:
+            if pending.job not in infos and not pending.create:
+                continue
+            for event in pending.events:
+                if event.producer_id:
+                    wanted.setdefault((pending.job, event.producer_id), []).append(event.producer_seq)
+        for (job, producer), numbers in wanted.items():
+            if job not in infos:
+                self._producers.fresh(job, producer)
+                continue
+            highest = self._producers.highest(job, producer)
+            if highest is None:
+                row = await tx.fetchone(
+                    "SELECT MAX(producer_seq) AS m FROM event_producers WHERE job = ? AND producer_id = ?",
+                    (job, producer),
+                )
+                highest = int(row["m"]) if row and row["m"] is not None else 0
+                self._producers.learn(job, producer, highest)
+            low = min(numbers)
+            if low > highest:
+                continue
+            found = await tx.fetchall(
                 "SELECT producer_seq, seq FROM event_producers"
                 " WHERE job = ? AND producer_id = ? AND producer_seq BETWEEN ? AND ?",
-                (pending.job, producer, min(numbers), max(numbers)),
+                (job, producer, low, min(max(numbers), highest)),
             )
-            known.update({(producer, int(r["producer_seq"])): int(r["seq"]) for r in rows})
-        return known
+            known.update({(job, producer, int(r["producer_seq"])): int(r["seq"]) for r in found})
 
-    async def _record_step_metrics(self, tx: Executor, events: list[event_pb2.Event], now: float) -> None:
-        rows = [
-            (e.job, name, e.train_step.step, value, now)
-            for e in events
-            if e.WhichOneof("core") == "train_step"
-            for name, value in e.train_step.metrics.items()
-        ]
-        if rows:
-            await tx.executemany(UPSERT_METRIC, rows)
+        applied = _Applied()
+        created: list[tuple[str, str, float]] = []
+        event_rows: list[tuple[str, int, str, int, float, bytes]] = []
+        producer_rows: list[tuple[str, str, int, int]] = []
+        metric_rows: list[tuple[str, str, int, float, float]] = []
+        for pending in group:
+            job = pending.job
+            info = infos.get(job)
+            if info is None:
+                if not pending.create:
+                    applied.outcomes.append(
+                        NotFound(f"{job} has no event log", reason=R.ERROR_REASON_JOB_NOT_FOUND)
+                    )
+                    continue
+                info = infos[job] = JobInfo(job, org_of(job), 0, 1, False, 0, now, None)
+                created.append((job, info.org, now))
+            if info.terminal:
+                applied.outcomes.append(
+                    FailedPrecondition(
+                        f"{job} is closed; nothing more can be published",
+                        reason=R.ERROR_REASON_JOB_STREAM_CLOSED,
+                    )
+                )
+                continue
+            seqs: list[int] = []
+            duplicates = 0
+            next_seq = info.last_seq
+            new = applied.appended.setdefault(job, [])
+            producer_max = applied.producer_max.setdefault(job, {})
+            for event in pending.events:
+                producer = event.producer_id
+                if producer:
+                    key = (job, producer, event.producer_seq)
+                    seen = known.get(key)
+                    if seen is not None:
+                        seqs.append(seen)
+                        duplicates += 1
+                        continue
+                next_seq += 1
+                stored = event_pb2.Event()
+                stored.CopyFrom(event)
+                stored.job = job
+                stored.seq = next_seq
+                stored.receive_time.CopyFrom(stamp)
+                if not stored.HasField("time"):
+                    stored.time.CopyFrom(stamp)
+                new.append(stored)
+                seqs.append(next_seq)
+                event_rows.append(
+                    (job, next_seq, stored.type, int(stored.level), now, stored.SerializeToString())
+                )
+                if producer:
+                    known[key] = next_seq
+                    producer_rows.append((job, producer, event.producer_seq, next_seq))
+                    if event.producer_seq > producer_max.get(producer, 0):
+                        producer_max[producer] = event.producer_seq
+                if stored.WhichOneof("core") == "train_step":
+                    step = stored.train_step.step
+                    metric_rows.extend(
+                        (job, name, step, value, now) for name, value in stored.train_step.metrics.items()
+                    )
+            info.last_seq = next_seq
+            if pending.close_state:
+                info.terminal = True
+                info.terminal_state = pending.close_state
+                info.close_time = now
+            applied.jobs[job] = (next_seq, info.terminal_state)
+            applied.outcomes.append(PublishResult(seqs, duplicates, next_seq))
+        if created:
+            await tx.executemany(
+                "INSERT INTO event_jobs (job, org, last_seq, first_retained_seq, create_time)"
+                " VALUES (?, ?, 0, 1, ?)",
+                created,
+            )
+        if event_rows:
+            await tx.executemany(
+                "INSERT INTO events (job, seq, type, level, receive_time, body) VALUES (?, ?, ?, ?, ?, ?)",
+                event_rows,
+            )
+        if producer_rows:
+            await tx.executemany(
+                "INSERT INTO event_producers (job, producer_id, producer_seq, seq) VALUES (?, ?, ?, ?)",
+                producer_rows,
+            )
+        if metric_rows:
+            await tx.executemany(UPSERT_METRIC, metric_rows)
+        if applied.jobs:
+            await tx.executemany(
+                "UPDATE event_jobs SET last_seq = ?, terminal = ?, terminal_state = ?, close_time = ?"
+                " WHERE job = ?",
+                [
+                    (info.last_seq, 1 if info.terminal else 0, info.terminal_state, info.close_time, job)
+                    for job in applied.jobs
+                    for info in (infos[job],)
+                ],
+            )
+        return applied
 
     # ---- reads --------------------------------------------------------------------------------
 
@@ -326,7 +489,9 @@ class EventLog:
         row = await self.db.fetchone("SELECT * FROM event_jobs WHERE job = ?", (job,))
         if row is None:
             raise NotFound(f"{job} has no event log", reason=R.ERROR_REASON_JOB_NOT_FOUND)
-        return JobInfo.from_row(row)
+        info = JobInfo.from_row(row)
+        self.broker.observe(job, info.last_seq, info.terminal_state if info.terminal else 0)
+        return info
 
     async def jobs_of(self, org: str) -> list[JobInfo]:
         rows = await self.db.fetchall("SELECT * FROM event_jobs WHERE org = ? ORDER BY job", (org,))
@@ -425,8 +590,14 @@ class EventLog:
                 async with await psycopg.AsyncConnection.connect(self.db.url, autocommit=True) as conn:
                     await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                     async for note in conn.notifies():
-                        job, _, _ = note.payload.partition(" ")
-                        self.broker.wake(job)
+                        # "{job} {last_seq}", and " {terminal_state}" when the commit closed the log
+                        job, *rest = note.payload.split(" ")
+                        try:
+                            last_seq = int(rest[0]) if rest else 0
+                            state = int(rest[1]) if len(rest) > 1 else 0
+                        except ValueError:
+                            last_seq, state = 0, 0
+                        self.broker.committed(job, (), last_seq, state)
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -235,8 +235,9 @@ class EventServiceServicer(events_service_pb2_grpc.EventServiceServicer):
 
     async def Subscribe(
         self, request: pb.SubscribeRequest, context: Context
-    ) -> AsyncIterator[pb.SubscribeResponse]:
-        info = await self._visible(request.job)
+    ) -> AsyncIterator[Any]:  # SubscribeResponse, or its bytes when shared (the mesh passes bytes through)
+        job = request.job
+        info = await self._visible(job)
         cursor = request.after_seq
         if cursor > info.last_seq:
             raise OutOfRange(
@@ -244,36 +245,61 @@ class EventServiceServicer(events_service_pb2_grpc.EventServiceServicer):
                 reason=R.ERROR_REASON_CURSOR_AHEAD,
             )
         heartbeat = _heartbeat_s(request.heartbeat_interval)
+        broker = self._log.broker
+        types, min_level = tuple(request.types), request.min_level
+        filtered = bool(types or min_level)
+        first_retained = info.first_retained_seq
         while True:
-            waiter = self._log.broker.waiter(request.job)
-            if cursor + 1 < info.first_retained_seq:
+            waiter = broker.waiter(job)  # before reading: a commit after this point sets it
+            if cursor + 1 < first_retained:
                 raise OutOfRange(
-                    f"events after {cursor} were compacted; the oldest retained is {info.first_retained_seq}",
+                    f"events after {cursor} were compacted; the oldest retained is {first_retained}",
                     reason=R.ERROR_REASON_CURSOR_COMPACTED,
-                    metadata={"first_retained_seq": str(info.first_retained_seq)},
+                    metadata={"first_retained_seq": str(first_retained)},
                 )
-            batch = await self._log.read(request.job, cursor)
+            batch = await self._log.read(job, cursor)
             if batch:
                 if batch[0].seq != cursor + 1:  # compacted while this subscriber lagged
-                    info = await self._log.info(request.job)
+                    info = await self._log.info(job)
+                    first_retained = max(info.first_retained_seq, batch[0].seq)
                     continue
-                cursor = batch[-1].seq
-                selected = [e for e in batch if _matches(e, request.types, request.min_level)]
-                if selected:
-                    yield pb.SubscribeResponse(events=pb.EventBatch(events=selected, cursor=cursor))
+                last = batch[-1].seq
+                key = (job, cursor, last, types, min_level)
+                hit, data = broker.serialized(key)
+                if not hit:
+                    selected = [e for e in batch if _matches(e, types, min_level)] if filtered else batch
+                    data = (
+                        pb.SubscribeResponse(
+                            events=pb.EventBatch(events=selected, cursor=last)
+                        ).SerializeToString()
+                        if selected
+                        else None
+                    )
+                    broker.remember(key, data)
+                cursor = last
+                if data is not None:
+                    yield data
                 continue
-            info = await self._log.info(request.job)
-            if info.last_seq > cursor:
-                continue  # committed by another replica before our waiter was armed
-            if request.end_when_terminal and info.terminal:
-                state: Any = info.terminal_state
-                yield pb.SubscribeResponse(end=pb.StreamEnd(terminal_seq=info.last_seq, terminal_state=state))
+            known = broker.known(job)
+            if known is None:  # this process knows nothing of the log any more: ask storage
+                info = await self._log.info(job)
+                known = broker.known(job)
+                assert known is not None
+            last_seq, terminal_state = known
+            if last_seq > cursor:
+                continue  # committed meanwhile (or only in storage): read again
+            if request.end_when_terminal and terminal_state:
+                state: Any = terminal_state
+                yield pb.SubscribeResponse(end=pb.StreamEnd(terminal_seq=last_seq, terminal_state=state))
                 return
             try:
                 await asyncio.wait_for(waiter.wait(), heartbeat)
             except TimeoutError:
+                # Idle: refresh from storage (a NOTIFY lost while the listener reconnected is found here).
+                info = await self._log.info(job)
+                first_retained = info.first_retained_seq
                 yield pb.SubscribeResponse(
-                    heartbeat=pb.Heartbeat(cursor=cursor, last_seq=info.last_seq, time=_now())
+                    heartbeat=pb.Heartbeat(cursor=cursor, last_seq=max(info.last_seq, cursor), time=_now())
                 )
 
     async def SubscribeOrg(

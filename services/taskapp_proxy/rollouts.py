@@ -84,8 +84,13 @@ def _error(kind: Any, message: str, *, status: int = 0, retryable: bool = False)
 
 def spec_json(spec: rollout_pb2.RolloutSpec) -> dict[str, Any]:
     """The HTTP body: snake_case names, mode as the contract's lowercase word."""
-    body = json_format.MessageToDict(spec, preserving_proto_field_name=True)
+    body = json_format.MessageToDict(
+        spec, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )  # seed 0 and other zero values are sent, not left for the app to guess
     body["mode"] = "eval" if spec.mode == rollout_pb2.ROLLOUT_MODE_EVAL else "rl"
+    body["env"]["seed"] = int(
+        spec.env.seed
+    )  # proto3 JSON writes 64-bit integers as strings; apps expect a number
     return body
 
 

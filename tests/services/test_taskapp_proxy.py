@@ -12,7 +12,8 @@ import grpc
 import pytest
 from google.protobuf import duration_pb2
 from tandem.events.v1 import events_service_pb2, events_service_pb2_grpc
-from tandem.taskapp.v1 import rollout_pb2, task_app_pb2, taskapp_service_pb2 as pb, taskapp_service_pb2_grpc
+from tandem.taskapp.v1 import rollout_pb2, task_app_pb2, taskapp_service_pb2_grpc
+from tandem.taskapp.v1 import taskapp_service_pb2 as pb
 from tandem.vault.v1 import vault_service_pb2, vault_service_pb2_grpc
 
 from mesh.clients import open_channel
@@ -130,12 +131,7 @@ async def test_a_rollout_carries_the_key_and_returns_the_reward(world: World) ->
     assert list(result.metrics.event_rewards) == [0.25]
     assert result.attempts == 1 and len(result.trajectory.turns) == 1
     sent = world.app.seen[-1]
-    assert (
-        sent["trace_correlation_id"] == "ep-ok"
-        and sent["mode"] == "rl"
-        and "seed" in sent["env"]
-        or sent["env"] == {}
-    )
+    assert (sent["trace_correlation_id"], sent["mode"], sent["env"]["seed"]) == ("ep-ok", "rl", 0)
     assert world.app.headers[-1]["x-api-key"] == KEY
     assert world.app.headers[-1]["x-trace-correlation-id"] == "ep-ok"
 
