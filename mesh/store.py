@@ -44,6 +44,16 @@ class Migration:
     sql: str = ""
     dialect_sql: Mapping[Dialect, str] | None = None
 
+    @classmethod
+    def portable(cls, version: int, name: str, template: str) -> Migration:
+        """One statement text for both dialects, with `{blob}`, `{bigint}` and `{serial}` (an auto-numbered
+        primary key column type) filled in per dialect."""
+        types: dict[Dialect, dict[str, str]] = {
+            "sqlite": {"blob": "BLOB", "bigint": "INTEGER", "serial": "INTEGER"},
+            "postgres": {"blob": "BYTEA", "bigint": "BIGINT", "serial": "BIGSERIAL"},
+        }
+        return cls(version, name, dialect_sql={d: template.format(**t) for d, t in types.items()})
+
     def for_dialect(self, dialect: Dialect) -> list[str]:
         text = (self.dialect_sql or {}).get(dialect, self.sql)
         return [s.strip() for s in text.split(";") if s.strip()]

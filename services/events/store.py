@@ -6,48 +6,27 @@ from __future__ import annotations
 from mesh.store import Migration
 
 MIGRATIONS = [
-    Migration(
+    Migration.portable(
         1,
         "event logs, events, producer dedup, metrics, retention",
-        dialect_sql={
-            "sqlite": """
-                CREATE TABLE event_jobs (
-                    job TEXT PRIMARY KEY, org TEXT NOT NULL, last_seq INTEGER NOT NULL,
-                    first_retained_seq INTEGER NOT NULL, terminal INTEGER NOT NULL DEFAULT 0,
-                    terminal_state INTEGER NOT NULL DEFAULT 0, create_time DOUBLE PRECISION NOT NULL,
-                    close_time DOUBLE PRECISION);
-                CREATE INDEX event_jobs_org ON event_jobs (org);
-                CREATE TABLE events (
-                    job TEXT NOT NULL, seq INTEGER NOT NULL, type TEXT NOT NULL, level INTEGER NOT NULL,
-                    receive_time DOUBLE PRECISION NOT NULL, body BLOB NOT NULL, PRIMARY KEY (job, seq));
-                CREATE TABLE event_producers (
-                    job TEXT NOT NULL, producer_id TEXT NOT NULL, producer_seq INTEGER NOT NULL,
-                    seq INTEGER NOT NULL, PRIMARY KEY (job, producer_id, producer_seq));
-                CREATE TABLE metric_points (
-                    job TEXT NOT NULL, name TEXT NOT NULL, step INTEGER NOT NULL,
-                    value DOUBLE PRECISION NOT NULL, time DOUBLE PRECISION NOT NULL,
-                    PRIMARY KEY (job, name, step));
-                CREATE TABLE retention_policies (org TEXT PRIMARY KEY, body BLOB NOT NULL)
-            """,
-            "postgres": """
-                CREATE TABLE event_jobs (
-                    job TEXT PRIMARY KEY, org TEXT NOT NULL, last_seq BIGINT NOT NULL,
-                    first_retained_seq BIGINT NOT NULL, terminal INTEGER NOT NULL DEFAULT 0,
-                    terminal_state INTEGER NOT NULL DEFAULT 0, create_time DOUBLE PRECISION NOT NULL,
-                    close_time DOUBLE PRECISION);
-                CREATE INDEX event_jobs_org ON event_jobs (org);
-                CREATE TABLE events (
-                    job TEXT NOT NULL, seq BIGINT NOT NULL, type TEXT NOT NULL, level INTEGER NOT NULL,
-                    receive_time DOUBLE PRECISION NOT NULL, body BYTEA NOT NULL, PRIMARY KEY (job, seq));
-                CREATE TABLE event_producers (
-                    job TEXT NOT NULL, producer_id TEXT NOT NULL, producer_seq BIGINT NOT NULL,
-                    seq BIGINT NOT NULL, PRIMARY KEY (job, producer_id, producer_seq));
-                CREATE TABLE metric_points (
-                    job TEXT NOT NULL, name TEXT NOT NULL, step BIGINT NOT NULL,
-                    value DOUBLE PRECISION NOT NULL, time DOUBLE PRECISION NOT NULL,
-                    PRIMARY KEY (job, name, step));
-                CREATE TABLE retention_policies (org TEXT PRIMARY KEY, body BYTEA NOT NULL)
-            """,
-        },
+        """
+        CREATE TABLE event_jobs (
+            job TEXT PRIMARY KEY, org TEXT NOT NULL, last_seq {bigint} NOT NULL,
+            first_retained_seq {bigint} NOT NULL, terminal INTEGER NOT NULL DEFAULT 0,
+            terminal_state INTEGER NOT NULL DEFAULT 0, create_time DOUBLE PRECISION NOT NULL,
+            close_time DOUBLE PRECISION);
+        CREATE INDEX event_jobs_org ON event_jobs (org);
+        CREATE TABLE events (
+            job TEXT NOT NULL, seq {bigint} NOT NULL, type TEXT NOT NULL, level INTEGER NOT NULL,
+            receive_time DOUBLE PRECISION NOT NULL, body {blob} NOT NULL, PRIMARY KEY (job, seq));
+        CREATE TABLE event_producers (
+            job TEXT NOT NULL, producer_id TEXT NOT NULL, producer_seq {bigint} NOT NULL,
+            seq {bigint} NOT NULL, PRIMARY KEY (job, producer_id, producer_seq));
+        CREATE TABLE metric_points (
+            job TEXT NOT NULL, name TEXT NOT NULL, step {bigint} NOT NULL,
+            value DOUBLE PRECISION NOT NULL, time DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (job, name, step));
+        CREATE TABLE retention_policies (org TEXT PRIMARY KEY, body {blob} NOT NULL)
+        """,
     )
 ]

@@ -5,14 +5,10 @@ from __future__ import annotations
 from mesh.store import Migration
 
 MIGRATIONS = [
-    Migration(
+    Migration.portable(
         1,
         "registered task apps",
-        dialect_sql={
-            "sqlite": "CREATE TABLE task_apps (org TEXT NOT NULL, app_id TEXT NOT NULL, body BLOB NOT NULL,"
-            " PRIMARY KEY (org, app_id))",
-            "postgres": "CREATE TABLE task_apps (org TEXT NOT NULL, app_id TEXT NOT NULL, body BYTEA NOT NULL,"
-            " PRIMARY KEY (org, app_id))",
-        },
+        "CREATE TABLE task_apps (org TEXT NOT NULL, app_id TEXT NOT NULL, body {blob} NOT NULL,"
+        " PRIMARY KEY (org, app_id))",
     )
 ]

@@ -30,14 +30,7 @@ _TABLES = """
 """
 
 MIGRATIONS = [
-    Migration(
-        1,
-        "org keys, secrets, versions, audit log, request ids",
-        dialect_sql={
-            "sqlite": _TABLES.format(blob="BLOB", serial="INTEGER"),
-            "postgres": _TABLES.format(blob="BYTEA", serial="BIGSERIAL"),
-        },
-    ),
+    Migration.portable(1, "org keys, secrets, versions, audit log, request ids", _TABLES),
     Migration(
         2,
         "audit forwarding cursor",
