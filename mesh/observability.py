@@ -62,6 +62,8 @@ def configure_logging(level: str = "INFO", fmt: str = "json", stream: IO[str] | 
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # httpx logs every request at INFO; the proxy's own rpc line already records each rollout.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
 
 
 class JsonLinesSpanExporter(SpanExporter):

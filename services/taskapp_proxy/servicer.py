@@ -38,6 +38,7 @@ pb = taskapp_service_pb2
 Context = grpc.aio.ServicerContext[Any, Any]
 log = logging.getLogger("tandem.taskapp_proxy")
 Outcome = event_pb2.RolloutCompleted
+APP_CACHE_S = 2.0
 
 
 def _now() -> timestamp_pb2.Timestamp:
@@ -138,6 +139,7 @@ class TaskAppServiceServicer(taskapp_service_pb2_grpc.TaskAppServiceServicer):
         self._keys = keys
         self._events = events
         self._config = config
+        self._apps: dict[str, tuple[task_app_pb2.TaskApp, float]] = {}
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -146,15 +148,22 @@ class TaskAppServiceServicer(taskapp_service_pb2_grpc.TaskAppServiceServicer):
         if principal.kind != "service" and principal.org != org:
             raise NotFound(f"{name} not found", reason=R.ERROR_REASON_TASK_APP_NOT_FOUND)
 
-    async def _load(self, name: str) -> task_app_pb2.TaskApp:
+    async def _load(self, name: str, *, cached: bool = False) -> task_app_pb2.TaskApp:
+        """The registered app. Rollouts may use a copy up to `APP_CACHE_S` old (registrations change rarely;
+        a replica that did not see a change catches up within that time); everything else reads the store."""
         _, org, _, app_id = name.split("/")
         self._visible(org, name)
+        hit = self._apps.get(name) if cached else None
+        if hit is not None and time.monotonic() - hit[1] < APP_CACHE_S:
+            return hit[0]
         row = await self._db.fetchone(
             "SELECT body FROM task_apps WHERE org = ? AND app_id = ?", (org, app_id)
         )
         if row is None:
+            self._apps.pop(name, None)
             raise NotFound(f"{name} not found", reason=R.ERROR_REASON_TASK_APP_NOT_FOUND)
         app = task_app_pb2.TaskApp.FromString(bytes(row["body"]))
+        self._apps[name] = (app, time.monotonic())
         if self._runner.breaker_open(app.name):
             app.state = task_app_pb2.TaskApp.STATE_CIRCUIT_OPEN
         return app
@@ -272,6 +281,7 @@ class TaskAppServiceServicer(taskapp_service_pb2_grpc.TaskAppServiceServicer):
         app = await self._load(request.name)
         _, org, _, app_id = request.name.split("/")
         await self._db.execute("DELETE FROM task_apps WHERE org = ? AND app_id = ?", (org, app_id))
+        self._apps.pop(app.name, None)
         self._runner.forget(app.name)
         return pb.DeleteTaskAppResponse()
 
@@ -297,7 +307,7 @@ class TaskAppServiceServicer(taskapp_service_pb2_grpc.TaskAppServiceServicer):
     async def _rollout(
         self, app_name: str, spec: rollout_pb2.RolloutSpec, job: str
     ) -> rollout_pb2.RolloutResult:
-        app = await self._load(app_name)
+        app = await self._load(app_name, cached=True)
         if job and job.split("/")[1] != app_name.split("/")[1]:
             raise NotFound(f"{app_name} not found", reason=R.ERROR_REASON_TASK_APP_NOT_FOUND)
         result = await self._runner.rollout(app, self._limits(app), spec)
