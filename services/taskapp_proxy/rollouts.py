@@ -22,6 +22,8 @@ import httpx
 from google.protobuf import json_format
 from tandem.taskapp.v1 import rollout_pb2, task_app_pb2
 
+from tandem_taskapp import schema
+
 Kind = rollout_pb2.RolloutError.Kind
 KeyFetcher = Callable[[str], Awaitable[str]]
 RETRYABLE_STATUS = frozenset({502, 503, 504})
@@ -124,6 +126,12 @@ def parse_result(raw: bytes, correlation_id: str) -> rollout_pb2.RolloutResult:
     if not all(math.isfinite(float(r)) for r in rewards):
         return rollout_pb2.RolloutResult(
             error=_error(Kind.KIND_NON_FINITE_REWARD, "a reward is NaN or infinite")
+        )
+    violations = schema.errors("RolloutResponse", body, limit=3)
+    if violations:
+        where = "; ".join(f"{v['path']}: {v['message']}" for v in violations)
+        return rollout_pb2.RolloutResult(
+            error=_error(Kind.KIND_MALFORMED_RESPONSE, f"the answer breaks the contract's schema: {where}")
         )
     kept = {k: body[k] for k in ("trace_correlation_id", "metrics", "trajectory", "aborted") if k in body}
     try:

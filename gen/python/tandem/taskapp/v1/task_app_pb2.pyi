@@ -87,7 +87,7 @@ class TaskApp(_message.Message):
     """
     secret_name: _builtins.str
     """Optional. The vault secret holding the app's environment key, `orgs/{org}/secrets/{secret}`, in the
-    app's organization; empty means the app takes no key (then the `auth_enforced` check is skipped). The
+    app's organization; empty means the app takes no key (then the auth checks are skipped). The
     proxy opens it at call time, so a new secret version takes effect on the next rollout without
     re-registering.
     """
@@ -205,12 +205,15 @@ class CheckResult(_message.Message):
     DETAIL_FIELD_NUMBER: _builtins.int
     DURATION_FIELD_NUMBER: _builtins.int
     check: _builtins.str
-    """Output only. The stable check name: `reachable` (TCP/TLS connect), `health` (`GET /health` answers 200
-    with the key), `auth_enforced` (`GET /health` without the key answers 401 or 403), `task_info`
-    (`GET /task_info` answers a JSON object), `rollout_schema` (`POST /rollout` with `max_turns = 1` and the
-    proxy's stub policy, which answers every chat completion with a fixed message, returns a result that
-    parses, echoes the correlation id and has a finite reward). New checks may be
-    added; clients display unknown names as they are.
+    """Output only. The stable check name, as the conformance kit (`tandem taskapp check`) reports it:
+    `health` (`GET /health` answers 200 and reveals no key material), `auth_missing_key` and `auth_wrong_key`
+    (calls without the key or with a wrong one answer 401 without echoing it), `auth_bearer`
+    (`Authorization: Bearer` works too), `task_info_schema`, `task_info_deterministic` (the same seed gives
+    the same answer), `rollout_schema` (a rollout against the kit's stub policy returns a result that
+    validates and has a finite reward), `correlation_id_echo`, `correlation_id_propagated` (the policy saw
+    the correlation id), `timeout_behaviour` (a rollout past `limits.max_seconds` comes back aborted or
+    failed, not hung) and `idempotent_repeat`. New checks may be added; clients display unknown names as
+    they are.
     """
     passed: _builtins.bool
     """Output only. Whether the check passed."""

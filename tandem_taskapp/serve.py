@@ -1,0 +1,131 @@
+"""Serve a Task App: `python -m tandem_taskapp.serve path/to/app.py --port 8001` (also
+`tandem taskapp serve path/to/app.py`).
+
+The file (or a dotted module name, optionally `module:attribute`) must define a module-level
+`app: TaskApp`. The environment key comes from `ENVIRONMENT_API_KEY`, or from the first line of standard
+input with `--key-from-stdin`; it is never logged or printed."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+import uvicorn
+
+from tandem_taskapp.app import TaskApp, create_app
+
+KEY_ENV = "ENVIRONMENT_API_KEY"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8001
+
+
+def load_task_app(path_or_module: str) -> TaskApp:
+    """The `TaskApp` named by a file path (`path/to/app.py[:attr]`) or module (`pkg.mod[:attr]`);
+    `attr` defaults to `app`."""
+    target, attr = path_or_module, "app"
+    head, sep, tail = path_or_module.rpartition(":")
+    if sep and tail.isidentifier() and not (len(head) == 1 and head.isalpha()):
+        target, attr = head, tail
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        path = Path(target).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"no such Task App file: {target}")
+        mod_name = "tandem_taskapp_user_" + re.sub(r"\W", "_", path.stem)
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {target}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    app = getattr(module, attr, None)
+    if not isinstance(app, TaskApp):
+        raise TypeError(f"{target} must define a module-level `{attr}: TaskApp` (found {type(app).__name__})")
+    return app
+
+
+def serve(
+    path_or_module: str | TaskApp,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    api_key: str | None = None,
+    *,
+    require_key: bool = True,
+    public_health: bool = True,
+    log_level: str = "info",
+) -> None:
+    """Load the Task App and serve it with uvicorn until interrupted. `api_key` None reads
+    `ENVIRONMENT_API_KEY`; with `require_key=False` a missing key serves without authentication."""
+    task_app = path_or_module if isinstance(path_or_module, TaskApp) else load_task_app(path_or_module)
+    key = api_key if api_key is not None else os.environ.get(KEY_ENV) or None
+    if key is None and require_key:
+        raise ValueError(f"no environment key: set {KEY_ENV} or pass --key-from-stdin")
+    asgi = create_app(task_app, key, public_health=public_health)
+    uvicorn.run(asgi, host=host, port=port, log_level=log_level, access_log=False, server_header=False)
+
+
+def _read_key(stream: TextIO) -> str:
+    key = stream.readline().strip()
+    if not key:
+        raise ValueError("--key-from-stdin: standard input's first line is empty")
+    return key
+
+
+def build_parser(prog: str = "tandem taskapp serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Serve a Task App over the Tandem Task App contract.")
+    p.add_argument(
+        "path", help="the app file (path/to/app.py[:attr]) or module (pkg.mod[:attr]); attr defaults to app"
+    )
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"interface to listen on (default {DEFAULT_HOST})")
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})"
+    )
+    p.add_argument(
+        "--key-from-stdin",
+        action="store_true",
+        help=f"read the environment key from the first line of standard input instead of ${KEY_ENV}",
+    )
+    p.add_argument(
+        "--no-auth", action="store_true", help="serve without an environment key (local experiments only)"
+    )
+    p.add_argument("--private-health", action="store_true", help="require the key on GET /health too")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "tandem taskapp serve") -> int:
+    """The command line: `serve PATH [--host H] [--port P] [--key-from-stdin] [--no-auth]`. Answers the exit
+    status: 0 after a clean shutdown, 2 for a usage or loading error."""
+    args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        key: str | None = _read_key(sys.stdin) if args.key_from_stdin else os.environ.get(KEY_ENV) or None
+        if key is None and not args.no_auth:
+            raise ValueError(f"no environment key: set {KEY_ENV}, pass --key-from-stdin, or --no-auth")
+        task_app = load_task_app(args.path)
+    except (ValueError, OSError, ImportError, TypeError, SyntaxError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if key is None:
+        print(f"{prog}: warning: serving {task_app.name} WITHOUT authentication", file=sys.stderr)
+    serve(
+        task_app,
+        args.host,
+        args.port,
+        key,
+        require_key=False,
+        public_health=not args.private_health,
+        log_level=args.log_level,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(prog="python -m tandem_taskapp.serve"))

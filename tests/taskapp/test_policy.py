@@ -1,0 +1,131 @@
+"""Policy, the SDK's OpenAI-compatible client, against the fake policy server (in process)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tandem_taskapp import Message, Policy, PolicyConfig, PolicyError, Turn, TurnLimitReached
+from tandem_taskapp.testing import FakePolicyServer
+
+CONFIG = PolicyConfig(model="tiny", inference_url="http://policy.test/v1/traces/ep-1", temperature=0.5)
+
+
+@pytest.fixture
+def server() -> FakePolicyServer:
+    return FakePolicyServer(["first", "second", "third"])
+
+
+@pytest.fixture
+async def client(server: FakePolicyServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app)) as c:
+        yield c
+
+
+def make(client: httpx.AsyncClient, **kwargs: Any) -> Policy:
+    return Policy(CONFIG, trace_correlation_id="ep-1", client=client, **kwargs)
+
+
+async def test_chat_sends_the_config_and_answers_the_text(
+    server: FakePolicyServer, client: httpx.AsyncClient
+) -> None:
+    policy = make(client)
+    assert await policy.chat([{"role": "user", "content": "hi"}]) == "first"
+    [req] = server.requests
+    assert req.path == "/v1/traces/ep-1/chat/completions"
+    assert req.body == {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5}
+    assert req.headers["x-trace-correlation-id"] == "ep-1"
+    assert req.headers["traceparent"].startswith("00-")
+    assert policy.last_response is not None
+    assert policy.last_response["object"] == "chat.completion"
+    assert policy.last_response["choices"][0]["message"]["content"] == "first"
+
+
+async def test_overrides_and_raw_completions(server: FakePolicyServer, client: httpx.AsyncClient) -> None:
+    policy = make(client)
+    raw = await policy.complete([Message("user", "hi")], temperature=0, stop=["\n"], max_completion_tokens=3)
+    assert raw["choices"][0]["message"]["content"] == "first"
+    assert server.requests[0].body["temperature"] == 0
+    assert server.requests[0].body["stop"] == ["\n"]
+    assert server.requests[0].body["max_completion_tokens"] == 3
+
+
+async def test_turns_hold_what_is_new_then_the_reply(client: httpx.AsyncClient) -> None:
+    policy = make(client)
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": "rules"},
+        {"role": "user", "content": "go"},
+    ]
+    reply = await policy.chat(history)
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Higher."}]
+    await policy.chat(history)
+    await policy.chat([{"role": "user", "content": "fresh"}])  # not a continuation: recorded whole
+    assert policy.turns == [
+        Turn.of(Message("system", "rules"), Message("user", "go"), Message("assistant", "first")),
+        Turn.of(Message("user", "Higher."), Message("assistant", "second")),
+        Turn.of(Message("user", "fresh"), Message("assistant", "third")),
+    ]
+    assert policy.turns_used == 3
+
+
+async def test_the_turn_limit(server: FakePolicyServer, client: httpx.AsyncClient) -> None:
+    policy = make(client, max_turns=2)
+    assert policy.turns_left == 2
+    await policy.chat([{"role": "user", "content": "1"}])
+    await policy.chat([{"role": "user", "content": "2"}])
+    assert policy.turns_left == 0
+    with pytest.raises(TurnLimitReached) as info:
+        await policy.chat([{"role": "user", "content": "3"}])
+    assert info.value.max_turns == 2
+    assert len(server.requests) == 2
+
+
+async def test_an_error_status_is_a_policy_error(server: FakePolicyServer, client: httpx.AsyncClient) -> None:
+    server.status_code = 500
+    with pytest.raises(PolicyError) as info:
+        await make(client).chat([{"role": "user", "content": "x"}])
+    assert info.value.status_code == 500
+    assert "policy.test" not in str(info.value)
+
+
+async def test_an_unreachable_policy_is_a_policy_error_without_the_url() -> None:
+    config = PolicyConfig(model="m", inference_url="http://user:pw@127.0.0.1:9/v1")
+    async with Policy(config, trace_correlation_id="ep-2", timeout=5) as policy:
+        with pytest.raises(PolicyError) as info:
+            await policy.chat([{"role": "user", "content": "x"}])
+    assert "pw" not in str(info.value)
+    assert "127.0.0.1" not in str(info.value)
+
+
+async def test_a_body_that_is_not_a_completion_is_a_policy_error() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"nope": True})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+        with pytest.raises(PolicyError, match="not a chat completion"):
+            await make(c).chat([{"role": "user", "content": "x"}])
+
+
+async def test_content_parts_and_tool_calls_are_recorded_as_text() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        msg = {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}
+        return httpx.Response(200, json={"choices": [{"message": msg}]})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as c:
+        policy = make(c)
+        parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+        assert await policy.chat([{"role": "user", "content": parts}]) == ""
+    [turn] = policy.turns
+    assert turn.messages[0] == Message("user", "ab")
+    assert '"tool_calls"' not in turn.messages[1].content
+    assert '"function"' in turn.messages[1].content
+
+
+async def test_scripted_and_callable_replies(client: httpx.AsyncClient) -> None:
+    fake = FakePolicyServer(lambda messages, body: str(len(messages)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=fake.app)) as c:
+        assert await make(c).chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "2"
+    assert fake.requests_for("ep-1")[0].messages[1]["content"] == "b"
