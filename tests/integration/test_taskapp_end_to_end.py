@@ -166,3 +166,29 @@ async def test_multi_turn_and_math_apps_register_and_play(mesh: Mesh, script: st
         assert 0.0 <= reply.result.metrics.outcome_reward <= 1.0
         assert len(policy.requests_for(correlation)) >= 1
         await channel.close()
+
+
+def test_the_cli_checks_an_app_with_the_key_from_stdin() -> None:
+    with example_app("guessing_game.py") as url:
+        good = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "taskapp", "check", url, "--key-from-stdin"],
+            cwd=ROOT,
+            input=KEY,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        bad = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "taskapp", "check", url, "--key-from-stdin"],
+            cwd=ROOT,
+            input="not-the-key",
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "FAIL" not in good.stdout and "rollout_schema" in good.stdout
+    assert bad.returncode == 1 and "FAIL" in bad.stdout
+    assert KEY not in good.stdout + good.stderr + bad.stdout + bad.stderr
