@@ -54,7 +54,7 @@ class Policy:
         self._owns_client = client is None
         self._timeout = timeout
         self._headers = dict(headers or {})
-        self._parent_context = parent_context
+        self._parent_context = _episode_context(parent_context, trace_correlation_id)
         self._turns: list[Turn] = []
         self._history: list[Message] = []
         self.turns_used = 0
@@ -178,25 +178,16 @@ class Policy:
         if span.is_recording():
             propagate.inject(headers)
             return
-        # No tracing SDK is configured: still send a valid traceparent, a child of the incoming request's
-        # trace when there is one, else of a trace id derived from the correlation id, so every call of the
-        # episode shares one trace.
+        # No tracing SDK is configured: still send a valid traceparent, a fresh child of the episode's
+        # context (see _episode_context), so every call of the episode shares one trace.
         parent = trace.get_current_span(self._parent_context).get_span_context()
-        if parent.is_valid:
-            child = SpanContext(
-                trace_id=parent.trace_id,
-                span_id=_new_span_id(),
-                is_remote=False,
-                trace_flags=parent.trace_flags,
-                trace_state=parent.trace_state,
-            )
-        else:
-            child = SpanContext(
-                trace_id=trace_id_for(self.trace_correlation_id),
-                span_id=_new_span_id(),
-                is_remote=False,
-                trace_flags=TraceFlags(TraceFlags.SAMPLED),
-            )
+        child = SpanContext(
+            trace_id=parent.trace_id,
+            span_id=_new_span_id(),
+            is_remote=False,
+            trace_flags=parent.trace_flags,
+            trace_state=parent.trace_state,
+        )
         propagate.inject(
             headers, context=trace.set_span_in_context(NonRecordingSpan(child), self._parent_context)
         )
@@ -240,3 +231,18 @@ def _first_message(response: Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(choice.get("text"), str):  # a completions-style choice
         return {"role": "assistant", "content": choice["text"]}
     raise PolicyError("policy answered a choice without a message")
+
+
+def _episode_context(parent: Context | None, trace_correlation_id: str) -> Context:
+    """The context every policy call of the episode is a child of, so the episode is one trace: the incoming
+    request's trace when it carried one, else a trace whose id is derived from the correlation id."""
+    if trace.get_current_span(parent).get_span_context().is_valid:
+        assert parent is not None
+        return parent
+    root = SpanContext(
+        trace_id=trace_id_for(trace_correlation_id),
+        span_id=_new_span_id(),
+        is_remote=True,
+        trace_flags=TraceFlags(TraceFlags.SAMPLED),
+    )
+    return trace.set_span_in_context(NonRecordingSpan(root), parent)
