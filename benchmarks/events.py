@@ -47,20 +47,19 @@ import math
 import os
 import secrets
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import nacl.signing
+from _children import Child, child_process, free_port, serve_until_signal
 from google.protobuf import duration_pb2, timestamp_pb2
 from tandem.common.v1 import types_pb2
 from tandem.events.v1 import event_pb2, events_service_pb2, events_service_pb2_grpc
@@ -69,7 +68,6 @@ from mesh.identity import TokenSigner
 
 pb = events_service_pb2
 SCRIPT = Path(__file__).resolve()
-ROOT = SCRIPT.parents[1]
 ORG = "bench"
 RING_SIZE = 8192  # the baseline keeps as many recent events for replay as tandem's in-memory window
 SUBSCRIBER_CHANNELS = 5  # 50 subscribers over 5 connections, publishers on a connection of their own
@@ -226,57 +224,10 @@ class BaselineServicer(events_service_pb2_grpc.EventServiceServicer):
 async def serve_baseline(port: int) -> None:
     server = grpc.aio.server()
     events_service_pb2_grpc.add_EventServiceServicer_to_server(BaselineServicer(), server)  # type: ignore[abstract]
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(0.5)
+    await serve_until_signal(server, port)
 
 
 # ---- child processes ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    def tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
-
-@contextlib.contextmanager
-def child_process(
-    name: str, argv: Sequence[str], env: dict[str, str], port: int, folder: Path
-) -> Iterator[Child]:
-    """Start a child with its output in a log file; always stop it (SIGINT, then SIGKILL)."""
-    log_path = folder / f"{name}.log"
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        yield Child(name, proc, port, log_path)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def events_env(state_dir: Path, port: int, seed_hex: str, store_url: str) -> dict[str, str]:
@@ -759,8 +710,8 @@ async def run_benchmark(store: str, plan: Plan) -> int:
                 "events",
                 [sys.executable, "-m", "services.events"],
                 events_env(folder / "state", events_port, seed, store_url),
-                events_port,
                 folder,
+                port=events_port,
             )
         )
         baseline_child = stack.enter_context(
@@ -768,8 +719,8 @@ async def run_benchmark(store: str, plan: Plan) -> int:
                 "baseline",
                 [sys.executable, str(SCRIPT), "--serve-baseline", str(baseline_port)],
                 dict(os.environ),
-                baseline_port,
                 folder,
+                port=baseline_port,
             )
         )
         targets = [Target("tandem", events_child, metadata), Target("baseline", baseline_child, metadata)]

@@ -56,12 +56,10 @@ import math
 import os
 import secrets
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +67,7 @@ from typing import Any
 import grpc
 import httpx
 import nacl.signing
+from _children import Child, child_process, free_port
 from google.protobuf import duration_pb2
 from tandem.taskapp.v1 import rollout_pb2, task_app_pb2, taskapp_service_pb2, taskapp_service_pb2_grpc
 from tandem.vault.v1 import vault_service_pb2, vault_service_pb2_grpc
@@ -80,7 +79,6 @@ from services.taskapp_proxy.rollouts import spec_json
 
 pb = taskapp_service_pb2
 SCRIPT = Path(__file__).resolve()
-ROOT = SCRIPT.parents[1]
 ORG = "bench"
 APP_ID = "trivial"
 APP_NAME = f"orgs/{ORG}/taskApps/{APP_ID}"
@@ -179,50 +177,6 @@ def serve_app(port: int, key: str) -> None:
 
 
 # ---- child processes ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    def log(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")
-        return ""
-
-    def tail(self, lines: int = 20) -> str:
-        return "\n".join(self.log().splitlines()[-lines:])
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
-
-
-@contextlib.contextmanager
-def child_process(name: str, argv: Sequence[str], env: dict[str, str], folder: Path) -> Iterator[Child]:
-    """Start a child with its output in a log file; always stop it (SIGINT, then SIGKILL)."""
-    log_path = folder / f"{name}.log"
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        yield Child(name, proc, log_path)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def mesh_env(state_dir: Path, seed_hex: str) -> tuple[dict[str, str], dict[str, int]]:

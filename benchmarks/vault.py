@@ -45,13 +45,10 @@ import contextlib
 import math
 import os
 import secrets
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +56,7 @@ from typing import Any
 import grpc
 import nacl.public
 import nacl.signing
+from _children import Child, child_process, free_port, serve_until_signal
 from google.protobuf import timestamp_pb2
 from google.protobuf.message import Message
 from tandem.vault.v1 import secret_pb2, vault_service_pb2, vault_service_pb2_grpc
@@ -69,7 +67,6 @@ from services.vault import crypto
 pb = vault_service_pb2
 Stub = vault_service_pb2_grpc.VaultServiceStub
 SCRIPT = Path(__file__).resolve()
-ROOT = SCRIPT.parents[1]
 ORG = "bench"
 START_TIMEOUT_S = 60.0
 CALL_TIMEOUT_S = 30.0
@@ -145,57 +142,10 @@ async def serve_baseline(port: int, value_bytes: int) -> None:
     server = grpc.aio.server()
     servicer = BaselineServicer(value_bytes)  # type: ignore[abstract]  # two methods are all it serves
     vault_service_pb2_grpc.add_VaultServiceServicer_to_server(servicer, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(0.5)
+    await serve_until_signal(server, port)
 
 
 # ---- child processes ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    def tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
-
-@contextlib.contextmanager
-def child_process(
-    name: str, argv: Sequence[str], env: dict[str, str], port: int, folder: Path
-) -> Iterator[Child]:
-    """Start a child with its output in a log file; always stop it (SIGINT, then SIGKILL)."""
-    log_path = folder / f"{name}.log"
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-    try:
-        yield Child(name, proc, port, log_path)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def vault_env(state_dir: Path, port: int, seed_hex: str, store_url: str) -> dict[str, str]:
@@ -553,8 +503,8 @@ async def run_benchmark(store: str, plan: Plan) -> int:
                 "vault",
                 [sys.executable, "-m", "services.vault"],
                 vault_env(folder / "state", vault_port, seed, store_url),
-                vault_port,
                 folder,
+                port=vault_port,
             )
         )
         baseline_child = stack.enter_context(
@@ -569,8 +519,8 @@ async def run_benchmark(store: str, plan: Plan) -> int:
                     str(plan.value_bytes),
                 ],
                 dict(os.environ),
-                baseline_port,
                 folder,
+                port=baseline_port,
             )
         )
         vault, baseline = Target("vault", vault_child, plan), Target("baseline", baseline_child, plan)
