@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import logging
 import time
@@ -105,13 +106,19 @@ def _passthrough(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], b
     return serialize
 
 
-async def _drain(result: Any) -> AsyncIterator[Any]:
-    """Iterate a streaming behavior's result, whether an async generator or a coroutine using write()."""
+def _stream_of(result: Any) -> AsyncIterator[Any]:
+    """A streaming behavior's result as an async iterator, whether it is one already or a coroutine that
+    sends with write()."""
     if inspect.isasyncgen(result) or hasattr(result, "__aiter__"):
-        async for item in result:
-            yield item
-    else:
-        await result
+        iterator: AsyncIterator[Any] = result
+        return iterator
+    return _drain(result)
+
+
+async def _drain(result: Awaitable[Any]) -> AsyncIterator[Any]:
+    await result
+    return
+    yield  # an async generator that yields nothing
 
 
 class _Interceptor(grpc.aio.ServerInterceptor):
@@ -129,6 +136,9 @@ class _Interceptor(grpc.aio.ServerInterceptor):
         return self.wrap(method, handler)
 
     def wrap(self, method: str, handler: Handler) -> Handler:
+        return _rewrap(handler, self._wrap_unary(method), self._wrap_stream(method))
+
+    def _wrap_unary(self, method: str) -> Callable[[Behavior], Behavior]:
         def wrap_unary(behavior: Behavior) -> Behavior:
             async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 async def proceed() -> Any:
@@ -138,15 +148,19 @@ class _Interceptor(grpc.aio.ServerInterceptor):
 
             return unary
 
+        return wrap_unary
+
+    def _wrap_stream(self, method: str) -> Callable[[Behavior], Behavior]:
         def wrap_stream(behavior: Behavior) -> Behavior:
-            async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-                # The whole stream runs inside one `around_stream`, yielding as it goes.
-                async for item in self.around_stream(method, context, _drain(behavior(request, context))):
-                    yield item
+            # The whole stream runs inside one `around_stream`, yielding as it goes; the inner behavior is
+            # opened inside it too, so its errors meet this interceptor. A plain function returning the
+            # generator, so each streamed message passes one generator per interceptor, not three.
+            def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+                return self.around_stream(method, context, lambda: _stream_of(behavior(request, context)))
 
             return stream
 
-        return _rewrap(handler, wrap_unary, wrap_stream)
+        return wrap_stream
 
     async def around(
         self, method: str, context: grpc.aio.ServicerContext[Any, Any], proceed: Callable[[], Awaitable[Any]]
@@ -155,10 +169,13 @@ class _Interceptor(grpc.aio.ServerInterceptor):
         return await proceed()
 
     async def around_stream(
-        self, method: str, context: grpc.aio.ServicerContext[Any, Any], stream: AsyncIterator[Any]
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext[Any, Any],
+        open_stream: Callable[[], AsyncIterator[Any]],
     ) -> AsyncIterator[Any]:
         await self.before(method, context)
-        async for item in stream:
+        async for item in open_stream():
             yield item
 
     async def before(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -225,14 +242,22 @@ class RequestContextInterceptor(_Interceptor):
             self._log(method, context, started, error)
             request_id_var.reset(token)
 
-    async def around_stream(
-        self, method: str, context: grpc.aio.ServicerContext[Any, Any], stream: AsyncIterator[Any]
+    def _wrap_stream(self, method: str) -> Callable[[Behavior], Behavior]:
+        # The outermost interceptor: gRPC runs a streaming behavior as an async generator only when the
+        # function itself is one (a bound partial of one counts), so this one is a generator function.
+        def wrap_stream(behavior: Behavior) -> Behavior:
+            return functools.partial(self._stream, method, behavior)
+
+        return wrap_stream
+
+    async def _stream(
+        self, method: str, behavior: Behavior, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
         rid, token = self._start(context)
         started = time.perf_counter()
         error: BaseException | None = None
         try:
-            async for item in stream:
+            async for item in _stream_of(behavior(request, context)):
                 yield item
         except Exception as exc:
             error = exc
@@ -329,9 +354,10 @@ class ValidationInterceptor(_Interceptor):
             return unary
 
         def wrap_stream(behavior: Behavior) -> Behavior:
-            async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-                async for item in _drain(behavior(prepare(request), context)):
-                    yield item
+            # No generator of its own: the interceptors outside open this inside theirs, so a request that
+            # fails its checks raises there, where errors become status.
+            def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+                return _stream_of(behavior(prepare(request), context))
 
             return stream
 

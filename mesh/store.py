@@ -14,17 +14,17 @@ import asyncio
 import sqlite3
 import time
 import zlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-import aiosqlite
+from typing import Any, Literal, TypeVar
 
 Dialect = Literal["sqlite", "postgres"]
 Row = dict[str, Any]
 Params = Sequence[Any]
+T = TypeVar("T")
 
 
 class StoreError(Exception):
@@ -37,12 +37,15 @@ class IntegrityError(StoreError):
 
 @dataclass(frozen=True)
 class Migration:
-    """One schema step. `sql` is shared; `dialect_sql` overrides it per dialect. Statements split on ';'."""
+    """One schema step. `sql` is shared; `dialect_sql` overrides it per dialect. Statements split on ';'.
+    `program`, when given, runs after the statements in the same transaction: a data migration written as
+    a transaction program (see `Program`), given the dialect."""
 
     version: int
     name: str
     sql: str = ""
     dialect_sql: Mapping[Dialect, str] | None = None
+    program: Callable[[Dialect], Program[None]] | None = None
 
     @classmethod
     def portable(cls, version: int, name: str, template: str) -> Migration:
@@ -57,6 +60,38 @@ class Migration:
     def for_dialect(self, dialect: Dialect) -> list[str]:
         text = (self.dialect_sql or {}).get(dialect, self.sql)
         return [s.strip() for s in text.split(";") if s.strip()]
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """A statement whose rows the program receives."""
+
+    sql: str
+    params: Params = ()
+
+
+@dataclass(frozen=True)
+class Execute:
+    """A statement whose affected row count the program receives."""
+
+    sql: str
+    params: Params = ()
+
+
+@dataclass(frozen=True)
+class ExecuteMany:
+    """One statement over many parameter rows; the program receives None."""
+
+    sql: str
+    rows: Sequence[Params]
+
+
+Statement = Fetch | Execute | ExecuteMany
+Program = Generator[Statement, Any, T]
+"""A transaction written once for both stores: a generator that yields statements, is sent each result, and
+returns its result. `Database.run` commits it when it returns and rolls it back when it raises or one of
+its statements fails (PostgreSQL accepts nothing more in a transaction after a failed statement, so the
+program is not asked to carry on)."""
 
 
 class Executor(abc.ABC):
@@ -89,6 +124,11 @@ class Database(Executor):
         """`async with db.transaction() as tx:` commits on success, rolls back on error."""
         ...
 
+    async def run(self, program: Program[T]) -> T:
+        """Run a transaction program in one transaction."""
+        async with self.transaction() as tx:
+            return await _drive(tx, program)
+
     @abc.abstractmethod
     async def close(self) -> None: ...
 
@@ -119,6 +159,8 @@ class Database(Executor):
                     continue
                 for statement in migration.for_dialect(self.dialect):
                     await tx.execute(statement)
+                if migration.program is not None:
+                    await _drive(tx, migration.program(self.dialect))
                 await tx.execute(
                     "INSERT INTO tandem_migrations (service, version, name, applied_at) VALUES (?, ?, ?, ?)",
                     (service, migration.version, migration.name, time.time()),
@@ -131,48 +173,159 @@ class Database(Executor):
         return None
 
 
+async def _drive(tx: Executor, program: Program[T]) -> T:
+    """Run a transaction program's statements on `tx`, sending each result back, until it returns. A failed
+    statement ends the program (it is closed, its `finally` blocks run) and the error comes out of here."""
+    try:
+        statement = next(program)
+        while True:
+            try:
+                result = await _run_async(tx, statement)
+            except BaseException:
+                program.close()
+                raise
+            statement = program.send(result)
+    except StopIteration as stop:
+        value: T = stop.value
+        return value
+
+
+async def _run_async(tx: Executor, statement: Statement) -> Any:
+    if isinstance(statement, Fetch):
+        return await tx.fetchall(statement.sql, statement.params)
+    if isinstance(statement, ExecuteMany):
+        return await tx.executemany(statement.sql, statement.rows)
+    return await tx.execute(statement.sql, statement.params)
+
+
 def _sqlite_path(url: str) -> str:
     path = url.removeprefix("sqlite:///")
     return path if path == ":memory:" else str(Path(path))
 
 
-class _SqliteTx(Executor):
+class _SqliteConnection:
+    """A sqlite3 connection that lives on one thread of its own: every call runs there, in the order it was
+    made, so the event loop never blocks on SQLite and a statement always finishes (and closes) on the
+    thread even when the coroutine that asked for it was cancelled."""
+
+    def __init__(self, conn: sqlite3.Connection, thread: ThreadPoolExecutor) -> None:
+        self.raw = conn
+        self._thread = thread
+
+    @classmethod
+    async def open(cls, path: str, synchronous: str) -> _SqliteConnection:
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-sqlite")
+
+        def connect() -> sqlite3.Connection:
+            conn = sqlite3.connect(path, isolation_level=None, timeout=30.0, check_same_thread=False)
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA busy_timeout=30000")
+            _enable_wal(conn)
+            conn.execute(f"PRAGMA synchronous={synchronous}")
+            conn.execute("PRAGMA foreign_keys=ON")
+            return conn
+
+        try:
+            conn = await asyncio.get_running_loop().run_in_executor(thread, connect)
+        except BaseException:
+            thread.shutdown(wait=False)
+            raise
+        return cls(conn, thread)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def close(self) -> None:
+        await self.call(self.raw.close)
+        self._thread.shutdown(wait=True)
+
+
+def _sqlite_execute(conn: sqlite3.Connection, sql: str, params: Params) -> int:
+    try:
+        return conn.execute(sql, tuple(params)).rowcount
+    except sqlite3.IntegrityError as exc:
+        raise IntegrityError(str(exc)) from exc
+
+
+def _sqlite_executemany(conn: sqlite3.Connection, sql: str, rows: Sequence[Params]) -> None:
+    try:
+        conn.executemany(sql, [tuple(r) for r in rows])
+    except sqlite3.IntegrityError as exc:
+        raise IntegrityError(str(exc)) from exc
+
+
+def _sqlite_fetchall(conn: sqlite3.Connection, sql: str, params: Params) -> list[Row]:
+    # Runs, fetches and closes the statement in one call, so no open statement pins an old snapshot.
+    return [dict(r) for r in conn.execute(sql, tuple(params)).fetchall()]
+
+
+class _SqliteThreadTx(Executor):
+    """Statements run directly on the connection: for code already on the connection's thread. Its
+    coroutines never suspend, so `_run_to_completion` can run them without an event loop."""
+
     dialect: Dialect = "sqlite"
 
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn
 
     async def execute(self, sql: str, params: Params = ()) -> int:
-        try:
-            cursor = await self._conn.execute(sql, tuple(params))
-        except sqlite3.IntegrityError as exc:
-            raise IntegrityError(str(exc)) from exc
-        return cursor.rowcount
+        return _sqlite_execute(self._conn, sql, params)
 
     async def executemany(self, sql: str, rows: Sequence[Params]) -> None:
-        try:
-            await self._conn.executemany(sql, [tuple(r) for r in rows])
-        except sqlite3.IntegrityError as exc:
-            raise IntegrityError(str(exc)) from exc
+        _sqlite_executemany(self._conn, sql, rows)
 
     async def fetchall(self, sql: str, params: Params = ()) -> list[Row]:
-        # One call on the connection's thread runs, fetches and closes the statement, so a caller cancelled
-        # mid-read cannot leave a statement open that pins an old snapshot for every later read.
-        rows = await self._conn.execute_fetchall(sql, tuple(params))
-        return [dict(r) for r in rows]
+        return _sqlite_fetchall(self._conn, sql, params)
 
 
-async def _enable_wal(conn: aiosqlite.Connection) -> None:
+def _run_to_completion(coroutine: Coroutine[Any, Any, T]) -> T:
+    try:
+        coroutine.send(None)
+    except StopIteration as stop:
+        value: T = stop.value
+        return value
+    coroutine.close()
+    raise StoreError("a transaction program on SQLite's thread waited on something other than SQLite")
+
+
+def _sqlite_run_program(conn: sqlite3.Connection, program: Program[T]) -> T:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        result = _run_to_completion(_drive(_SqliteThreadTx(conn), program))
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return result
+
+
+class _SqliteTx(Executor):
+    dialect: Dialect = "sqlite"
+
+    def __init__(self, conn: _SqliteConnection) -> None:
+        self._conn = conn
+
+    async def execute(self, sql: str, params: Params = ()) -> int:
+        return await self._conn.call(_sqlite_execute, self._conn.raw, sql, params)
+
+    async def executemany(self, sql: str, rows: Sequence[Params]) -> None:
+        await self._conn.call(_sqlite_executemany, self._conn.raw, sql, rows)
+
+    async def fetchall(self, sql: str, params: Params = ()) -> list[Row]:
+        return await self._conn.call(_sqlite_fetchall, self._conn.raw, sql, params)
+
+
+def _enable_wal(conn: sqlite3.Connection) -> None:
     # Switching the journal mode needs a moment of exclusive access and does not wait on the busy handler,
     # so replicas opening one file together retry briefly.
     for _ in range(200):
         try:
-            await conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA journal_mode=WAL")
             return
         except sqlite3.OperationalError as exc:
             if "locked" not in str(exc):
                 raise
-            await asyncio.sleep(0.05)
+            time.sleep(0.05)
     raise StoreError("SQLite file stayed locked while enabling WAL")
 
 
@@ -181,7 +334,7 @@ class SqliteDatabase(Database):
 
     dialect: Dialect = "sqlite"
 
-    def __init__(self, url: str, writer: aiosqlite.Connection, reader: aiosqlite.Connection) -> None:
+    def __init__(self, url: str, writer: _SqliteConnection, reader: _SqliteConnection) -> None:
         self.url = url
         self._writer = writer
         self._reader = reader
@@ -192,16 +345,13 @@ class SqliteDatabase(Database):
         path = _sqlite_path(url)
         if path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        conns = []
-        for _ in range(2):
-            conn = await aiosqlite.connect(path, isolation_level=None, timeout=30.0)
-            conn.row_factory = sqlite3.Row
-            await conn.execute("PRAGMA busy_timeout=30000")
-            await _enable_wal(conn)
-            await conn.execute(f"PRAGMA synchronous={synchronous}")
-            await conn.execute("PRAGMA foreign_keys=ON")
-            conns.append(conn)
-        return cls(url, conns[0], conns[1])
+        writer = await _SqliteConnection.open(path, synchronous)
+        try:
+            reader = await _SqliteConnection.open(path, synchronous)
+        except BaseException:
+            await writer.close()
+            raise
+        return cls(url, writer, reader)
 
     async def execute(self, sql: str, params: Params = ()) -> int:
         async with self._write_lock:
@@ -213,13 +363,20 @@ class SqliteDatabase(Database):
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Executor]:
         async with self._write_lock:
-            await self._writer.execute("BEGIN IMMEDIATE")
+            tx = _SqliteTx(self._writer)
+            await tx.execute("BEGIN IMMEDIATE")
             try:
-                yield _SqliteTx(self._writer)
+                yield tx
             except BaseException:
-                await self._writer.execute("ROLLBACK")
+                await tx.execute("ROLLBACK")
                 raise
-            await self._writer.execute("COMMIT")
+            await tx.execute("COMMIT")
+
+    async def run(self, program: Program[T]) -> T:
+        # The whole program, Python between statements included, runs in one call on the writer's thread:
+        # a commit group costs one hand-off between threads, not one per statement.
+        async with self._write_lock:
+            return await self._writer.call(_sqlite_run_program, self._writer.raw, program)
 
     async def close(self) -> None:
         await self._writer.close()

@@ -25,12 +25,21 @@ from google.protobuf import timestamp_pb2
 from tandem.events.v1 import event_pb2, job_stream_pb2, metric_pb2
 
 from mesh.errors import FailedPrecondition, InvalidArgument, NotFound, R, Unavailable
-from mesh.store import Database, Executor
+from mesh.store import Database, Execute, ExecuteMany, Fetch, Program, Row
+from services.events.store import (
+    CHUNK_EVENTS,
+    INSERT_CHUNK,
+    ChunkRow,
+    chunk_row,
+    chunk_rows,
+    decode_chunk,
+)
 
 log = logging.getLogger("tandem.events")
 
 MAX_EVENT_BYTES = 64 * 1024
 READ_BATCH = 512
+CHUNKS_PER_READ = 8
 RING_SIZE = 8192
 NOTIFY_CHANNEL = "tandem_events"
 SERIALIZED_CACHE_SIZE = 256  # serialized Subscribe responses shared by subscribers at one cursor
@@ -82,6 +91,7 @@ class _Pending:
     create: bool
     close_state: int
     future: asyncio.Future[PublishResult]
+    block: tuple[str, int] | None = None  # (producer, first number): one producer, consecutive numbers
 
 
 @dataclass
@@ -133,6 +143,43 @@ class _ProducerCache:
 
     def clear(self) -> None:
         self._jobs.clear()
+
+
+@dataclass
+class _ProducerRun:
+    """One producer's numbers on one job within a commit group: what was committed before (the stored
+    ranges that overlap this group's numbers) and the ranges this group adds. A range maps producer_seqs
+    first..last onto seqs first_seq..first_seq + (last - first), so a producer sending in order costs one
+    stored row per publish, not one per event."""
+
+    high: int  # the highest producer_seq committed before this group, then the highest seen in it
+    stored: list[tuple[int, int, int]] = field(default_factory=list)  # (first, last, first_seq)
+    ranges: list[list[int]] = field(default_factory=list)  # [first, last, first_seq], this group's
+
+    def find(self, number: int) -> int:
+        """The seq `number` was given, or 0 when it has none yet."""
+        for first, last, seq in itertools.chain(self.ranges, self.stored):
+            if first <= number <= last:
+                return seq + number - first
+        return 0
+
+    def add_block(self, number: int, count: int, seq: int) -> None:
+        """Numbers number..number + count - 1 took seqs seq..seq + count - 1."""
+        self.add(number, seq)
+        tail = self.ranges[-1]
+        tail[1] = number + count - 1
+        self.high = max(self.high, tail[1])
+
+    def add(self, number: int, seq: int) -> None:
+        ranges = self.ranges
+        if ranges:
+            tail = ranges[-1]
+            if tail[1] + 1 == number and tail[2] + tail[1] - tail[0] + 1 == seq:
+                tail[1] = number
+                self.high = max(self.high, number)
+                return
+        ranges.append([number, number, seq])
+        self.high = max(self.high, number)
 
 
 @dataclass
@@ -232,7 +279,12 @@ class Broker:
         stop = min(start + limit, len(ring))
         if start == 0 and stop == len(ring):
             return list(ring)
-        return list(itertools.islice(ring, start, stop))
+        if start < len(ring) - stop:
+            return list(itertools.islice(ring, start, stop))
+        # Caught-up readers ask for the newest few: walk from the right end, not over the whole window.
+        newest_first = list(itertools.islice(reversed(ring), len(ring) - stop, len(ring) - start))
+        newest_first.reverse()
+        return newest_first
 
     def serialized(self, key: tuple[Any, ...]) -> tuple[bool, bytes | None]:
         """A response serialized for an earlier subscriber at the same cursor with the same filter."""
@@ -313,12 +365,7 @@ class EventLog:
 
     async def _commit(self, group: list[_Pending]) -> None:
         try:
-            async with self.db.transaction() as tx:
-                applied = await self._apply_group(tx, group)
-                if self.db.dialect == "postgres":
-                    for job, (last_seq, close_state) in applied.jobs.items():
-                        payload = f"{job} {last_seq}" + (f" {close_state}" if close_state else "")
-                        await tx.execute("SELECT pg_notify(?, ?)", (NOTIFY_CHANNEL, payload))
+            applied = await self.db.run(self._commit_program(group))
         except Exception:
             log.exception("event commit failed; nothing in this group was acknowledged")
             self._producers.clear()  # what the failed group learned was never committed
@@ -337,17 +384,19 @@ class EventLog:
             else:
                 pending.future.set_result(outcome)
 
-    async def _apply_group(self, tx: Executor, group: list[_Pending]) -> _Applied:  # noqa: PLR0912, PLR0915
-        """Assign seqs to a whole commit group with one read of its job rows, producer lookups only where a
-        producer_seq could be a retry, and one batched write per table."""
+    def _commit_program(self, group: list[_Pending]) -> Program[_Applied]:  # noqa: PLR0912, PLR0915
+        """One commit group as a transaction program: seqs for the whole group from one read of its job
+        rows, producer lookups only where a producer_seq could be a retry, one batched write per table and,
+        on PostgreSQL, a NOTIFY per job. On SQLite all of it runs on the store's thread in one hand-off."""
+        postgres = self.db.dialect == "postgres"
         now_ns = time.time_ns()  # one receive time for the whole group
         now = now_ns / 1e9
         stamp = timestamp_pb2.Timestamp()
         stamp.FromNanoseconds(now_ns)
         names = sorted({p.job for p in group})
-        lock = " FOR UPDATE" if tx.dialect == "postgres" else ""
+        lock = " FOR UPDATE" if postgres else ""
         marks = ", ".join("?" for _ in names)
-        rows = await tx.fetchall(
+        rows: list[Row] = yield Fetch(
             f"SELECT * FROM event_jobs WHERE job IN ({marks}) ORDER BY job{lock}",  # noqa: S608
             names,
         )
@@ -355,40 +404,62 @@ class EventLog:
         for name, existing in infos.items():
             self._producers.check(name, existing.last_seq)
         # Producer sequences that may be retries: at or below the highest one committed (unknown: ask).
-        known: dict[tuple[str, str, int], int] = {}
-        wanted: dict[tuple[str, str], list[int]] = {}
+        # A publish from one producer with consecutive numbers (the usual shape) is recognised here at C
+        # speed, and its events later take their seqs as a block.
+        spans: dict[tuple[str, str], tuple[int, int]] = {}
         for pending in group:
-            if pending.job not in infos and not pending.create:
+            if (pending.job not in infos and not pending.create) or not pending.events:
+                continue
+            ids = [e.producer_id for e in pending.events]
+            if ids.count(ids[0]) == len(ids):
+                if not ids[0]:
+                    continue
+                numbers = [e.producer_seq for e in pending.events]
+                low, high = min(numbers), max(numbers)
+                if high - low + 1 == len(numbers) and numbers == list(range(low, high + 1)):
+                    pending.block = (ids[0], low)
+                key = (pending.job, ids[0])
+                span = spans.get(key)
+                spans[key] = (low, high) if span is None else (min(span[0], low), max(span[1], high))
                 continue
             for event in pending.events:
                 if event.producer_id:
-                    wanted.setdefault((pending.job, event.producer_id), []).append(event.producer_seq)
-        for (job, producer), numbers in wanted.items():
+                    key = (pending.job, event.producer_id)
+                    number = event.producer_seq
+                    span = spans.get(key)
+                    spans[key] = (
+                        (number, number) if span is None else (min(span[0], number), max(span[1], number))
+                    )
+        runs: dict[tuple[str, str], _ProducerRun] = {}
+        for (job, producer), (low, high) in spans.items():
             if job not in infos:
                 self._producers.fresh(job, producer)
+                runs[job, producer] = _ProducerRun(0)
                 continue
             highest = self._producers.highest(job, producer)
             if highest is None:
-                row = await tx.fetchone(
-                    "SELECT MAX(producer_seq) AS m FROM event_producers WHERE job = ? AND producer_id = ?",
+                top: list[Row] = yield Fetch(
+                    "SELECT MAX(last_producer_seq) AS m FROM event_producer_ranges"
+                    " WHERE job = ? AND producer_id = ?",
                     (job, producer),
                 )
-                highest = int(row["m"]) if row and row["m"] is not None else 0
+                highest = int(top[0]["m"]) if top and top[0]["m"] is not None else 0
                 self._producers.learn(job, producer, highest)
-            low = min(numbers)
-            if low > highest:
-                continue
-            found = await tx.fetchall(
-                "SELECT producer_seq, seq FROM event_producers"
-                " WHERE job = ? AND producer_id = ? AND producer_seq BETWEEN ? AND ?",
-                (job, producer, low, min(max(numbers), highest)),
-            )
-            known.update({(job, producer, int(r["producer_seq"])): int(r["seq"]) for r in found})
+            run = runs[job, producer] = _ProducerRun(highest)
+            if low <= highest:
+                found: list[Row] = yield Fetch(
+                    "SELECT first_producer_seq, last_producer_seq, first_seq FROM event_producer_ranges"
+                    " WHERE job = ? AND producer_id = ? AND last_producer_seq >= ? AND first_producer_seq <= ?",
+                    (job, producer, low, min(high, highest)),
+                )
+                run.stored = [
+                    (int(r["first_producer_seq"]), int(r["last_producer_seq"]), int(r["first_seq"]))
+                    for r in found
+                ]
 
         applied = _Applied()
+        chunks: list[ChunkRow] = []
         created: list[tuple[str, str, float]] = []
-        event_rows: list[tuple[str, int, str, int, float, bytes]] = []
-        producer_rows: list[tuple[str, str, int, int]] = []
         metric_rows: list[tuple[str, str, int, float, float]] = []
         for pending in group:
             job = pending.job
@@ -413,39 +484,57 @@ class EventLog:
             duplicates = 0
             next_seq = info.last_seq
             new = applied.appended.setdefault(job, [])
-            producer_max = applied.producer_max.setdefault(job, {})
+            if pending.block is not None and pending.block[1] > runs[job, pending.block[0]].high:
+                # One producer, consecutive numbers, all new: no retry is possible, seqs follow as a block.
+                first = next_seq + 1
+                runs[job, pending.block[0]].add_block(pending.block[1], len(pending.events), first)
+                for event in pending.events:
+                    next_seq += 1
+                    event.job = job
+                    event.seq = next_seq
+                    event.receive_time.CopyFrom(stamp)
+                    if not event.HasField("time"):
+                        event.time.CopyFrom(stamp)
+                    if event.HasField("train_step"):
+                        step = event.train_step.step
+                        metric_rows.extend(
+                            (job, name, step, value, now) for name, value in event.train_step.metrics.items()
+                        )
+                new.extend(pending.events)
+                seqs = list(range(first, next_seq + 1))
+                pending.events = []  # handled
+            producer, run = "", _ProducerRun(0)
             for event in pending.events:
-                producer = event.producer_id
-                if producer:
-                    key = (job, producer, event.producer_seq)
-                    seen = known.get(key)
-                    if seen is not None:
-                        seqs.append(seen)
-                        duplicates += 1
-                        continue
-                next_seq += 1
-                stored = event_pb2.Event()
-                stored.CopyFrom(event)
-                stored.job = job
-                stored.seq = next_seq
-                stored.receive_time.CopyFrom(stamp)
-                if not stored.HasField("time"):
-                    stored.time.CopyFrom(stamp)
-                new.append(stored)
+                # The request is this call's own: its events are stamped in place and kept, not copied.
+                if event.producer_id:
+                    if event.producer_id != producer:
+                        producer = event.producer_id
+                        run = runs[job, producer]
+                    number = event.producer_seq
+                    if number <= run.high:  # committed before, or earlier in this group: maybe a retry
+                        seen = run.find(number)
+                        if seen:
+                            seqs.append(seen)
+                            duplicates += 1
+                            continue
+                    next_seq += 1
+                    run.add(number, next_seq)
+                else:
+                    next_seq += 1
+                event.job = job
+                event.seq = next_seq
+                event.receive_time.CopyFrom(stamp)
+                if not event.HasField("time"):
+                    event.time.CopyFrom(stamp)
+                new.append(event)
                 seqs.append(next_seq)
-                event_rows.append(
-                    (job, next_seq, stored.type, int(stored.level), now, stored.SerializeToString())
-                )
-                if producer:
-                    known[key] = next_seq
-                    producer_rows.append((job, producer, event.producer_seq, next_seq))
-                    if event.producer_seq > producer_max.get(producer, 0):
-                        producer_max[producer] = event.producer_seq
-                if stored.WhichOneof("core") == "train_step":
-                    step = stored.train_step.step
+                if event.HasField("train_step"):
+                    step = event.train_step.step
                     metric_rows.extend(
-                        (job, name, step, value, now) for name, value in stored.train_step.metrics.items()
+                        (job, name, step, value, now) for name, value in event.train_step.metrics.items()
                     )
+            if next_seq > info.last_seq:
+                chunks.extend(chunk_rows(job, new[len(new) - (next_seq - info.last_seq) :], now))
             info.last_seq = next_seq
             if pending.close_state:
                 info.terminal = True
@@ -453,26 +542,29 @@ class EventLog:
                 info.close_time = now
             applied.jobs[job] = (next_seq, info.terminal_state)
             applied.outcomes.append(PublishResult(seqs, duplicates, next_seq))
+        producer_rows: list[tuple[str, str, int, int, int]] = []
+        for (job, producer), run in runs.items():
+            if run.ranges:
+                applied.producer_max.setdefault(job, {})[producer] = run.high
+                producer_rows.extend((job, producer, first, last, seq) for first, last, seq in run.ranges)
         if created:
-            await tx.executemany(
+            yield ExecuteMany(
                 "INSERT INTO event_jobs (job, org, last_seq, first_retained_seq, create_time)"
                 " VALUES (?, ?, 0, 1, ?)",
                 created,
             )
-        if event_rows:
-            await tx.executemany(
-                "INSERT INTO events (job, seq, type, level, receive_time, body) VALUES (?, ?, ?, ?, ?, ?)",
-                event_rows,
-            )
+        if chunks:
+            yield ExecuteMany(INSERT_CHUNK, chunks)
         if producer_rows:
-            await tx.executemany(
-                "INSERT INTO event_producers (job, producer_id, producer_seq, seq) VALUES (?, ?, ?, ?)",
+            yield ExecuteMany(
+                "INSERT INTO event_producer_ranges"
+                " (job, producer_id, first_producer_seq, last_producer_seq, first_seq) VALUES (?, ?, ?, ?, ?)",
                 producer_rows,
             )
         if metric_rows:
-            await tx.executemany(UPSERT_METRIC, metric_rows)
+            yield ExecuteMany(UPSERT_METRIC, metric_rows)
         if applied.jobs:
-            await tx.executemany(
+            yield ExecuteMany(
                 "UPDATE event_jobs SET last_seq = ?, terminal = ?, terminal_state = ?, close_time = ?"
                 " WHERE job = ?",
                 [
@@ -481,6 +573,10 @@ class EventLog:
                     for info in (infos[job],)
                 ],
             )
+        if postgres:
+            for job, (last_seq, close_state) in applied.jobs.items():
+                payload = f"{job} {last_seq}" + (f" {close_state}" if close_state else "")
+                yield Execute("SELECT pg_notify(?, ?)", (NOTIFY_CHANNEL, payload))
         return applied
 
     # ---- reads --------------------------------------------------------------------------------
@@ -507,13 +603,41 @@ class EventLog:
     async def read_stored(
         self, job: str, after_seq: int, limit: int, before_seq: int = 0, descending: bool = False
     ) -> list[event_pb2.Event]:
+        """Up to `limit` stored events with after_seq < seq < before_seq (0: no upper bound), in seq order or,
+        when `descending`, from the newest down; read a few chunks at a time."""
         upper = before_seq if before_seq else 2**62
-        order = "DESC" if descending else "ASC"
-        rows = await self.db.fetchall(
-            f"SELECT body FROM events WHERE job = ? AND seq > ? AND seq < ? ORDER BY seq {order} LIMIT ?",  # noqa: S608
-            (job, after_seq, upper, limit),
+        found: list[event_pb2.Event] = []
+        while len(found) < limit:
+            if descending:
+                rows = await self.db.fetchall(
+                    "SELECT body FROM event_chunks WHERE job = ? AND last_seq > ? AND last_seq < ?"
+                    " AND first_seq < ? ORDER BY last_seq DESC LIMIT ?",
+                    (job, after_seq, upper + CHUNK_EVENTS, upper, CHUNKS_PER_READ),
+                )
+            else:
+                rows = await self.db.fetchall(
+                    "SELECT body FROM event_chunks WHERE job = ? AND last_seq > ? AND first_seq < ?"
+                    " ORDER BY last_seq LIMIT ?",
+                    (job, after_seq, upper, CHUNKS_PER_READ),
+                )
+            for row in rows:
+                events = decode_chunk(bytes(row["body"]))
+                if descending:
+                    events.reverse()
+                found.extend(e for e in events if after_seq < e.seq < upper)
+            if len(rows) < CHUNKS_PER_READ or not found:
+                break
+            if descending:
+                upper = found[-1].seq
+            else:
+                after_seq = found[-1].seq
+        return found[:limit]
+
+    async def retained_count(self, job: str) -> int:
+        row = await self.db.fetchone(
+            "SELECT COALESCE(SUM(last_seq - first_seq + 1), 0) AS n FROM event_chunks WHERE job = ?", (job,)
         )
-        return [event_pb2.Event.FromString(bytes(r["body"])) for r in rows]
+        return int(row["n"]) if row else 0
 
     # ---- retention ----------------------------------------------------------------------------
 
@@ -530,14 +654,36 @@ class EventLog:
                 cut = max(cut, info.last_seq - keep_last + 1)
             if max_age_s is not None:
                 young = await tx.fetchone(
-                    "SELECT MIN(seq) AS seq FROM events WHERE job = ? AND receive_time >= ?",
+                    "SELECT MIN(first_seq) AS seq FROM event_chunks WHERE job = ? AND receive_time >= ?",
                     (job, time.time() - max_age_s),
                 )
                 oldest_young = young["seq"] if young and young["seq"] is not None else info.last_seq
                 cut = max(cut, int(oldest_young))
             cut = min(cut, max(info.last_seq, 1))
-            removed = await tx.execute("DELETE FROM events WHERE job = ? AND seq < ?", (job, cut))
-            await tx.execute("DELETE FROM event_producers WHERE job = ? AND seq < ?", (job, cut))
+            whole = await tx.fetchone(
+                "SELECT COALESCE(SUM(last_seq - first_seq + 1), 0) AS n FROM event_chunks"
+                " WHERE job = ? AND last_seq < ?",
+                (job, cut),
+            )
+            removed = int(whole["n"]) if whole else 0
+            await tx.execute("DELETE FROM event_chunks WHERE job = ? AND last_seq < ?", (job, cut))
+            # A chunk across the cut keeps only its events from the cut on.
+            for row in await tx.fetchall(
+                "SELECT first_seq, last_seq, body FROM event_chunks WHERE job = ? AND first_seq < ?",
+                (job, cut),
+            ):
+                kept = [e for e in decode_chunk(bytes(row["body"])) if e.seq >= cut]
+                _, first, _, _, body = chunk_row(job, kept, 0.0)
+                removed += first - int(row["first_seq"])
+                await tx.execute(
+                    "UPDATE event_chunks SET first_seq = ?, body = ? WHERE job = ? AND last_seq = ?",
+                    (first, body, job, int(row["last_seq"])),
+                )
+            await tx.execute(
+                "DELETE FROM event_producer_ranges"
+                " WHERE job = ? AND first_seq + (last_producer_seq - first_producer_seq) < ?",
+                (job, cut),
+            )
             await tx.execute("UPDATE event_jobs SET first_retained_seq = ? WHERE job = ?", (cut, job))
             info.first_retained_seq = cut
         if removed:

@@ -181,8 +181,8 @@ class EventServiceServicer(events_service_pb2_grpc.EventServiceServicer):
         self, request: pb.GetJobStreamInfoRequest, context: Context
     ) -> pb.GetJobStreamInfoResponse:
         info = await self._visible(request.job)
-        row = await self._log.db.fetchone("SELECT COUNT(*) AS n FROM events WHERE job = ?", (request.job,))
-        return pb.GetJobStreamInfoResponse(info=_info_proto(info, int(row["n"]) if row else 0))
+        retained = await self._log.retained_count(request.job)
+        return pb.GetJobStreamInfoResponse(info=_info_proto(info, retained))
 
     async def ListEvents(self, request: pb.ListEventsRequest, context: Context) -> pb.ListEventsResponse:
         info = await self._visible(request.job)

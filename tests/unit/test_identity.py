@@ -57,6 +57,30 @@ def test_expired_token_is_rejected_after_the_skew_allowance(signer: TokenSigner)
     assert signer.verifier.verify(within_skew, now=now).subject == "vault"
 
 
+def test_a_remembered_token_still_expires(signer: TokenSigner) -> None:
+    verifier = TokenVerifier(signer.verifier._key)
+    now = time.time()
+    token = signer.issue("service", "vault", ttl_s=60, now=now)
+    assert verifier.verify(token, now=now).subject == "vault"
+    assert verifier.verify(token, now=now + 10).subject == "vault"  # from memory
+    with pytest.raises(Unauthenticated) as info:
+        verifier.verify(token, now=now + 60 + 31)
+    assert info.value.reason_name == "CREDENTIALS_EXPIRED"
+
+
+def test_a_failed_token_is_never_remembered_and_memory_is_bounded(signer: TokenSigner) -> None:
+    verifier = TokenVerifier(signer.verifier._key, cache_size=2)
+    token = signer.issue("service", "vault")
+    tampered = token[:-3] + ("AAA" if not token.endswith("AAA") else "BBB")
+    for _ in range(2):
+        with pytest.raises(Unauthenticated):
+            verifier.verify(tampered)
+    tokens = [signer.issue("service", f"s{i}") for i in range(5)]
+    assert [verifier.verify(t).subject for t in tokens] == [f"s{i}" for i in range(5)]
+    assert len(verifier._verified) == 2
+    assert tampered not in verifier._verified
+
+
 def test_other_key_is_rejected(signer: TokenSigner) -> None:
     other = TokenVerifier(nacl.signing.SigningKey.generate().verify_key)
     with pytest.raises(Unauthenticated):

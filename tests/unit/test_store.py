@@ -6,7 +6,17 @@ import asyncio
 
 import pytest
 
-from mesh.store import IntegrityError, Migration, StoreError, open_database
+from mesh.store import (
+    Execute,
+    ExecuteMany,
+    Fetch,
+    IntegrityError,
+    Migration,
+    Program,
+    Row,
+    StoreError,
+    open_database,
+)
 
 MIGRATIONS = [
     Migration(1, "items", "CREATE TABLE items (id TEXT PRIMARY KEY, n INTEGER NOT NULL)"),
@@ -84,6 +94,26 @@ async def test_transaction_commits_or_rolls_back(store_url: str) -> None:
         rows = await db.fetchall("SELECT id, n FROM items ORDER BY id")
         assert rows == [{"id": "a", "n": 1}, {"id": "b", "n": 2}, {"id": "c", "n": 3}]
         assert await db.execute("UPDATE items SET n = n + 10 WHERE n >= ?", (2,)) == 2
+    finally:
+        await db.close()
+
+
+def _insert_then(ids: list[str]) -> Program[int]:
+    for item in ids:
+        yield Execute("INSERT INTO items (id, n) VALUES (?, ?)", (item, 1))
+    rows: list[Row] = yield Fetch("SELECT COUNT(*) AS n FROM items")
+    yield ExecuteMany("UPDATE items SET n = ? WHERE id = ?", [(7, i) for i in ids])
+    return int(rows[0]["n"])
+
+
+async def test_a_transaction_program_commits_when_it_returns_and_only_then(store_url: str) -> None:
+    db = await open_database(store_url, "svc", MIGRATIONS)
+    try:
+        assert await db.run(_insert_then(["a", "b"])) == 2
+        with pytest.raises(IntegrityError):
+            await db.run(_insert_then(["c", "a"]))  # "a" exists: the program ends, "c" is rolled back
+        rows = await db.fetchall("SELECT id, n FROM items ORDER BY id")
+        assert rows == [{"id": "a", "n": 7}, {"id": "b", "n": 7}]
     finally:
         await db.close()
 
