@@ -484,57 +484,46 @@ class EventLog:
             duplicates = 0
             next_seq = info.last_seq
             new = applied.appended.setdefault(job, [])
+            fresh: list[event_pb2.Event] = []  # the events this publish adds, in order
             if pending.block is not None and pending.block[1] > runs[job, pending.block[0]].high:
                 # One producer, consecutive numbers, all new: no retry is possible, seqs follow as a block.
-                first = next_seq + 1
-                runs[job, pending.block[0]].add_block(pending.block[1], len(pending.events), first)
+                fresh = pending.events
+                runs[job, pending.block[0]].add_block(pending.block[1], len(fresh), next_seq + 1)
+                seqs = list(range(next_seq + 1, next_seq + 1 + len(fresh)))
+                next_seq += len(fresh)
+            else:
+                producer, run = "", _ProducerRun(0)
                 for event in pending.events:
+                    if event.producer_id:
+                        if event.producer_id != producer:
+                            producer = event.producer_id
+                            run = runs[job, producer]
+                        number = event.producer_seq
+                        if number <= run.high:  # committed before, or earlier in this group: maybe a retry
+                            seen = run.find(number)
+                            if seen:
+                                seqs.append(seen)
+                                duplicates += 1
+                                continue
+                        run.add(number, next_seq + 1)
                     next_seq += 1
-                    event.job = job
-                    event.seq = next_seq
-                    event.receive_time.CopyFrom(stamp)
-                    if not event.HasField("time"):
-                        event.time.CopyFrom(stamp)
-                    if event.HasField("train_step"):
-                        step = event.train_step.step
-                        metric_rows.extend(
-                            (job, name, step, value, now) for name, value in event.train_step.metrics.items()
-                        )
-                new.extend(pending.events)
-                seqs = list(range(first, next_seq + 1))
-                pending.events = []  # handled
-            producer, run = "", _ProducerRun(0)
-            for event in pending.events:
-                # The request is this call's own: its events are stamped in place and kept, not copied.
-                if event.producer_id:
-                    if event.producer_id != producer:
-                        producer = event.producer_id
-                        run = runs[job, producer]
-                    number = event.producer_seq
-                    if number <= run.high:  # committed before, or earlier in this group: maybe a retry
-                        seen = run.find(number)
-                        if seen:
-                            seqs.append(seen)
-                            duplicates += 1
-                            continue
-                    next_seq += 1
-                    run.add(number, next_seq)
-                else:
-                    next_seq += 1
+                    fresh.append(event)
+                    seqs.append(next_seq)
+            # The request is this call's own: its events are stamped in place and kept, not copied.
+            for seq, event in enumerate(fresh, start=info.last_seq + 1):
                 event.job = job
-                event.seq = next_seq
+                event.seq = seq
                 event.receive_time.CopyFrom(stamp)
                 if not event.HasField("time"):
                     event.time.CopyFrom(stamp)
-                new.append(event)
-                seqs.append(next_seq)
                 if event.HasField("train_step"):
                     step = event.train_step.step
                     metric_rows.extend(
                         (job, name, step, value, now) for name, value in event.train_step.metrics.items()
                     )
-            if next_seq > info.last_seq:
-                chunks.extend(chunk_rows(job, new[len(new) - (next_seq - info.last_seq) :], now))
+            new.extend(fresh)
+            if fresh:
+                chunks.extend(chunk_rows(job, fresh, now))
             info.last_seq = next_seq
             if pending.close_state:
                 info.terminal = True
