@@ -50,7 +50,7 @@ format: $(STAMP)  ## ruff format and autofix
 	$(VENV)/bin/ruff check --fix $(HAND_WRITTEN)
 
 typecheck: $(STAMP)  ## mypy --strict on the hand-written runtime, services, gateway and the Task App SDK
-	$(VENV)/bin/mypy mesh services gateway tandem_taskapp scripts
+	$(VENV)/bin/mypy mesh services gateway tandem_taskapp trainer scripts
 
 docs: $(STAMP)  ## refresh the RPC tables in the service READMEs
 	$(PY) scripts/rpc_tables.py

@@ -1,0 +1,182 @@
+"""The generation engine interface an inference worker drives, with its value types.
+
+Two engines implement it and pass the same tests: `TorchEngine` (`trainer/inference/torch_engine.py`,
+transformers on CPU or a small GPU) and `VllmEngine` (`trainer/inference/vllm_engine.py`, vLLM's AsyncLLM
+in-process). The worker (`trainer/inference/worker.py`) owns everything around an engine: the gRPC and
+OpenAI-compatible surfaces, traces, the weight-transfer group and the update state machine.
+
+Weight updates go through the engine in three steps so a worker never serves half-updated weights:
+`stage_update` gives the receiver a buffer for every tensor of the manifest (the torch engine allocates
+staging copies; nothing in service changes), `commit_update` makes the staged tensors the weights in
+service in one step between two generation steps, and `discard_update` drops the staging area, leaving
+the previous version in service.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class PauseMode(enum.Enum):
+    """What happens to generations in flight when generation pauses (vLLM's modes)."""
+
+    KEEP = "keep"  # freeze them where they are; they continue after resume, possibly with newer weights
+    WAIT = "wait"  # admit nothing new; return once those in flight have finished
+    ABORT = "abort"  # end them now with finish reason "abort" and their partial output
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Per-request sampling settings; the defaults are the contract's, not an engine's."""
+
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    max_tokens: int = 0  # 0: up to the context length
+    stop: tuple[str, ...] = ()  # strings that end generation (not included in the output text)
+    stop_token_ids: tuple[int, ...] = ()  # token ids that end generation (included, like EOS)
+    seed: int | None = None
+    top_logprobs: int = 0
+
+
+@dataclass
+class TokenChunk:
+    """Tokens sampled since the previous chunk of one generation."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # log-probability of each token under the sampling distribution
+    text: str  # the text these tokens add
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, when asked
+    weight_version: int = 0  # the weights that sampled these tokens
+
+
+@dataclass
+class Finished:
+    """The last item of one generation."""
+
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: int  # the weights that sampled the first completion token
+    last_weight_version: int  # the weights that sampled the last one (larger only across a KEEP pause)
+
+
+Generation = AsyncIterator[TokenChunk | Finished]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor of the served weights, in Hugging Face checkpoint naming."""
+
+    name: str
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str  # the model id served (what OpenAI clients send as `model`)
+    model_path: str
+    tokenizer: str
+    max_context_tokens: int
+    kind: Literal["torch", "vllm"]
+    engine_version: str
+    tensor_parallel_size: int
+    device: str
+    dtype: str
+
+
+class Engine(abc.ABC):
+    """One model in service. Every method is called from the worker's event loop."""
+
+    info: EngineInfo
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The version of the weights in service; 0 for the weights loaded at start."""
+
+    @abc.abstractmethod
+    def render(self, messages: Sequence[Mapping[str, str]], template_kwargs: Mapping[str, Any]) -> list[int]:
+        """Chat messages -> prompt token ids, with the model's chat template and a generation prompt."""
+
+    @abc.abstractmethod
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    @abc.abstractmethod
+    def generate(self, prompt_token_ids: Sequence[int], sampling: Sampling) -> Generation:
+        """Stream one generation: TokenChunks, then exactly one Finished. Concurrent generations are batched.
+        Raises `PromptTooLong` (before anything is yielded) when the prompt leaves no room to generate."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode) -> tuple[int, int]:
+        """Pause generation; returns (generations aborted, generations kept). New generations wait (KEEP,
+        WAIT) until `resume`; WAIT returns once those in flight finished."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def paused(self) -> bool: ...
+
+    @abc.abstractmethod
+    def manifest(self) -> list[TensorMeta]:
+        """The served tensors, in checkpoint naming and a stable order."""
+
+    @abc.abstractmethod
+    def stage_update(self, manifest: Sequence[TensorMeta]) -> Mapping[str, torch.Tensor]:
+        """Buffers the receiver writes each tensor of `manifest` into (contiguous, on the engine's device,
+        in the manifest dtype); nothing in service changes. Raises `ManifestMismatch` when the manifest
+        names a tensor the model lacks or gives another dtype or shape."""
+
+    @abc.abstractmethod
+    async def commit_update(self, version: int) -> None:
+        """Make the staged tensors the weights in service, between two generation steps, and the version
+        `version`."""
+
+    @abc.abstractmethod
+    def discard_update(self) -> None:
+        """Drop staged tensors; the weights in service are untouched."""
+
+    @abc.abstractmethod
+    async def checksums(self, names: Sequence[str]) -> list[tuple[str, str]]:
+        """(name, lowercase hex SHA-256 of the tensor's contiguous bytes in its dtype) for `names`, or for
+        every served tensor when `names` is empty, in manifest order."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve as asked."""
+
+
+class PromptTooLong(EngineError):
+    def __init__(self, prompt_tokens: int, max_context_tokens: int) -> None:
+        super().__init__(
+            f"the prompt has {prompt_tokens} tokens; the context holds {max_context_tokens}, "
+            "leaving no room to generate"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_context_tokens = max_context_tokens
+
+
+class ManifestMismatch(EngineError):
+    """A weight-update manifest that disagrees with the model; `problems` names each disagreement."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        super().__init__(f"the manifest disagrees with the model: {shown}")
+        self.problems = list(problems)
+
+
+class ModelLoadError(EngineError):
+    """The model directory is missing, incomplete, or its tokenizer does not fit the model."""
