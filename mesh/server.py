@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
 
@@ -143,12 +143,14 @@ async def serve(
     settings: Settings,
     on_ready: Callable[[list[RunningService]], None] | None = None,
     stop_event: asyncio.Event | None = None,
+    setups: Mapping[str, Setup] | None = None,
 ) -> None:
     """Run services in this process until SIGINT/SIGTERM (or `stop_event`), then drain and stop.
 
     Services start in the given order with their ports from settings; a peer a service calls is reached
     through `settings.target(peer)`. When a port is 0 the chosen port is written back into the settings
-    so later services in this process find it.
+    so later services in this process find it. `setups` gives the setup of a service that is not a module
+    under `services/` (an inference worker builds its own around the engine it loaded).
     """
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     configure_tracing("tandem-" + "+".join(services), settings.otlp_endpoint, settings.trace_path)
@@ -160,7 +162,7 @@ async def serve(
     running: list[RunningService] = []
     try:
         for name in services:
-            service = await start_service(name, settings, colocated=services)
+            service = await start_service(name, settings, (setups or {}).get(name), colocated=services)
             setattr(settings.ports, name, service.port)
             running.append(service)
         if on_ready:

@@ -30,6 +30,12 @@ class Ports(BaseModel):
     scheduler: int = Field(50052, ge=0, le=65535, description="Job scheduler.")
     taskapp_proxy: int = Field(50053, ge=0, le=65535, description="Task App proxy.")
     events: int = Field(50054, ge=0, le=65535, description="Event stream.")
+    inference: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="An inference worker (one per process, several per node): 0 picks a free port.",
+    )
 
 
 class Targets(BaseModel):

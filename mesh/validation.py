@@ -207,6 +207,10 @@ def _walk(message: Message, prefix: str, out: list[FieldViolation], depth: int) 
             elif rule.nested and message.HasField(name):
                 _walk(getattr(message, name), f"{prefix}{name}.", out, depth + 1)
             continue
+        if not rule.repeated and rule.field.has_presence and not message.HasField(name):
+            if rule.required:
+                out.append(FieldViolation(f"{prefix}{name}", "is required"))
+            continue
         value = getattr(message, name)
         if rule.required and not _is_set(message, rule, value):
             out.append(FieldViolation(f"{prefix}{name}", "is required"))
@@ -271,11 +275,14 @@ def _value_check(rule: _Rule) -> Check:
         if rule.rules is None:
             return lambda message, depth: not required or _is_set(message, rule, getattr(message, name))
         min_len, max_len, pattern = rule.min_len, rule.max_len, rule.pattern
+        optional = bool(rule.field.has_presence)
         # Values that passed a pattern: type names, ids and the like repeat from request to request, and
         # a dict lookup costs a fraction of a regular expression match.
         passed: dict[str, bool] = {}
 
         def scalar(message: Message, depth: int) -> bool:
+            if optional and not message.HasField(name):
+                return not required  # an unset `optional` field has no value to check
             value = getattr(message, name)
             if isinstance(value, str):  # the common case, inline: no call per rule
                 if not value:

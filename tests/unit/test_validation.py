@@ -61,3 +61,11 @@ def test_nested_messages_report_full_paths() -> None:
     request = scheduler_service_pb2.CreateJobRequest(parent="orgs/acme", spec=spec)
     found = fields(request)
     assert any(path.startswith("spec.tasks[0].name") for path in found), found
+
+
+def test_an_unset_optional_field_is_not_checked_and_a_set_one_is() -> None:
+    from tandem.inference.v1 import generation_pb2
+
+    assert violations(generation_pb2.SamplingParams(max_tokens=3)) == []
+    found = violations(generation_pb2.SamplingParams(top_p=0.0, temperature=2.5))
+    assert sorted(v.field for v in found) == ["temperature", "top_p"]

@@ -108,6 +108,10 @@ class Engine(abc.ABC):
         """Chat messages -> prompt token ids, with the model's chat template and a generation prompt."""
 
     @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Plain text -> token ids, without special tokens (the completions endpoint's text prompts)."""
+
+    @abc.abstractmethod
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
     @abc.abstractmethod

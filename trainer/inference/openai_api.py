@@ -1,0 +1,347 @@
+"""The worker's OpenAI-compatible HTTP API, for Task Apps and any OpenAI client.
+
+Routes: `GET /v1/models`; `POST /v1/chat/completions`; `POST /v1/completions`; and both POST routes under
+`/v1/traces/{correlation_id}/...`, the inference URL the trainer hands each episode. A generation is
+recorded as a turn of its episode's trace when the correlation id comes in the path or in the
+`X-Trace-Correlation-Id` header (the path wins). `stream: true` answers with server-sent events.
+
+Request fields understood: `model` (must be the served model when set), `messages` / `prompt` (text or
+token ids), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `stop` (string or list),
+`seed`, `logprobs` + `top_logprobs` (chat) or `logprobs: N` (completions), `n` (1 only),
+`chat_template_kwargs`. The answer adds a `tandem` object: the weight version and the prompt and completion
+token ids. Errors have OpenAI's shape, `{"error": {"message", "type", "code"}}`, with the mesh's stable
+reason as `code`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mesh.errors import InvalidArgument, R, TandemError
+from trainer.inference.engine import Finished, Sampling, TokenChunk
+
+if TYPE_CHECKING:
+    from trainer.inference.worker import InferenceWorker
+
+CORRELATION_HEADER = "x-trace-correlation-id"
+MAX_BODY_BYTES = 16 * 1024 * 1024
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "FAILED_PRECONDITION": 404,  # the model is not served here (MODEL_NOT_FOUND)
+    "NOT_FOUND": 404,
+    "UNAVAILABLE": 503,
+    "UNAUTHENTICATED": 401,
+    "RESOURCE_EXHAUSTED": 413,
+}
+
+
+def _error(status: int, message: str, code: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status_code=status)
+
+
+def _from_domain(error: TandemError) -> JSONResponse:
+    status = HTTP_STATUS.get(error.code, 500)
+    if error.reason == R.ERROR_REASON_TRACE_FINISHED:
+        status = 409
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return _error(status, error.message, error.reason_name, kind)
+
+
+def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise InvalidArgument(f"`{key}` must be a number from {low:g} to {high:g}")
+    return float(value)
+
+
+def _sampling(body: dict[str, Any], chat: bool) -> Sampling:
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > 16:
+        raise InvalidArgument("`stop` must be a string or a list of at most 16 strings")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or 0
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise InvalidArgument("`max_tokens` must be a non-negative integer")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise InvalidArgument("`seed` must be a non-negative integer")
+    if chat:
+        top = int(_number(body, "top_logprobs", 0, 0, 20)) if body.get("logprobs") else 0
+    else:
+        top = int(_number(body, "logprobs", 0, 0, 20))
+    if body.get("n", 1) != 1:
+        raise InvalidArgument("`n` must be 1: ask again for more samples")
+    return Sampling(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
+        max_tokens=max_tokens,
+        stop=tuple(stops),
+        seed=seed,
+        top_logprobs=top,
+    )
+
+
+class OpenAIApi:
+    def __init__(self, worker: InferenceWorker) -> None:
+        self.worker = worker
+
+    def _authorized(self, request: Request) -> bool:
+        key = self.worker.settings.openai_api_key
+        if not key:
+            return True
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(given.encode(), key.encode())
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise InvalidArgument(f"the body is larger than {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise InvalidArgument("the body is not JSON", reason=R.ERROR_REASON_MALFORMED_REQUEST) from None
+        if not isinstance(body, dict):
+            raise InvalidArgument("the body must be a JSON object", reason=R.ERROR_REASON_MALFORMED_REQUEST)
+        return body
+
+    def _correlation_id(self, request: Request) -> str:
+        cid: str = request.path_params.get("correlation_id") or request.headers.get(CORRELATION_HEADER, "")
+        if cid and (len(cid) > 128 or not all(c.isalnum() or c in "._:-" for c in cid)):
+            raise InvalidArgument("the correlation id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+        return cid
+
+    async def models(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return _error(401, "a valid API key is required", "INVALID_CREDENTIALS", "authentication_error")
+        model = self.worker.engine.info
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model.model,
+                        "object": "model",
+                        "created": int(self.worker.start_time),
+                        "owned_by": "tandem",
+                        "max_model_len": model.max_context_tokens,
+                    }
+                ],
+            }
+        )
+
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, *, chat: bool) -> Response:
+        if not self._authorized(request):
+            return _error(401, "a valid API key is required", "INVALID_CREDENTIALS", "authentication_error")
+        try:
+            body = await self._body(request)
+            cid = self._correlation_id(request)
+            self.worker.check_model(str(body.get("model") or ""))
+            sampling = _sampling(body, chat)
+            prompt = self._prompt(body, chat)
+            stream = bool(body.get("stream"))
+            generation = self.worker.generate(prompt, sampling, cid)
+            first = await anext(generation)  # errors before the first token still get a status
+        except TandemError as error:
+            return _from_domain(error)
+        except StopAsyncIteration:
+            return _error(500, "the engine ended without an answer", "INTERNAL", "server_error")
+        created = int(time.time())
+        ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        model = self.worker.engine.info.model
+        if stream:
+            return StreamingResponse(
+                self._events(first, generation, ident, created, model, chat, len(prompt)),
+                media_type="text/event-stream",
+            )
+        chunks: list[TokenChunk] = []
+        finished: Finished | None = None
+        item: TokenChunk | Finished = first
+        while True:
+            if isinstance(item, Finished):
+                finished = item
+                break
+            chunks.append(item)
+            try:
+                item = await anext(generation)
+            except StopAsyncIteration:
+                break
+        want_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+        return JSONResponse(
+            self._answer(chunks, finished, ident, created, model, chat, prompt, want_logprobs)
+        )
+
+    def _prompt(self, body: dict[str, Any], chat: bool) -> list[int]:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise InvalidArgument("`messages` must be a non-empty list")
+            rendered: list[dict[str, str]] = []
+            for index, message in enumerate(messages):
+                if not isinstance(message, dict) or message.get("role") not in (
+                    "system",
+                    "user",
+                    "assistant",
+                    "tool",
+                ):
+                    raise InvalidArgument(f"messages[{index}] needs a role: system, user, assistant or tool")
+                content = message.get("content") or ""
+                if isinstance(content, list):  # content parts: the text ones, joined
+                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                if not isinstance(content, str):
+                    raise InvalidArgument(f"messages[{index}].content must be text")
+                rendered.append({"role": message["role"], "content": content})
+            kwargs = body.get("chat_template_kwargs") or {}
+            if not isinstance(kwargs, dict):
+                raise InvalidArgument("`chat_template_kwargs` must be an object")
+            return self.worker.prompt_from_messages(rendered, kwargs)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            return self.worker.engine.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
+            return [int(t) for t in prompt]
+        raise InvalidArgument("`prompt` must be non-empty text or a list of token ids")
+
+    def _logprobs(self, chunks: list[TokenChunk], chat: bool) -> dict[str, Any]:
+        decode = self.worker.engine.decode
+        tokens = [t for c in chunks for t in c.token_ids]
+        values = [p for c in chunks for p in c.logprobs]
+        tops = [top for c in chunks for top in c.top_logprobs]
+        if chat:
+            content = []
+            for index, (token, value) in enumerate(zip(tokens, values, strict=True)):
+                entry: dict[str, Any] = {"token": decode([token]), "logprob": value, "token_id": token}
+                if index < len(tops):
+                    entry["top_logprobs"] = [
+                        {"token": decode([t]), "logprob": p, "token_id": t} for t, p in tops[index]
+                    ]
+                content.append(entry)
+            return {"content": content}
+        return {
+            "tokens": [decode([t]) for t in tokens],
+            "token_logprobs": values,
+            "top_logprobs": [{decode([t]): p for t, p in top} for top in tops] or None,
+        }
+
+    def _answer(
+        self,
+        chunks: list[TokenChunk],
+        finished: Finished | None,
+        ident: str,
+        created: int,
+        model: str,
+        chat: bool,
+        prompt: list[int],
+        want_logprobs: bool,
+    ) -> dict[str, Any]:
+        text = "".join(c.text for c in chunks)
+        reason = finished.reason if finished else "abort"
+        completion_ids = [t for c in chunks for t in c.token_ids]
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(chunks, chat) if want_logprobs else None
+        return {
+            "id": ident,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(completion_ids),
+                "total_tokens": len(prompt) + len(completion_ids),
+            },
+            "tandem": {
+                "weight_version": finished.weight_version if finished else self.worker.engine.weight_version,
+                "last_weight_version": finished.last_weight_version if finished else 0,
+                "prompt_token_ids": prompt,
+                "completion_token_ids": completion_ids,
+                "completion_logprobs": [p for c in chunks for p in c.logprobs],
+            },
+        }
+
+    async def _events(
+        self,
+        first: TokenChunk | Finished,
+        generation: AsyncIterator[TokenChunk | Finished],
+        ident: str,
+        created: int,
+        model: str,
+        chat: bool,
+        prompt_tokens: int,
+    ) -> AsyncIterator[bytes]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        completion = 0
+        item: TokenChunk | Finished | None = first
+        while item is not None:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": None}
+            if isinstance(item, TokenChunk):
+                completion += len(item.token_ids)
+                if chat:
+                    choice["delta"] = {"role": "assistant", "content": item.text}
+                else:
+                    choice["text"] = item.text
+                extra = {
+                    "token_ids": item.token_ids,
+                    "logprobs": item.logprobs,
+                    "weight_version": item.weight_version,
+                }
+            else:
+                choice["finish_reason"] = item.reason
+                if chat:
+                    choice["delta"] = {}
+                else:
+                    choice["text"] = ""
+                extra = {
+                    "weight_version": item.weight_version,
+                    "last_weight_version": item.last_weight_version,
+                }
+            payload: dict[str, Any] = {
+                "id": ident,
+                "object": kind,
+                "created": created,
+                "model": model,
+                "choices": [choice],
+                "tandem": extra,
+            }
+            if isinstance(item, Finished):
+                payload["usage"] = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion,
+                    "total_tokens": prompt_tokens + completion,
+                }
+            yield f"data: {json.dumps(payload)}\n\n".encode()
+            item = await anext(generation, None)
+        yield b"data: [DONE]\n\n"
+
+
+def openai_app(worker: InferenceWorker) -> Starlette:
+    api = OpenAIApi(worker)
+    return Starlette(
+        routes=[
+            Route("/v1/models", api.models, methods=["GET"]),
+            Route("/v1/chat/completions", api.chat, methods=["POST"]),
+            Route("/v1/completions", api.completions, methods=["POST"]),
+            Route("/v1/traces/{correlation_id}/chat/completions", api.chat, methods=["POST"]),
+            Route("/v1/traces/{correlation_id}/completions", api.completions, methods=["POST"]),
+        ]
+    )

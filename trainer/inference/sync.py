@@ -1,0 +1,297 @@
+"""The worker side of weight sync: a state machine over the transfer group and the engine's staging area.
+
+    UNINITIALIZED --InitWeightTransfer--> READY --BeginWeightUpdate--> UPDATING --FinishWeightUpdate--> READY
+                                                                       |  \\--AbortWeightUpdate--> READY
+                                                                       \\--collective fails--> UNINITIALIZED
+
+`begin` validates the manifest against the model and the bucket geometry before any byte moves, has the
+engine allocate staging buffers, and starts the receive on a side thread (the collective blocks; the event
+loop must not). `finish` waits for the receive with a deadline, then has the engine swap the staged tensors
+in between two generation steps. The torch engine never writes into the weights in service before that
+swap, so a failed or aborted update leaves the previous version serving; the transfer group is unusable
+after a failed collective, so the state returns to UNINITIALIZED and the trainer re-forms the group. Every
+wait is bounded: the join and each bucket by `transfer_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mesh.errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, R
+from trainer.inference.engine import Engine, ManifestMismatch, TensorMeta
+from trainer.inference.weights import (
+    Bucket,
+    TransferError,
+    TransferGroup,
+    expected_bytes,
+    plan_buckets,
+    plan_per_tensor,
+    receive_packed,
+)
+
+log = logging.getLogger("tandem.weights")
+
+
+class TransferState(enum.Enum):
+    UNINITIALIZED = 1
+    READY = 2
+    UPDATING = 3
+    INCONSISTENT = 4
+
+
+@dataclass(frozen=True)
+class GroupParams:
+    backend: str
+    host: str
+    port: int
+    world_size: int
+    rank: int
+    timeout_s: float
+
+
+@dataclass
+class Timings:
+    prepare_s: float = 0.0
+    receive_s: float = 0.0
+    load_s: float = 0.0
+    total_s: float = 0.0
+    bytes_received: int = 0
+    buckets_received: int = 0
+
+
+@dataclass
+class _Update:
+    version: int
+    buckets: list[Bucket]
+    staged: Mapping[str, torch.Tensor]
+    cancelled: threading.Event
+    receive: asyncio.Future[None]
+    began: float
+    prepare_s: float
+    received_at: list[float] = field(default_factory=list)
+
+
+class WeightSync:
+    """Where one worker stands in the weight-sync protocol; every method runs on the event loop."""
+
+    def __init__(self, engine: Engine, timeout_s: float) -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.state = TransferState.UNINITIALIZED
+        self.params: GroupParams | None = None
+        self._group: TransferGroup | None = None
+        self._update: _Update | None = None
+        self.last_timings: Timings | None = None
+        self.last_update_time: float | None = None
+        self._last_failure: tuple[int, str] | None = None  # (version, why) of the last failed receive
+        self._lock = asyncio.Lock()
+
+    @property
+    def pending_version(self) -> int:
+        return self._update.version if self._update else 0
+
+    # ---- the group ----------------------------------------------------------------------------
+
+    async def init(self, params: GroupParams) -> list[int]:
+        async with self._lock:
+            if self.state is TransferState.UPDATING:
+                raise FailedPrecondition(
+                    f"version {self.pending_version} is being received; abort or finish it first",
+                    reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT,
+                )
+            if self.params == params and self._group is not None:
+                return [params.rank]
+            self._close_group()
+            try:
+                self._group = await asyncio.to_thread(
+                    TransferGroup.join,
+                    params.host,
+                    params.port,
+                    params.world_size,
+                    params.rank,
+                    params.timeout_s,
+                )
+            except (TransferError, RuntimeError, OSError, ValueError) as exc:
+                self.state = TransferState.UNINITIALIZED
+                raise Aborted(
+                    f"joining the weight transfer group at {params.host}:{params.port} failed: {exc}",
+                    reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED,
+                ) from None
+            self.params = params
+            if self.state is not TransferState.INCONSISTENT:
+                self.state = TransferState.READY
+            return [params.rank]
+
+    def _close_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group = None
+        self.params = None
+
+    # ---- one update ---------------------------------------------------------------------------
+
+    async def begin(
+        self, version: int, manifest: Sequence[TensorMeta], bucket_size: int, packed: bool
+    ) -> _Update:
+        async with self._lock:
+            if self._update is not None and self._update.version == version:
+                return self._update  # a repeated Begin for the version being received
+            if self.state is TransferState.UPDATING:
+                raise FailedPrecondition(
+                    f"version {self.pending_version} is being received",
+                    reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT,
+                )
+            if self._group is None:
+                raise FailedPrecondition(
+                    "the weight transfer group is not initialized; call InitWeightTransfer",
+                    reason=R.ERROR_REASON_WEIGHT_TRANSFER_NOT_INITIALIZED,
+                )
+            if version <= self.engine.weight_version:
+                raise FailedPrecondition(
+                    f"version {version} is not above the version in service, {self.engine.weight_version}",
+                    reason=R.ERROR_REASON_WEIGHT_VERSION_REGRESSION,
+                )
+            if not self.engine.paused:
+                raise FailedPrecondition(
+                    "pause generation before a weight update", reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT
+                )
+            began = time.perf_counter()
+            try:
+                staged = self.engine.stage_update(manifest)
+            except ManifestMismatch as exc:
+                raise InvalidArgument(
+                    str(exc),
+                    reason=R.ERROR_REASON_WEIGHT_MANIFEST_MISMATCH,
+                    violations=[FieldViolation("manifest", problem) for problem in exc.problems],
+                ) from None
+            buckets = plan_buckets(manifest, bucket_size) if packed else plan_per_tensor(manifest)
+            cancelled = threading.Event()
+            group = self._group
+            timeout = self.timeout_s
+            update = _Update(
+                version,
+                buckets,
+                staged,
+                cancelled,
+                asyncio.get_running_loop().create_future(),
+                began,
+                time.perf_counter() - began,
+            )
+
+            def receive() -> None:
+                start = time.perf_counter()
+                receive_packed(group, buckets, staged, timeout, cancelled)
+                update.received_at.extend([start, time.perf_counter()])
+
+            update.receive = asyncio.ensure_future(asyncio.to_thread(receive))
+            update.receive.add_done_callback(lambda done: self._received(update, done))
+            self._update = update
+            self.state = TransferState.UPDATING
+            return update
+
+    def expected(self, update: _Update) -> tuple[int, int]:
+        return expected_bytes(update.buckets), len(update.buckets)
+
+    async def finish(self, version: int, wait_s: float | None) -> Timings:
+        async with self._lock:
+            update = self._update
+            if update is None or update.version != version:
+                if version == self.engine.weight_version and self.last_timings is not None:
+                    return self.last_timings
+                if self._last_failure is not None and self._last_failure[0] == version:
+                    raise Aborted(
+                        f"receiving version {version} failed: {self._last_failure[1]}; "
+                        "the previous version stays in service",
+                        reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED,
+                    )
+                raise FailedPrecondition(
+                    f"version {version} is neither being received nor in service",
+                    reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT,
+                )
+            try:
+                await asyncio.wait_for(asyncio.shield(update.receive), timeout=wait_s)
+            except TimeoutError:
+                # The caller's deadline, not the transfer's: the update stays armed for a repeated Finish.
+                raise Aborted(
+                    f"version {version} is still being received", reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED
+                ) from None
+            except (TransferError, RuntimeError, ValueError) as exc:
+                self._fail_update(update)
+                raise Aborted(
+                    f"receiving version {version} failed: {exc}; the previous version stays in service",
+                    reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED,
+                ) from None
+            load_start = time.perf_counter()
+            await self.engine.commit_update(version)
+            done = time.perf_counter()
+            timings = Timings(
+                prepare_s=update.prepare_s,
+                receive_s=(update.received_at[1] - update.received_at[0]) if update.received_at else 0.0,
+                load_s=done - load_start,
+                total_s=done - update.began,
+                bytes_received=expected_bytes(update.buckets),
+                buckets_received=len(update.buckets),
+            )
+            self._update = None
+            self.state = TransferState.READY
+            self.last_timings = timings
+            self.last_update_time = time.time()
+            return timings
+
+    async def abort(self, version: int) -> None:
+        async with self._lock:
+            update = self._update
+            if update is None:
+                return
+            if update.version != version:
+                raise FailedPrecondition(
+                    f"version {update.version} is being received, not {version}",
+                    reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT,
+                )
+            update.cancelled.set()
+            if not update.receive.done():
+                # A collective cannot be interrupted from here. The group is retired now (the trainer
+                # re-forms it) and closed once the receive thread returns, at the latest at its timeout.
+                group = self._group
+                self._group, self.params = None, None
+
+                def retire(done: asyncio.Future[None]) -> None:
+                    if not done.cancelled():
+                        done.exception()  # retrieved: an aborted receive is expected to fail
+                    if group is not None:
+                        group.close()
+
+                update.receive.add_done_callback(retire)
+            self.engine.discard_update()
+            self._update = None
+            self.state = TransferState.READY if self._group is not None else TransferState.UNINITIALIZED
+
+    def _received(self, update: _Update, done: asyncio.Future[None]) -> None:
+        """A receive that failed on its own (the trainer died or stalled past the timeout) ends the update
+        at once: the previous version keeps serving and the worker waits for a new group."""
+        if done.cancelled() or done.exception() is None or update.cancelled.is_set():
+            return
+        log.warning("weight update v%d failed while receiving: %s", update.version, done.exception())
+        self._last_failure = (update.version, str(done.exception()))
+        self._fail_update(update)
+
+    def _fail_update(self, update: _Update) -> None:
+        if self._update is not update:
+            return
+        self.engine.discard_update()
+        self._update = None
+        self._close_group()
+        self.state = TransferState.UNINITIALIZED
+
+    async def close(self) -> None:
+        if self._update is not None:
+            self._update.cancelled.set()
+        self._close_group()
