@@ -8,7 +8,7 @@ NPM_STAMP := node_modules/.installed
 HAND_WRITTEN := $(wildcard mesh services gateway trainer tandem_taskapp examples scripts benchmarks tests)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast up demo bench-events bench-vault clean
+.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast up demo bench-events bench-vault bench-weights clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -76,6 +76,9 @@ bench-events: setup  ## events service: ingest, fan-out to 50 subscribers, laten
 
 bench-vault: setup  ## vault: uploads and injections per second against a no-crypto, no-storage echo baseline
 	$(PY) benchmarks/vault.py
+
+bench-weights: setup  ## weight sync: packed gloo broadcast of 10M-500M models against per-tensor + gRPC and one flat broadcast
+	$(PY) benchmarks/weight_sync.py
 
 clean:  ## remove the virtual environment, Node tools and local state
 	rm -rf $(VENV) node_modules .tandem .pytest_cache .mypy_cache .ruff_cache

@@ -5,13 +5,14 @@
 
 Rules, in order:
 - `gpus == 0` is the CPU plan: one inference worker and one trainer rank on the CPU (tests, laptops, the
-  demo); the reference model, when asked for, is stacked on the trainer.
+  demo), and the reference model, when asked for, on the CPU too.
 - Inference replicas take whole tensor-parallel groups of consecutive GPUs from GPU 0; the trainer takes the
   GPUs after them (at least one); a reference model placed `own` takes the last GPU.
 - `inference_gpus="auto"` gives training a quarter of the node (at least one GPU), the reference its GPU when
   `own`, and inference every remaining whole TP group; GPUs a TP group cannot use go to training.
-- The reference model is `none` (no KL term), `stacked` (it shares the trainer's GPUs: small models, or
-  memory to spare there) or `own` (a GPU of its own, read by trainer rank 0).
+- The reference model is `none` (no KL term), `stacked` (beside the inference engine on the first
+  inference replica's first GPU, as the contract's REFERENCE_PLACEMENT_STACKED says) or `own` (a GPU of
+  its own, taken from the training share).
 Every refusal says what to change. The launcher applies a plan with CUDA_VISIBLE_DEVICES per process.
 """
 
@@ -30,7 +31,7 @@ class Plan:
     inference: tuple[tuple[int, ...], ...]  # per replica, its GPUs (empty tuple: on the CPU)
     trainer: tuple[int, ...]  # one trainer rank per GPU (empty tuple: one rank on the CPU)
     reference: tuple[int, ...] | None  # the reference model's GPUs; None: no reference model
-    reference_stacked: bool  # the reference shares the trainer's devices
+    reference_stacked: bool  # the reference shares an inference replica's GPU
 
     @property
     def cpu(self) -> bool:
@@ -103,5 +104,5 @@ def plan(
     elif reference == "own":
         ref = (gpus - 1,)
     else:
-        ref = trainer
+        ref = replicas[0][:1]
     return Plan(replicas, trainer, ref, reference == "stacked")

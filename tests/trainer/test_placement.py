@@ -21,13 +21,13 @@ def test_eight_gpus_tp2_auto_is_three_replicas_and_two_trainer_gpus() -> None:
     }
 
 
-def test_a_reference_of_its_own_takes_the_last_gpu_and_stacked_shares_the_trainers() -> None:
+def test_a_reference_of_its_own_takes_the_last_gpu_and_stacked_sits_beside_inference() -> None:
     own = plan(8, "auto", tensor_parallel=2, reference="own")
     assert own.inference == ((0, 1), (2, 3)) and own.trainer == (4, 5, 6) and own.reference == (7,)
     assert own.visible_devices()["reference"] == "7"
     stacked = plan(8, 6, tensor_parallel=1, reference="stacked")
     assert len(stacked.inference) == 6 and stacked.trainer == (6, 7)
-    assert stacked.reference == (6, 7) and stacked.reference_stacked
+    assert stacked.reference == (0,) and stacked.reference_stacked
     assert "reference" not in stacked.visible_devices()
 
 

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.context import SpawnProcess
 from multiprocessing.queues import Queue
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -42,6 +42,7 @@ from trainer.inference.weights import (
     tensor_checksum,
 )
 
+T = TypeVar("T")
 SPAWN = multiprocessing.get_context("spawn")
 BUCKET = 16 * 1024
 REPORT_WAIT_S = 45.0  # how long a spawned rank may take to report: its start (importing torch) and its work
@@ -60,6 +61,7 @@ MIXED: tuple[TensorMeta, ...] = (
     TensorMeta("lm_head.weight", "float32", (311, 101)),  # 125,644 bytes: larger than a bucket
 )
 DOWN = next(i for i, m in enumerate(MIXED) if m.name == "model.layers.0.mlp.down_proj.weight")
+LM_HEAD = len(MIXED) - 1
 
 
 def meta(name: str, dtype: str, *shape: int) -> TensorMeta:
@@ -167,9 +169,9 @@ def two_ranks(timeout_s: float = 20) -> Iterator[tuple[TransferGroup, TransferGr
         sender.close()
 
 
-def in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
+def in_thread(fn: Callable[[], T]) -> Callable[[], T]:
     """Run `fn` on a thread now; the returned function joins it and returns its result or raises."""
-    result: list[Any] = []
+    result: list[T] = []
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -181,7 +183,7 @@ def in_thread(fn: Callable[[], Any]) -> Callable[[], Any]:
     thread = threading.Thread(target=run)
     thread.start()
 
-    def join() -> Any:
+    def join() -> T:
         thread.join()
         if failure:
             raise failure[0]
@@ -204,6 +206,29 @@ def test_listen_lets_the_os_choose_the_port() -> None:
         TransferGroup.join(HOST, 1, 3, 3, 5)
     with pytest.raises(ValueError, match="rank 0 is not a worker rank"):
         TransferGroup.join(HOST, 1, 3, 0, 5)
+
+
+def test_create_tells_the_port_before_it_blocks() -> None:
+    joining: list[Callable[[], TransferGroup]] = []
+
+    def start_joining(port: int) -> None:
+        joining.append(in_thread(lambda: TransferGroup.join(HOST, port, 2, 1, 20)))
+
+    with TransferGroup.create(HOST, 2, 20, on_listening=start_joining) as sender, joining[0]() as worker:
+        values = torch.arange(-5, 6, dtype=torch.int64)
+        landed = torch.zeros(11, dtype=torch.int64)
+        receiving = in_thread(lambda: worker.broadcast(landed, timeout_s=10))
+        sender.broadcast(values, timeout_s=10)
+        receiving()
+        assert torch.equal(landed, values)
+
+
+def test_a_group_whose_ranks_do_not_all_arrive_does_not_form() -> None:
+    listener = TransferGroup.listen(HOST, 2, timeout_s=1)
+    with pytest.raises(TransferError, match=f"the transfer group on port {listener.port} did not form"):
+        listener.connect()
+    with pytest.raises(TransferError, match="already connected or closed"):
+        listener.connect()
 
 
 def test_bad_geometry_is_a_value_error_before_any_collective() -> None:
@@ -240,6 +265,22 @@ def test_bad_geometry_is_a_value_error_before_any_collective() -> None:
         sent = sending()
         assert received.bytes == sent.bytes == expected_bytes(buckets)
         assert [tensor_checksum(good[m.name]) for m in MIXED] == [tensor_checksum(t) for t in tensors]
+
+
+def test_only_buckets_of_several_tensors_are_copied() -> None:
+    buckets = plan_buckets(MIXED, BUCKET)
+    shared = sum(b.payload_bytes for b in buckets if len(b.entries) > 1)
+    assert 0 < shared < expected_bytes(buckets)
+    tensors = make_tensors(MIXED, seed=12)
+    laid_out = staging_targets(buckets)
+    separate = {m.name: torch.zeros(m.shape, dtype=getattr(torch, m.dtype)) for m in MIXED}
+    with two_ranks() as (sender, worker):
+        for targets, unpacked in ((laid_out, 0), (separate, shared)):
+            sending = in_thread(lambda: send_packed(sender, tensors, buckets, timeout_s=10))
+            received = receive_packed(worker, buckets, targets, timeout_s=10)
+            assert sending().copied_bytes == shared  # single contiguous tensors go from their own memory
+            assert received.copied_bytes == unpacked  # laid-out targets take each bucket in place
+            assert [tensor_checksum(targets[m.name]) for m in MIXED] == [tensor_checksum(t) for t in tensors]
 
 
 def test_a_receive_that_gets_nothing_times_out() -> None:
@@ -309,7 +350,9 @@ def test_every_tensor_arrives_bit_exact_on_every_receiver() -> None:
         sent: list[tuple[Any, ...]] = []
         for rnd in rounds:
             tensors = make_tensors(rnd.manifest, rnd.seed)
-            tensors[DOWN] = tensors[DOWN].t().contiguous().t()  # the sender's tensors need not be contiguous
+            for index in (DOWN, LM_HEAD):  # the sender's tensors need not be contiguous, packed or alone
+                tensors[index] = tensors[index].t().contiguous().t()
+                assert not tensors[index].is_contiguous()
             stats = send_packed(group, tensors, rnd.plan(), timeout_s=10)
             assert stats.bytes == expected_bytes(rnd.plan())
             assert stats.buckets == len(rnd.plan())

@@ -8,7 +8,9 @@ that hold the same values produce the same hex string, whatever device each hold
 
 Transport. The bytes of an update travel by broadcast from the trainer (rank 0) to every worker rank of a
 `TransferGroup`: a gloo process group with a `TCPStore` of its own, never torch.distributed's default
-group, so a trainer that runs a training process group keeps it to itself. The control plane (gRPC:
+group, so a trainer that runs a training process group keeps it to itself. Rank 0 `listen`s (the OS picks
+the port), hands the port to the workers (`InitWeightTransfer`), which `join`, and `connect`s; forming the
+group blocks every rank until all have arrived. The control plane (gRPC:
 `BeginWeightUpdate` carries the manifest and the bucket size, `FinishWeightUpdate` waits for the end) lives
 in the worker; this module moves bytes only. One update, with the same manifest and bucket size on every
 rank:
@@ -20,10 +22,11 @@ rank:
    against the plan before the first collective, so a geometry mistake is a ValueError, never a hang.
 3. Bucket k is one broadcast of a flat uint8 buffer holding its tensors' bytes at 16-byte aligned offsets.
    The sender packs bucket k+1 into the second of two buffers while bucket k is on the wire; a receiver
-   posts bucket k+1 before it unpacks bucket k. A bucket of one contiguous tensor is broadcast from and
-   into the tensor itself, without a copy. At most two broadcasts are in flight on a rank, as many as
-   gloo's two worker threads run at once. The two buffers belong to the group and are reused by the next
-   update (memory: twice the largest bucket, per rank).
+   posts bucket k+1 before it unpacks bucket k. No copy is made where none is needed: a bucket of one
+   contiguous tensor is broadcast from and into the tensor itself, and a receiver whose targets lie in one
+   buffer at the plan's offsets (`staging_targets` allocates them so) receives the bucket in place. At most
+   two broadcasts are in flight on a rank, as many as gloo's two worker threads run at once. The two
+   staging buffers belong to the group and serve the next update too (twice the largest bucket per rank).
 4. Every broadcast has a timeout, which gloo enforces itself (the wait has a backstop a little later). A
    failed, timed-out or cancelled broadcast raises `TransferError` naming the bucket, and the group is then
    unusable: a collective in flight cannot be recalled and the ranks no longer agree on what comes next.
@@ -54,7 +57,7 @@ from typing import NamedTuple
 
 import torch
 
-# The classes' own module: torch.distributed re-exports them without declaring it, which strict typing rejects.
+# Their own module: torch.distributed re-exports them without declaring it, which strict typing rejects.
 from torch._C._distributed_c10d import BroadcastOptions, ProcessGroupGloo, TCPStore, Work
 
 from trainer.inference.engine import TensorMeta
@@ -262,7 +265,8 @@ class GroupListener:
         )
 
     def close(self) -> None:
-        """Stop listening without forming the group."""
+        """Stop listening without forming the group. A `connect` already under way is not interrupted: it
+        fails when its timeout passes."""
         self._store = None
 
 
@@ -348,7 +352,8 @@ class TransferGroup:
         options.rootRank = ROOT
         options.timeout = _timedelta(timeout_s)
         try:
-            work: Work = backend.broadcast([tensor], options)  # type: ignore[attr-defined]  # torch's stubs omit Backend.broadcast
+            # torch's stubs declare broadcast on ProcessGroup only; the binding has it on every Backend.
+            work: Work = backend.broadcast([tensor], options)  # type: ignore[attr-defined]
             return work
         except RuntimeError as exc:
             raise self._fail(f"could not post the broadcast: {exc}") from exc
@@ -429,6 +434,7 @@ class TransferStats:
     seconds: float  # the whole call
     copy_seconds: float  # packing (sender) or unpacking (receiver) on the calling thread
     wait_seconds: float  # blocked on broadcasts still in flight
+    copied_bytes: int  # tensor bytes packed or unpacked; the rest went from or into the tensors themselves
 
     @property
     def gb_per_s(self) -> float:
@@ -446,7 +452,7 @@ def _direct(tensor: torch.Tensor, bucket: Bucket) -> bool:
 
 
 def _slot_view(buffer: torch.Tensor, entry: Placement) -> torch.Tensor:
-    """The entry's bytes in a staging buffer, viewed as the tensor (offsets are aligned, so this is a view)."""
+    """The entry's bytes in a staging buffer, viewed as the tensor (aligned offsets make this a view)."""
     meta = entry.meta
     return buffer[entry.offset : entry.offset + entry.nbytes].view(dtype_of(meta.dtype)).view(meta.shape)
 
@@ -488,7 +494,7 @@ def send_packed(
     ]
     buffers = group.staging_buffers(min(2, len(packed)), max(packed, default=0))
     in_flight: list[tuple[Bucket, Work]] = []
-    packed_count = 0
+    packed_count = copied = 0
     for bucket, source in zip(buckets, sources, strict=True):
         if not bucket.nbytes:
             continue  # only empty tensors: every rank skips it
@@ -503,11 +509,13 @@ def send_packed(
             for tensor, entry in zip(source, bucket.entries, strict=True):
                 if entry.nbytes:
                     _slot_view(flat, entry).copy_(tensor)
+            copied += bucket.payload_bytes
         copy_s += time.perf_counter() - began
         in_flight.append((bucket, _start(group, flat, timeout_s, bucket)))
     for done, work in in_flight:
         wait_s += _finish(group, done, work, timeout_s, "sending")
-    return TransferStats(expected_bytes(buckets), len(buckets), time.perf_counter() - start, copy_s, wait_s)
+    seconds = time.perf_counter() - start
+    return TransferStats(expected_bytes(buckets), len(buckets), seconds, copy_s, wait_s, copied)
 
 
 def staging_targets(buckets: Sequence[Bucket]) -> dict[str, torch.Tensor]:
@@ -527,18 +535,18 @@ def _received_in_place(bucket: Bucket, targets: Sequence[torch.Tensor]) -> torch
     if _direct(targets[0], bucket):
         return _as_bytes(targets[0])
     holding = [
-        (t, e) for t, e in zip(targets, bucket.entries, strict=True) if e.nbytes
-    ]  # empty ones hold nothing
-    first, entry = holding[0]
+        (t, e.offset) for t, e in zip(targets, bucket.entries, strict=True) if e.nbytes
+    ]  # empty: nothing
+    first, first_offset = holding[0]
     if first.device.type != "cpu":
         return None
     storage = first.untyped_storage()
-    start = first.data_ptr() - storage.data_ptr() - entry.offset
+    start = first.data_ptr() - storage.data_ptr() - first_offset
     if start < 0 or start + bucket.nbytes > storage.nbytes():
         return None
-    for target, entry in holding:
+    for target, offset in holding:
         same_storage = target.untyped_storage().data_ptr() == storage.data_ptr()
-        if not same_storage or target.data_ptr() - storage.data_ptr() != start + entry.offset:
+        if not same_storage or target.data_ptr() - storage.data_ptr() != start + offset:
             return None
     return torch.empty(0, dtype=torch.uint8).set_(storage, start, (bucket.nbytes,), (1,))
 
@@ -581,7 +589,7 @@ def receive_packed(
     copy_s = wait_s = 0.0
     staged = [buckets[k].nbytes for k in moving if in_place[k] is None]
     buffers = group.staging_buffers(min(2, len(staged)), max(staged, default=0))
-    staged_count = 0
+    staged_count = copied = 0
 
     def post(k: int) -> tuple[Bucket, torch.Tensor | None, Work]:
         """Post bucket k's broadcast; the staging buffer to unpack afterwards, None when received in place."""
@@ -602,10 +610,12 @@ def receive_packed(
             for target, entry in zip(destinations[k], bucket.entries, strict=True):
                 if entry.nbytes:
                     _as_bytes(target).copy_(flat[entry.offset : entry.offset + entry.nbytes])
+            copied += bucket.payload_bytes
         copy_s += time.perf_counter() - began
         if position + 2 < len(moving):  # its buffer is free again: post the bucket after the next
             in_flight.append(post(moving[position + 2]))
-    return TransferStats(expected_bytes(buckets), len(buckets), time.perf_counter() - start, copy_s, wait_s)
+    seconds = time.perf_counter() - start
+    return TransferStats(expected_bytes(buckets), len(buckets), seconds, copy_s, wait_s, copied)
 
 
 def _start(group: TransferGroup, flat: torch.Tensor, timeout_s: float, bucket: Bucket) -> Work:
