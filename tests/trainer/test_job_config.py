@@ -1,0 +1,104 @@
+"""Job configs in TOML: the contract's schema, its field rules, the cross-field rules, and the defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mesh.errors import InvalidArgument
+from trainer.config import Job, load_job
+
+GOOD = """
+seed = 7
+checkpoint_interval = 10
+
+[model]
+dir = "/models/tiny"
+
+[task_app]
+base_url = "http://127.0.0.1:8001"
+
+[data.train]
+seeds = [{start = 0, end = 100}, {start = 1000, end = 1010}]
+
+[algorithm]
+group_size = 8
+prompts_per_step = 4
+steps = 50
+kl_coef = 0.05
+loss_aggregation = "LOSS_AGGREGATION_SEQUENCE_MEAN"
+
+[optimizer]
+learning_rate = 1e-3
+schedule = "LR_SCHEDULE_COSINE"
+warmup_steps = 5
+min_lr_ratio = 0.1
+
+[sampling]
+temperature = 0.8
+max_tokens = 32
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_good_config_loads_with_its_defaults(tmp_path: Path) -> None:
+    job = Job(load_job(write(tmp_path, GOOD)))
+    assert job.config.algorithm.group_size == 8 and job.config.seed == 7
+    assert (job.clip_low, job.clip_high, job.max_staleness, job.max_importance_ratio) == (0.2, 0.2, 1, 2.0)
+    assert job.aggregation == "sequence_mean" and job.reference == "stacked"  # kl_coef > 0
+    assert (job.temperature, job.top_p, job.max_grad_norm) == (0.8, 1.0, 1.0)
+    assert len(job.seeds()) == 110
+    assert job.learning_rate(0) == pytest.approx(1e-3 / 5)  # warm-up
+    assert job.learning_rate(5) == pytest.approx(1e-3)
+    assert job.learning_rate(50) == pytest.approx(1e-4)  # cosine down to min_lr_ratio
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (("group_size = 8", "group_size = 1"), "algorithm.group_size"),
+        (('base_url = "http://127.0.0.1:8001"', 'base_url = "ftp://x"'), "task_app.base_url"),
+        (("{start = 0, end = 100}", "{start = 10, end = 10}"), "data.train.seeds[0]"),
+        (("temperature = 0.8", "temperature = 3"), "sampling.temperature"),
+        (("warmup_steps = 5", "warmup_steps = 500"), "optimizer.warmup_steps"),
+        (('dir = "/models/tiny"', 'dir = ""'), "model.dir"),
+    ],
+)
+def test_each_bad_field_is_named(tmp_path: Path, change: tuple[str, str], field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        load_job(write(tmp_path, GOOD.replace(*change)))
+    assert field in [v.field for v in info.value.violations]
+    assert info.value.reason_name == "INVALID_JOB_SPEC"
+
+
+def test_unknown_keys_wrong_types_and_bad_toml_are_refused(tmp_path: Path) -> None:
+    for text, words in [
+        (GOOD + "\n[algorithm2]\nx = 1\n", "algorithm2"),
+        (GOOD.replace("steps = 50", 'steps = "many"'), "steps"),
+        ("[model\n", "not valid TOML"),
+    ]:
+        with pytest.raises(InvalidArgument) as info:
+            load_job(write(tmp_path, text))
+        assert words in info.value.message
+
+
+def test_rules_across_fields(tmp_path: Path) -> None:
+    both = GOOD.replace(
+        'base_url = "http://127.0.0.1:8001"', 'base_url = "http://x"\nname = "orgs/a/taskApps/b"'
+    )
+    no_ref = GOOD + '\n[topology]\nreference_placement = "REFERENCE_PLACEMENT_NONE"\n'
+    split = GOOD + "\n[topology]\ngpus = 8\ninference_gpus = 6\ntensor_parallel_size = 4\n"
+    for text, field in [
+        (both, "task_app"),
+        (no_ref, "topology.reference_placement"),
+        (split, "topology.tensor_parallel_size"),
+    ]:
+        with pytest.raises(InvalidArgument) as info:
+            load_job(write(tmp_path, text))
+        assert field in [v.field for v in info.value.violations]

@@ -1,0 +1,169 @@
+"""An online-RL job as a researcher writes it: a TOML file parsed into the contract's `TrainerConfig`.
+
+The schema is `tandem.trainer.v1.TrainerConfig` (protos/tandem/trainer/v1/config.proto): every `[section]`
+is a nested message and every key a field of the same name, documented there. `load_job` parses the file,
+refuses unknown keys and values of the wrong type, checks the contract's field rules (ranges, patterns,
+required fields) and the rules that span fields, and names each offending field in the error. `Job` gives
+the effective values, with every unset optional field at the default its comment names. No torch here.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from google.protobuf import json_format
+from tandem.trainer.v1 import config_pb2
+
+from mesh.errors import FieldViolation, InvalidArgument, R
+from mesh.validation import violations
+
+Aggregation = Literal["token_mean", "sequence_mean"]
+Reference = Literal["none", "stacked", "own"]
+
+
+def _invalid(message: str, found: list[FieldViolation]) -> InvalidArgument:
+    return InvalidArgument(message, reason=R.ERROR_REASON_INVALID_JOB_SPEC, violations=found)
+
+
+def parse_job(document: dict[str, Any]) -> config_pb2.TrainerConfig:
+    """A TOML document (as a dict) -> a validated TrainerConfig; InvalidArgument naming every bad field."""
+    config = config_pb2.TrainerConfig()
+    try:
+        json_format.ParseDict(document, config, ignore_unknown_fields=False)
+    except json_format.ParseError as exc:
+        raise _invalid(f"the job config does not fit the schema: {exc}", []) from None
+    found = violations(config)
+    found.extend(_cross_field(config))
+    if found:
+        names = ", ".join(f"{v.field} ({v.description})" for v in found[:5])
+        raise _invalid(f"invalid job config: {names}", found)
+    return config
+
+
+def load_job(path: Path) -> config_pb2.TrainerConfig:
+    try:
+        document = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read the job config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise _invalid(f"{path} is not valid TOML: {exc}", []) from None
+    return parse_job(document)
+
+
+def _cross_field(config: config_pb2.TrainerConfig) -> list[FieldViolation]:
+    found: list[FieldViolation] = []
+    target = config.task_app
+    if bool(target.name) == bool(target.base_url):
+        found.append(FieldViolation("task_app", "set exactly one of name and base_url"))
+    if target.secret_name and not target.base_url:
+        found.append(FieldViolation("task_app.secret_name", "is used only with base_url"))
+    for split in ("train", "eval"):
+        if not config.data.HasField(split):
+            continue
+        for index, seeds in enumerate(getattr(config.data, split).seeds):
+            if seeds.end <= seeds.start:
+                found.append(
+                    FieldViolation(
+                        f"data.{split}.seeds[{index}]", f"end {seeds.end} must be above start {seeds.start}"
+                    )
+                )
+    algorithm, topology = config.algorithm, config.topology
+    placement = topology.reference_placement
+    if algorithm.kl_coef > 0 and placement == config_pb2.REFERENCE_PLACEMENT_NONE:
+        found.append(FieldViolation("topology.reference_placement", "kl_coef > 0 needs a reference model"))
+    if topology.HasField("inference_gpus") and topology.inference_gpus >= max(topology.gpus, 1):
+        found.append(
+            FieldViolation(
+                "topology.inference_gpus", f"must be below gpus ({topology.gpus}): the trainer needs one"
+            )
+        )
+    if (
+        topology.HasField("inference_gpus")
+        and topology.HasField("tensor_parallel_size")
+        and topology.inference_gpus % topology.tensor_parallel_size
+    ):
+        found.append(FieldViolation("topology.tensor_parallel_size", "must divide inference_gpus"))
+    if config.optimizer.warmup_steps > algorithm.steps:
+        found.append(FieldViolation("optimizer.warmup_steps", f"is more than the {algorithm.steps} steps"))
+    return found
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated config with its defaults applied."""
+
+    config: config_pb2.TrainerConfig
+
+    @property
+    def clip_low(self) -> float:
+        a = self.config.algorithm
+        return a.clip_low if a.HasField("clip_low") else 0.2
+
+    @property
+    def clip_high(self) -> float:
+        a = self.config.algorithm
+        return a.clip_high if a.HasField("clip_high") else 0.2
+
+    @property
+    def max_staleness(self) -> int:
+        a = self.config.algorithm
+        return a.max_staleness if a.HasField("max_staleness") else 1
+
+    @property
+    def max_importance_ratio(self) -> float:
+        a = self.config.algorithm
+        return a.max_importance_ratio if a.HasField("max_importance_ratio") else 2.0
+
+    @property
+    def aggregation(self) -> Aggregation:
+        sequence = self.config.algorithm.loss_aggregation == config_pb2.LOSS_AGGREGATION_SEQUENCE_MEAN
+        return "sequence_mean" if sequence else "token_mean"
+
+    @property
+    def temperature(self) -> float:
+        s = self.config.sampling
+        return s.temperature if s.HasField("temperature") else 1.0
+
+    @property
+    def top_p(self) -> float:
+        s = self.config.sampling
+        return s.top_p if s.HasField("top_p") else 1.0
+
+    @property
+    def max_grad_norm(self) -> float:
+        o = self.config.optimizer
+        return o.max_grad_norm if o.HasField("max_grad_norm") else 1.0
+
+    @property
+    def reference(self) -> Reference:
+        placement = self.config.topology.reference_placement
+        if placement == config_pb2.REFERENCE_PLACEMENT_UNSPECIFIED:
+            return "stacked" if self.config.algorithm.kl_coef > 0 else "none"
+        return {
+            config_pb2.REFERENCE_PLACEMENT_NONE: "none",
+            config_pb2.REFERENCE_PLACEMENT_STACKED: "stacked",
+            config_pb2.REFERENCE_PLACEMENT_OWN: "own",
+        }[placement]  # type: ignore[return-value]
+
+    def learning_rate(self, step: int) -> float:
+        """The learning rate at `step` (0-based): linear warm-up, then the schedule to `min_lr_ratio`."""
+        import math  # noqa: PLC0415
+
+        o, steps = self.config.optimizer, self.config.algorithm.steps
+        if o.warmup_steps and step < o.warmup_steps:
+            return o.learning_rate * (step + 1) / o.warmup_steps
+        span = max(steps - o.warmup_steps, 1)
+        progress = min(max(step - o.warmup_steps, 0) / span, 1.0)
+        floor = o.learning_rate * o.min_lr_ratio
+        if o.schedule == config_pb2.LR_SCHEDULE_LINEAR:
+            return floor + (o.learning_rate - floor) * (1.0 - progress)
+        if o.schedule == config_pb2.LR_SCHEDULE_COSINE:
+            return floor + (o.learning_rate - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return o.learning_rate
+
+    def seeds(self, split: Literal["train", "eval"] = "train") -> list[int]:
+        data = getattr(self.config.data, split)
+        return [seed for r in data.seeds for seed in range(r.start, r.end)]
