@@ -167,7 +167,7 @@ def modified(model_dir: Path, scale: float) -> list[tuple[str, torch.Tensor]]:
 async def test_weights_reach_both_workers_bit_exact_and_faults_keep_the_previous_version(
     model_dir: Path, stubs: list[object]
 ) -> None:
-    publisher = WeightPublisher(stubs, bucket_size_bytes=64 * 1024, transfer_timeout_s=20, rpc_timeout_s=30)
+    publisher = WeightPublisher(stubs, bucket_size_bytes=1 << 20, transfer_timeout_s=20, rpc_timeout_s=30)
     try:
         update = modified(model_dir, 0.01)
         report = await publisher.publish(1, update, mode=PauseMode.KEEP)
@@ -202,7 +202,7 @@ async def test_weights_reach_both_workers_bit_exact_and_faults_keep_the_previous
             await stub.ResumeGeneration(pb.ResumeGenerationRequest())  # type: ignore[attr-defined]
 
         # The trainer stalls mid-update: the workers give up at their timeout and keep serving v1.
-        short = WeightPublisher(stubs, bucket_size_bytes=64 * 1024, transfer_timeout_s=2, rpc_timeout_s=30)
+        short = WeightPublisher(stubs, bucket_size_bytes=1 << 20, transfer_timeout_s=2, rpc_timeout_s=30)
         await short.connect()
         for stub in stubs:
             await stub.PauseGeneration(pb.PauseGenerationRequest(mode=weights_pb2.PAUSE_MODE_KEEP))  # type: ignore[attr-defined]
@@ -211,7 +211,7 @@ async def test_weights_reach_both_workers_bit_exact_and_faults_keep_the_previous
                 manifest=[
                     weights_pb2.TensorSpec(name=n, dtype="float32", shape=list(t.shape)) for n, t in update
                 ],
-                bucket_size_bytes=64 * 1024,
+                bucket_size_bytes=1 << 20,
                 packed=True,
             )
             await stub.BeginWeightUpdate(begin)  # type: ignore[attr-defined]
@@ -248,7 +248,7 @@ async def test_a_worker_that_dies_mid_update_is_named_and_a_restarted_one_rejoin
     second = start_worker(model_dir, tmp_path / "b", mesh_key)
     channels = [worker_stub(w, mesh_key) for w in (first, second)]
     stubs = [s for _, s in channels]
-    publisher = WeightPublisher(stubs, bucket_size_bytes=16 * 1024, transfer_timeout_s=5, rpc_timeout_s=30)
+    publisher = WeightPublisher(stubs, bucket_size_bytes=1 << 20, transfer_timeout_s=5, rpc_timeout_s=30)
     try:
         await publisher.publish(1, modified(model_dir, 0.01))
         second.proc.kill()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tandem.inference.v1 import generation_pb2
 from tandem.scheduler.v1 import job_spec_pb2, scheduler_service_pb2
 from tandem.vault.v1 import vault_service_pb2
 
@@ -64,8 +65,6 @@ def test_nested_messages_report_full_paths() -> None:
 
 
 def test_an_unset_optional_field_is_not_checked_and_a_set_one_is() -> None:
-    from tandem.inference.v1 import generation_pb2
-
     assert violations(generation_pb2.SamplingParams(max_tokens=3)) == []
     found = violations(generation_pb2.SamplingParams(top_p=0.0, temperature=2.5))
     assert sorted(v.field for v in found) == ["temperature", "top_p"]

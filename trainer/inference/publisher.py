@@ -95,7 +95,7 @@ class WeightPublisher:
         workers: Sequence[Any],
         *,
         host: str = "127.0.0.1",
-        bucket_size_bytes: int = 256 * 1024 * 1024,
+        bucket_size_bytes: int = 32 * 1024 * 1024,
         transfer_timeout_s: float = 300.0,
         rpc_timeout_s: float = 60.0,
         events: Any | None = None,

@@ -60,6 +60,8 @@ pb = inference_service_pb2
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 Context = grpc.aio.ServicerContext[Any, Any]
 DEFAULT_HEARTBEAT_S = 5.0
+DEFAULT_BUCKET_BYTES = 1 << 30  # the contract's default for an unset bucket_size_bytes
+MIN_BUCKET_BYTES = 1 << 20
 
 PAUSE_MODES = {
     weights_pb2.PAUSE_MODE_KEEP: PauseMode.KEEP,
@@ -400,9 +402,10 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         self, request: pb.BeginWeightUpdateRequest, context: Context
     ) -> pb.BeginWeightUpdateResponse:
         manifest = [TensorMeta(t.name, t.dtype, tuple(t.shape)) for t in request.manifest]
-        update = await self.worker.sync.begin(
-            request.weight_version, manifest, request.bucket_size_bytes or 256 * 1024 * 1024, request.packed
-        )
+        bucket = request.bucket_size_bytes or DEFAULT_BUCKET_BYTES
+        if request.packed and bucket < MIN_BUCKET_BYTES:
+            raise InvalidArgument(f"bucket_size_bytes must be at least {MIN_BUCKET_BYTES} (1 MiB), or unset")
+        update = await self.worker.sync.begin(request.weight_version, manifest, bucket, request.packed)
         size, broadcasts = self.worker.sync.expected(update)
         return pb.BeginWeightUpdateResponse(expected_bytes=size, expected_broadcasts=broadcasts)
 
