@@ -23,6 +23,10 @@ class WorkerSettings(BaseSettings):
     dtype: str = Field("", description="Served dtype (`bfloat16`, ...); empty: the checkpoint's.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="vLLM engine: GPUs per worker.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM engine: share of GPU memory.")
+    transfer_backend: Literal["nccl", "ipc"] = Field(
+        "nccl",
+        description="vLLM engine: how weights arrive (`ipc` when the trainer shares the worker's GPUs).",
+    )
     max_batch: int = Field(32, ge=1, le=4096, description="torch engine: most sequences per forward step.")
     http_host: str = Field("127.0.0.1", description="Interface of the OpenAI-compatible endpoint.")
     http_port: int = Field(0, ge=0, le=65535, description="Its port; 0 picks a free one.")

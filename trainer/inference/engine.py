@@ -18,7 +18,7 @@ import abc
 import enum
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -157,6 +157,25 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class RemoteTransfer(Protocol):
+    """An engine that receives weights through a transfer engine of its own (vLLM's NCCL or IPC engines)
+    instead of staging buffers the worker fills. It loads in place: an update that fails after
+    `start_update` leaves the weights matching no version until the next update completes."""
+
+    transfer_backends: tuple[str, ...]  # "nccl", "ipc"
+
+    async def join_transfer(self, init_info: Mapping[str, Any]) -> None:
+        """Join the trainer's transfer group (NCCL: the rendezvous; IPC: nothing to join)."""
+
+    async def start_update(self) -> None: ...
+
+    async def receive_update(self, manifest: Sequence[TensorMeta], ipc_handles: bytes = b"") -> None:
+        """Blocks until every tensor of `manifest` is loaded (NCCL: while the trainer broadcasts)."""
+
+    async def finish_update(self, version: int) -> None: ...
 
 
 class EngineError(Exception):

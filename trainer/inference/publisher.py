@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 import torch
@@ -33,8 +34,11 @@ from tandem.inference.v1 import weights_pb2
 from mesh.status import RpcError, rpc_error_from
 from trainer.inference.engine import PauseMode
 from trainer.inference.weights import (
+    Bucket,
+    GroupListener,
     TransferGroup,
     checksum_digest,
+    expected_bytes,
     manifest_of,
     plan_buckets,
     send_packed,
@@ -89,6 +93,115 @@ def _why(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+Backend = Literal["gloo", "nccl", "ipc"]
+_BACKEND_NUMBERS = {
+    "gloo": weights_pb2.WEIGHT_TRANSFER_BACKEND_GLOO,
+    "nccl": weights_pb2.WEIGHT_TRANSFER_BACKEND_NCCL,
+    "ipc": weights_pb2.WEIGHT_TRANSFER_BACKEND_IPC,
+}
+
+
+class _Transport:
+    """How the bytes move: `listen` (the port the workers join, 0 for none), `connect` (blocks until
+    they joined), per update `handles` (IPC only) and `send` (broadcasts only), `close`."""
+
+    def __init__(self, host: str, world_size: int, timeout_s: float) -> None:
+        self.host, self.world_size, self.timeout_s = host, world_size, timeout_s
+
+    def listen(self) -> int:
+        return 0
+
+    def connect(self) -> None:
+        return None
+
+    def handles(self, named: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+        return b""
+
+    def send(self, named: Sequence[tuple[str, torch.Tensor]], buckets: Sequence[Bucket]) -> tuple[int, int]:
+        return expected_bytes(buckets), 0
+
+    def close(self) -> None:
+        return None
+
+
+class _Gloo(_Transport):
+    """Our packed broadcast over a gloo group of our own (CPU workers)."""
+
+    _listener: GroupListener | None = None
+    _group: TransferGroup | None = None
+
+    def listen(self) -> int:
+        self._listener = TransferGroup.listen(self.host, self.world_size, self.timeout_s)
+        return self._listener.port
+
+    def connect(self) -> None:
+        assert self._listener is not None
+        self._group = self._listener.connect()
+
+    def send(self, named: Sequence[tuple[str, torch.Tensor]], buckets: Sequence[Bucket]) -> tuple[int, int]:
+        assert self._group is not None
+        stats = send_packed(self._group, [t for _, t in named], buckets, self.timeout_s)
+        return stats.bytes, stats.buckets
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        if self._group is not None:
+            self._group.close()
+        self._listener = self._group = None
+
+
+class _Nccl(_Transport):  # needs GPUs and the gpu extra: tests/gpu
+    """vLLM's packed NCCL broadcast: the trainer is rank 0 of vLLM's stateless group."""
+
+    _port = 0
+    _group: Any = None
+
+    def listen(self) -> int:
+        with socket.socket() as probe:  # a free port now; the rendezvous binds it a moment later
+            probe.bind((self.host, 0))
+            self._port = int(probe.getsockname()[1])
+        return self._port
+
+    def connect(self) -> None:
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init  # noqa: PLC0415
+
+        self._group = trainer_init(
+            {"master_address": self.host, "master_port": self._port, "world_size": self.world_size}
+        )
+
+    def send(self, named: Sequence[tuple[str, torch.Tensor]], buckets: Sequence[Bucket]) -> tuple[int, int]:
+        from vllm.distributed.weight_transfer.packed_tensor import (  # noqa: PLC0415
+            packed_nccl_broadcast_producer,
+        )
+
+        packed_nccl_broadcast_producer(
+            iterator=iter(named), group=self._group, src=0, post_iter_func=lambda item: item[1]
+        )
+        return expected_bytes(buckets), len(buckets)
+
+
+class _Ipc(_Transport):  # needs a GPU and the gpu extra: tests/gpu
+    """CUDA IPC: the worker maps the trainer's tensors; the handles ride in BeginWeightUpdate."""
+
+    _kept: list[torch.Tensor] | None = None
+
+    def handles(self, named: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+        import pickle  # noqa: PLC0415
+
+        from torch.multiprocessing.reductions import reduce_tensor  # noqa: PLC0415
+
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        self._kept = [tensor.detach().contiguous() for _, tensor in named]  # alive until the next update
+        return pickle.dumps([{uuid: reduce_tensor(tensor)[1]} for tensor in self._kept])  # type: ignore[no-untyped-call]
+
+    def close(self) -> None:
+        self._kept = None
+
+
+_TRANSPORTS: dict[str, type[_Transport]] = {"gloo": _Gloo, "nccl": _Nccl, "ipc": _Ipc}
+
+
 class WeightPublisher:
     def __init__(
         self,
@@ -100,9 +213,11 @@ class WeightPublisher:
         rpc_timeout_s: float = 60.0,
         events: Any | None = None,
         job: str = "",
+        backend: Backend = "gloo",
     ) -> None:
         """`workers`: an `InferenceServiceStub` per worker; `events`: an `EventServiceStub` for the job's
-        `weights.updated` events (with `job`), or None."""
+        `weights.updated` events (with `job`), or None; `backend`: `gloo` (CPU, torch engine workers),
+        `nccl` (GPU workers on other GPUs, through vLLM) or `ipc` (vLLM workers on the trainer's GPU)."""
         self.workers = list(workers)
         self.host = host
         self.bucket_size = bucket_size_bytes
@@ -110,11 +225,12 @@ class WeightPublisher:
         self.rpc_timeout_s = rpc_timeout_s
         self._events = events
         self._job = job
-        self._group: TransferGroup | None = None
+        self.backend = backend
+        self._transport: _Transport | None = None
 
     @property
     def connected(self) -> bool:
-        return self._group is not None
+        return self._transport is not None
 
     async def _all(self, phase: str, calls: Sequence[Awaitable[T]]) -> list[T]:
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -124,50 +240,55 @@ class WeightPublisher:
         return [r for r in results if not isinstance(r, BaseException)]
 
     async def connect(self) -> None:
-        """(Re-)form the transfer group with every worker."""
+        """(Re-)form the transfer group with every worker: worker i takes the ranks after the trainer's and
+        the ranks of the workers before it (one per tensor-parallel GPU)."""
         self.close()
-        await self._all(
+        infos = await self._all(
             "GetWorkerInfo",
             [w.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=self.rpc_timeout_s) for w in self.workers],
         )
-        world = len(self.workers) + 1
-        listener = await asyncio.to_thread(TransferGroup.listen, self.host, world, self.transfer_timeout_s)
-        request = [
+        sizes = [max(i.worker_info.tensor_parallel_size, 1) for i in infos]
+        offsets = [1 + sum(sizes[:index]) for index in range(len(sizes))]
+        world = 1 + sum(sizes)
+        transport = _TRANSPORTS[self.backend](self.host, world, self.transfer_timeout_s)
+        port = await asyncio.to_thread(transport.listen)
+        requests = [
             pb.InitWeightTransferRequest(
-                backend=weights_pb2.WEIGHT_TRANSFER_BACKEND_GLOO,
-                master_address=self.host,
-                master_port=listener.port,
+                backend=_BACKEND_NUMBERS[self.backend],
+                master_address=self.host if port else "",
+                master_port=port,
                 world_size=world,
-                rank_offset=rank,
+                rank_offset=offset,
             )
-            for rank in range(1, world)
+            for offset in offsets
         ]
-        for r in request:
-            r.timeout.FromNanoseconds(int(self.transfer_timeout_s * 1e9))
-        joining = asyncio.ensure_future(asyncio.to_thread(listener.connect))
+        for request in requests:
+            request.timeout.FromNanoseconds(int(self.transfer_timeout_s * 1e9))
+        joining = asyncio.ensure_future(asyncio.to_thread(transport.connect))
         try:
             await self._all(
                 "InitWeightTransfer",
                 [
                     w.InitWeightTransfer(r, timeout=self.transfer_timeout_s + self.rpc_timeout_s)
-                    for w, r in zip(self.workers, request, strict=True)
+                    for w, r in zip(self.workers, requests, strict=True)
                 ],
             )
+            await joining
         except BaseException:
-            listener.close()
+            transport.close()
             joining.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise
-        self._group = await joining
+        self._transport = transport
 
     async def publish(
         self, version: int, named: Sequence[tuple[str, torch.Tensor]], mode: PauseMode = PauseMode.KEEP
     ) -> UpdateReport:
         """Put `named` tensors (checkpoint names, in a fixed order) into service on every worker as
         `version`. Raises WeightSyncError naming the workers that failed; the update is then aborted."""
-        if self._group is None:
+        if self._transport is None:
             await self.connect()
-        group = self._group
-        assert group is not None
+        transport = self._transport
+        assert transport is not None
         manifest = manifest_of(named)
         buckets = plan_buckets(manifest, self.bucket_size)
         t0 = time.perf_counter()
@@ -178,6 +299,7 @@ class WeightPublisher:
             ],
             bucket_size_bytes=self.bucket_size,
             packed=True,
+            ipc_handles=transport.handles(named),
         )
         try:
             pause = pb.PauseGenerationRequest(mode=PAUSE_MODES[mode])
@@ -191,9 +313,8 @@ class WeightPublisher:
                 [w.BeginWeightUpdate(begin, timeout=self.rpc_timeout_s) for w in self.workers],
             )
             t2 = time.perf_counter()
-            tensors = [t for _, t in named]
             try:
-                stats = await asyncio.to_thread(send_packed, group, tensors, buckets, self.transfer_timeout_s)
+                stats = await asyncio.to_thread(transport.send, named, buckets)
             except Exception as exc:
                 raise WeightSyncError("broadcast", {-1: f"{type(exc).__name__}: {exc}"}) from exc
             t3 = time.perf_counter()
@@ -220,8 +341,8 @@ class WeightPublisher:
         report = UpdateReport(
             version=version,
             workers=len(self.workers),
-            bytes=stats.bytes,
-            buckets=stats.buckets,
+            bytes=stats[0],
+            buckets=stats[1],
             pause_s=t1 - t0,
             begin_s=t2 - t1,
             transfer_s=t3 - t2,
@@ -300,7 +421,7 @@ class WeightPublisher:
         updated.weight_version = report.version
         updated.num_workers = report.workers
         updated.bytes_transferred = report.bytes
-        updated.transport = "gloo"
+        updated.transport = self.backend
         updated.begin_duration.CopyFrom(_duration(report.begin_s))
         updated.transfer_duration.CopyFrom(_duration(report.transfer_s))
         updated.finish_duration.CopyFrom(_duration(report.finish_s))
@@ -317,6 +438,6 @@ class WeightPublisher:
             log.warning("could not publish weights.updated for v%d", report.version, exc_info=True)
 
     def close(self) -> None:
-        if self._group is not None:
-            self._group.close()
-        self._group = None
+        if self._transport is not None:
+            self._transport.close()
+        self._transport = None

@@ -22,16 +22,18 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from mesh.errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, R
-from trainer.inference.engine import Engine, ManifestMismatch, TensorMeta
+from trainer.inference.engine import Engine, ManifestMismatch, RemoteTransfer, TensorMeta
 from trainer.inference.weights import (
     Bucket,
     TransferError,
     TransferGroup,
     expected_bytes,
+    manifest_problems,
     plan_buckets,
     plan_per_tensor,
     receive_packed,
@@ -92,6 +94,7 @@ class WeightSync:
         self.last_timings: Timings | None = None
         self.last_update_time: float | None = None
         self._last_failure: tuple[int, str] | None = None  # (version, why) of the last failed receive
+        self._remote = False  # the engine's own transfer engine moves the bytes (vLLM)
         self._lock = asyncio.Lock()
 
     @property
@@ -107,6 +110,8 @@ class WeightSync:
                     f"version {self.pending_version} is being received; abort or finish it first",
                     reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT,
                 )
+            if params.backend != "gloo":
+                return await self._init_remote(params)
             if self.params == params and self._group is not None:
                 return [params.rank]
             self._close_group()
@@ -130,6 +135,34 @@ class WeightSync:
                 self.state = TransferState.READY
             return [params.rank]
 
+    async def _init_remote(self, params: GroupParams) -> list[int]:
+        """vLLM's transfer engines: the engine joins (NCCL: the trainer's rendezvous) with its TP ranks."""
+        engine = self.engine
+        if not isinstance(engine, RemoteTransfer) or params.backend not in engine.transfer_backends:
+            raise InvalidArgument(f"this worker's engine does not support the {params.backend} backend")
+        ranks = [params.rank + i for i in range(engine.info.tensor_parallel_size)]
+        init_info: dict[str, Any] = {"packed": True}
+        if params.backend == "nccl":
+            init_info.update(
+                master_address=params.host,
+                master_port=params.port,
+                rank_offset=params.rank,
+                world_size=params.world_size,
+            )
+        try:
+            await asyncio.wait_for(engine.join_transfer(init_info), timeout=params.timeout_s)
+        except (TimeoutError, RuntimeError, OSError, ValueError) as exc:
+            self.state = TransferState.UNINITIALIZED
+            raise Aborted(
+                f"joining the {params.backend} weight transfer failed: {exc or 'timed out'}",
+                reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED,
+            ) from None
+        self.params = params
+        self._remote = True
+        if self.state is not TransferState.INCONSISTENT:
+            self.state = TransferState.READY
+        return ranks
+
     def _close_group(self) -> None:
         if self._group is not None:
             self._group.close()
@@ -139,7 +172,12 @@ class WeightSync:
     # ---- one update ---------------------------------------------------------------------------
 
     async def begin(
-        self, version: int, manifest: Sequence[TensorMeta], bucket_size: int, packed: bool
+        self,
+        version: int,
+        manifest: Sequence[TensorMeta],
+        bucket_size: int,
+        packed: bool,
+        ipc_handles: bytes = b"",
     ) -> _Update:
         async with self._lock:
             if self._update is not None and self._update.version == version:
@@ -149,7 +187,7 @@ class WeightSync:
                     f"version {self.pending_version} is being received",
                     reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT,
                 )
-            if self._group is None:
+            if self._group is None and not self._remote:
                 raise FailedPrecondition(
                     "the weight transfer group is not initialized; call InitWeightTransfer",
                     reason=R.ERROR_REASON_WEIGHT_TRANSFER_NOT_INITIALIZED,
@@ -164,6 +202,8 @@ class WeightSync:
                     "pause generation before a weight update", reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT
                 )
             began = time.perf_counter()
+            if self._remote:
+                return await self._begin_remote(version, manifest, ipc_handles, began)
             try:
                 staged = self.engine.stage_update(manifest)
             except ManifestMismatch as exc:
@@ -175,6 +215,7 @@ class WeightSync:
             buckets = plan_buckets(manifest, bucket_size) if packed else plan_per_tensor(manifest)
             cancelled = threading.Event()
             group = self._group
+            assert group is not None  # checked above for every engine that stages
             timeout = self.timeout_s
             update = _Update(
                 version,
@@ -196,6 +237,39 @@ class WeightSync:
             self._update = update
             self.state = TransferState.UPDATING
             return update
+
+    async def _begin_remote(
+        self, version: int, manifest: Sequence[TensorMeta], ipc_handles: bytes, began: float
+    ) -> _Update:
+        engine = self.engine
+        assert isinstance(engine, RemoteTransfer)
+        problems = manifest_problems(manifest, engine.manifest())
+        if problems:
+            raise InvalidArgument(
+                str(ManifestMismatch(problems)),
+                reason=R.ERROR_REASON_WEIGHT_MANIFEST_MISMATCH,
+                violations=[FieldViolation("manifest", problem) for problem in problems],
+            )
+        await engine.start_update()
+        update = _Update(
+            version,
+            plan_per_tensor(manifest),
+            {},
+            threading.Event(),
+            asyncio.get_running_loop().create_future(),
+            began,
+            time.perf_counter() - began,
+        )
+
+        async def receive() -> None:
+            start = time.perf_counter()
+            await engine.receive_update(manifest, ipc_handles)
+            update.received_at.extend([start, time.perf_counter()])
+
+        update.receive = asyncio.ensure_future(receive())
+        self._update = update
+        self.state = TransferState.UPDATING
+        return update
 
     def expected(self, update: _Update) -> tuple[int, int]:
         return expected_bytes(update.buckets), len(update.buckets)
@@ -224,13 +298,21 @@ class WeightSync:
                     f"version {version} is still being received", reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED
                 ) from None
             except (TransferError, RuntimeError, ValueError) as exc:
-                self._fail_update(update)
+                if self._remote:  # vLLM loads in place: some tensors may already be the new ones
+                    self._update = None
+                    self.state = TransferState.INCONSISTENT
+                else:
+                    self._fail_update(update)
                 raise Aborted(
                     f"receiving version {version} failed: {exc}; the previous version stays in service",
                     reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED,
                 ) from None
             load_start = time.perf_counter()
-            await self.engine.commit_update(version)
+            if self._remote:
+                assert isinstance(self.engine, RemoteTransfer)
+                await self.engine.finish_update(version)
+            else:
+                await self.engine.commit_update(version)
             done = time.perf_counter()
             timings = Timings(
                 prepare_s=update.prepare_s,
@@ -257,6 +339,10 @@ class WeightSync:
                     reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT,
                 )
             update.cancelled.set()
+            if self._remote:  # loaded in place, and an NCCL receive cannot be interrupted
+                self._update = None
+                self.state = TransferState.INCONSISTENT
+                return
             if not update.receive.done():
                 # A collective cannot be interrupted from here. The group is retired now (the trainer
                 # re-forms it) and closed once the receive thread returns, at the latest at its timeout.

@@ -47,6 +47,7 @@ from trainer.inference.engine import (
     ModelLoadError,
     PauseMode,
     PromptTooLong,
+    RemoteTransfer,
     Sampling,
     TensorMeta,
     TokenChunk,
@@ -67,6 +68,11 @@ PAUSE_MODES = {
     weights_pb2.PAUSE_MODE_KEEP: PauseMode.KEEP,
     weights_pb2.PAUSE_MODE_WAIT: PauseMode.WAIT,
     weights_pb2.PAUSE_MODE_ABORT: PauseMode.ABORT,
+}
+BACKENDS = {
+    weights_pb2.WEIGHT_TRANSFER_BACKEND_GLOO: "gloo",
+    weights_pb2.WEIGHT_TRANSFER_BACKEND_NCCL: "nccl",
+    weights_pb2.WEIGHT_TRANSFER_BACKEND_IPC: "ipc",
 }
 TRANSFER_STATES = {
     TransferState.UNINITIALIZED: weights_pb2.WeightInfo.TRANSFER_STATE_UNINITIALIZED,
@@ -210,6 +216,10 @@ class InferenceWorker:
                 # Cancelled by the caller (or failed): keep what was sampled, as an aborted turn.
                 self.traces.end_turn(handle, tokens, logprobs, "abort", first_version, last_version)
 
+    def transfer_backends(self) -> tuple[str, ...]:
+        engine = self.engine
+        return engine.transfer_backends if isinstance(engine, RemoteTransfer) else ("gloo",)
+
     # ---- pause --------------------------------------------------------------------------------
 
     async def pause(self, mode: PauseMode) -> tuple[int, int]:
@@ -241,10 +251,10 @@ class InferenceWorker:
         if self._pause_mode is not None and self.engine.paused:
             info.pause_mode = {v: k for k, v in PAUSE_MODES.items()}[self._pause_mode]
         if sync.params is not None:
-            info.backend = weights_pb2.WEIGHT_TRANSFER_BACKEND_GLOO
+            info.backend = {v: k for k, v in BACKENDS.items()}[sync.params.backend]
             info.world_size = sync.params.world_size
             info.rank_offset = sync.params.rank
-            info.num_ranks = 1
+            info.num_ranks = self.engine.info.tensor_parallel_size
         if sync.last_timings is not None:
             info.last_update_timings.CopyFrom(timings_proto(sync.last_timings))
         if sync.last_update_time is not None:
@@ -264,7 +274,9 @@ class InferenceWorker:
             device=info.device,
             dtype=info.dtype,
             openai_base_url=self.openai_base_url,
-            weight_transfer_backends=[weights_pb2.WEIGHT_TRANSFER_BACKEND_GLOO],
+            weight_transfer_backends=[
+                number for number, name in BACKENDS.items() if name in self.transfer_backends()
+            ],
             incarnation=self.incarnation,
             start_time=_timestamp(self.start_time),
         )
@@ -361,20 +373,22 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
     async def InitWeightTransfer(
         self, request: pb.InitWeightTransferRequest, context: Context
     ) -> pb.InitWeightTransferResponse:
-        if request.backend != weights_pb2.WEIGHT_TRANSFER_BACKEND_GLOO:
+        backend = BACKENDS.get(request.backend, "")
+        supported = self.worker.transfer_backends()
+        if backend not in supported:
             raise InvalidArgument(
-                f"this worker's engine supports the gloo backend, not "
+                f"this worker's engine supports {', '.join(supported)}, not "
                 f"{weights_pb2.WeightTransferBackend.Name(request.backend)}"
             )
-        if not request.master_address or not request.master_port:
-            raise InvalidArgument("master_address and master_port are required for gloo")
+        if backend != "ipc" and (not request.master_address or not request.master_port):
+            raise InvalidArgument(f"master_address and master_port are required for {backend}")
         timeout = (
             request.timeout.ToNanoseconds() / 1e9
             if request.HasField("timeout")
             else self.worker.settings.transfer_timeout_s
         )
         params = GroupParams(
-            "gloo",
+            backend,
             request.master_address,
             request.master_port,
             request.world_size,
@@ -405,7 +419,9 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         bucket = request.bucket_size_bytes or DEFAULT_BUCKET_BYTES
         if request.packed and bucket < MIN_BUCKET_BYTES:
             raise InvalidArgument(f"bucket_size_bytes must be at least {MIN_BUCKET_BYTES} (1 MiB), or unset")
-        update = await self.worker.sync.begin(request.weight_version, manifest, bucket, request.packed)
+        update = await self.worker.sync.begin(
+            request.weight_version, manifest, bucket, request.packed, request.ipc_handles
+        )
         size, broadcasts = self.worker.sync.expected(update)
         return pb.BeginWeightUpdateResponse(expected_bytes=size, expected_broadcasts=broadcasts)
 
@@ -464,7 +480,21 @@ async def load_engine(settings: WorkerSettings) -> Engine:
     model_path = str(settings.model_path)
     tokenizer = str(settings.tokenizer_path) if settings.tokenizer_path else None
     if settings.engine == "vllm":
-        raise ModelLoadError("this build has no vLLM engine yet; use engine = torch")
+        try:
+            from trainer.inference.vllm_engine import VllmEngine  # noqa: PLC0415 - the optional gpu extra
+        except ImportError as exc:
+            raise ModelLoadError(
+                f"the vllm engine needs the gpu extra (pip install '.[gpu]'): {exc}"
+            ) from None
+        return await VllmEngine.load(
+            model_path,
+            tokenizer_path=tokenizer,
+            dtype=settings.dtype or None,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            model_id=settings.model_id or None,
+            transfer_backend=settings.transfer_backend,
+        )
     from trainer.inference.torch_engine import TorchEngine  # noqa: PLC0415
 
     return await TorchEngine.load(

@@ -556,6 +556,7 @@ class BeginWeightUpdateRequest(_message.Message):
     MANIFEST_FIELD_NUMBER: _builtins.int
     BUCKET_SIZE_BYTES_FIELD_NUMBER: _builtins.int
     PACKED_FIELD_NUMBER: _builtins.int
+    IPC_HANDLES_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.int
     """Required. The version being sent, above the version in service."""
     bucket_size_bytes: _builtins.int
@@ -565,6 +566,13 @@ class BeginWeightUpdateRequest(_message.Message):
     packed: _builtins.bool
     """Optional. True: the tensors are concatenated into buckets of `bucket_size_bytes` and each bucket is one
     broadcast (double-buffered). False: one broadcast per tensor.
+    """
+    ipc_handles: _builtins.bytes
+    """Optional. IPC backend only (a worker on the trainer's GPUs): the CUDA IPC handles of the trainer's
+    tensors, one per manifest entry in order, pickled as vLLM's IPC engine expects them
+    (`ipc_handles_pickled`), at most 64 MiB. The worker maps the trainer's memory from them, so the tensors
+    never cross a network; the trainer keeps them alive until FinishWeightUpdate. Empty for the broadcast
+    backends.
     """
     @_builtins.property
     def manifest(self) -> _containers.RepeatedCompositeFieldContainer[_weights_pb2.TensorSpec]:
@@ -579,10 +587,11 @@ class BeginWeightUpdateRequest(_message.Message):
         manifest: _abc.Iterable[_weights_pb2.TensorSpec] | None = ...,
         bucket_size_bytes: _builtins.int = ...,
         packed: _builtins.bool = ...,
+        ipc_handles: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_size_bytes", b"bucket_size_bytes", "manifest", b"manifest", "packed", b"packed", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_size_bytes", b"bucket_size_bytes", "ipc_handles", b"ipc_handles", "manifest", b"manifest", "packed", b"packed", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
