@@ -1,0 +1,250 @@
+"""Run a whole online-RL job on this machine: `python -m trainer --config job.toml [--output DIR]`.
+
+`local_environment` starts what the job needs on loopback and stops all of it on the way out (normal end,
+error or Ctrl-C): the embedded mesh services the trainer uses (events, vault, taskapp-proxy, in this
+process), the Task App (an example app named by the config's `task_app.name`, e.g.
+`orgs/demo/taskApps/single-turn` plays `examples/taskapps/single_turn.py`, or the app at `task_app.base_url`),
+registered through the proxy with a fresh key sealed into the vault, and the inference workers the placement
+plan asks for (`python -m trainer.inference.worker`, one per replica). The trainer then runs in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+
+import httpx
+from tandem.events.v1 import events_service_pb2_grpc
+from tandem.inference.v1 import inference_service_pb2 as ipb
+from tandem.inference.v1 import inference_service_pb2_grpc
+from tandem.taskapp.v1 import task_app_pb2, taskapp_service_pb2, taskapp_service_pb2_grpc
+from tandem.vault.v1 import vault_service_pb2, vault_service_pb2_grpc
+
+from mesh.clients import open_channel
+from mesh.identity import TokenSigner, load_signing_key
+from mesh.observability import configure_logging
+from mesh.secrets import seal_for_upload
+from mesh.server import RunningService, serve
+from mesh.settings import Ports, Settings
+from trainer.config import Job, load_job
+from trainer.inference.process import ROOT, Worker, start_worker, stop_worker
+from trainer.placement import plan
+from trainer.train import Environment, StepReport, Trainer, WorkerEndpoint
+
+log = logging.getLogger("tandem.launch")
+MESH = ("events", "vault", "taskapp_proxy")
+
+
+def _example_script(app: str) -> Path:
+    script = ROOT / "examples" / "taskapps" / (app.rsplit("/", 1)[-1].replace("-", "_") + ".py")
+    if not script.is_file():
+        raise FileNotFoundError(f"no example app for {app}: {script.name} is not in examples/taskapps")
+    return script
+
+
+def _free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _task_app(script: Path, key: str) -> Iterator[str]:
+    port = _free_port()
+    env = {**os.environ, "ENVIRONMENT_API_KEY": key}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "taskapp", "serve", str(script), "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Task App {script.name} did not start")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def _mesh(state_dir: Path, mesh_key: str) -> AsyncIterator[Settings]:
+    settings = Settings(
+        state_dir=state_dir,
+        mesh_key=mesh_key,
+        ports=Ports(gateway=0, vault=0, scheduler=0, taskapp_proxy=0, events=0),
+    )
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+
+    def on_ready(running: list[RunningService]) -> None:
+        ready.set()
+
+    task = asyncio.create_task(serve(list(MESH), settings, on_ready=on_ready, stop_event=stop))
+    waiter = asyncio.create_task(ready.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        waiter.cancel()
+        task.result()
+        raise RuntimeError("the mesh services stopped while starting")
+    try:
+        yield settings
+    finally:
+        stop.set()
+        await task
+
+
+async def _register(settings: Settings, org: str, app_id: str, url: str, key: str) -> str:
+    """Seal the app's key into the vault and register the app through the proxy, as the job's user would."""
+    signer = TokenSigner(load_signing_key(settings.mesh_key, settings.state_dir))
+    user = signer.issue("user", "launcher", org=org, ttl_s=3600)
+    async with open_channel(settings.target("vault"), settings, token=user) as channel:
+        vault = vault_service_pb2_grpc.VaultServiceStub(channel)
+        public = await vault.GetPublicKey(vault_service_pb2.GetPublicKeyRequest(parent=f"orgs/{org}"))
+        await vault.PutSecret(
+            vault_service_pb2.PutSecretRequest(
+                parent=f"orgs/{org}",
+                secret_id=f"{app_id}-key",
+                key_id=public.key_id,
+                ciphertext=seal_for_upload(public.public_key, key.encode()),
+            )
+        )
+    async with open_channel(settings.target("taskapp_proxy"), settings, token=user) as channel:
+        proxy = taskapp_service_pb2_grpc.TaskAppServiceStub(channel)
+        await proxy.RegisterTaskApp(
+            taskapp_service_pb2.RegisterTaskAppRequest(
+                parent=f"orgs/{org}",
+                task_app_id=app_id,
+                task_app=task_app_pb2.TaskApp(base_url=url, secret_name=f"orgs/{org}/secrets/{app_id}-key"),
+            )
+        )
+    return f"orgs/{org}/taskApps/{app_id}"
+
+
+@contextlib.asynccontextmanager
+async def local_environment(job: Job, output_dir: Path) -> AsyncIterator[Environment]:
+    """Everything the job talks to, on loopback, stopped on the way out."""
+    output_dir = output_dir.absolute()
+    await asyncio.to_thread(output_dir.mkdir, parents=True, exist_ok=True)
+    target = job.config.task_app
+    org = target.name.split("/")[1] if target.name else "local"
+    app_id = target.name.rsplit("/", 1)[-1] if target.name else "app"
+    mesh_key = secrets.token_hex(32)
+    topology = job.config.topology
+    placed = plan(
+        topology.gpus,
+        topology.inference_gpus if topology.HasField("inference_gpus") else "auto",
+        topology.tensor_parallel_size if topology.HasField("tensor_parallel_size") else 1,
+        job.reference,
+    )
+    key = secrets.token_hex(16)
+    workers: list[Worker] = []
+    channels = []
+    with contextlib.ExitStack() as stack:
+        url = target.base_url or stack.enter_context(_task_app(_example_script(target.name), key))
+        async with _mesh(output_dir / "mesh", mesh_key) as settings:
+            try:
+                task_app = await _register(settings, org, app_id, url, key)
+                for index, gpus in enumerate(placed.inference):
+                    extra = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
+                    extra["TANDEM_WORKER_MODEL_PATH"] = job.config.model.dir
+                    if job.config.model.dtype:
+                        extra["TANDEM_WORKER_DTYPE"] = job.config.model.dtype
+                    workers.append(
+                        await asyncio.to_thread(
+                            start_worker,
+                            Path(job.config.model.dir),
+                            output_dir / f"worker-{index}",
+                            mesh_key,
+                            extra,
+                        )
+                    )
+                signer = TokenSigner(load_signing_key(mesh_key, settings.state_dir))
+                endpoints = []
+                for worker in workers:
+                    channel = open_channel(worker.grpc_address, settings, signer=signer, subject="trainer")
+                    channels.append(channel)
+                    stub = inference_service_pb2_grpc.InferenceServiceStub(channel)
+                    info = await stub.GetWorkerInfo(ipb.GetWorkerInfoRequest())
+                    endpoints.append(WorkerEndpoint(stub, worker.openai_base_url, info.worker_info.model))
+                proxy_channel = open_channel(
+                    settings.target("taskapp_proxy"), settings, signer=signer, subject="trainer"
+                )
+                events_channel = open_channel(
+                    settings.target("events"), settings, signer=signer, subject="trainer"
+                )
+                channels += [proxy_channel, events_channel]
+                yield Environment(
+                    proxy=taskapp_service_pb2_grpc.TaskAppServiceStub(proxy_channel),
+                    workers=endpoints,
+                    task_app=task_app,
+                    job=f"orgs/{org}/jobs/run-{secrets.token_hex(3)}",
+                    output_dir=output_dir,
+                    events=events_service_pb2_grpc.EventServiceStub(events_channel),
+                )
+            finally:
+                for channel in channels:
+                    await channel.close()
+                for worker in workers:
+                    await asyncio.to_thread(stop_worker, worker)
+
+
+async def run_job(job: Job, output_dir: Path) -> list[StepReport]:
+    async with local_environment(job, output_dir) as env:
+        trainer = Trainer(job, env)
+
+        def show(report: StepReport) -> None:
+            m = report.metrics
+            print(
+                f"step {report.step:5d}  reward {m.get('reward/mean', 0):.3f}  loss {m.get('loss', 0):+.4f}"
+                f"  kl {m.get('kl', 0):.4f}  sync {m.get('weight_sync_s', 0) * 1000:.0f} ms"
+                f"  {m.get('step_s', 0):.2f} s",
+                flush=True,
+            )
+
+        return await trainer.run(on_step=show)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument("--config", type=Path, required=True, help="the job's TOML file")
+    parser.add_argument("--output", type=Path, default=Path("runs/latest"), help="checkpoints and logs")
+    args = parser.parse_args(argv)
+    configure_logging("WARNING", "text")
+    job = Job(load_job(args.config))
+    try:
+        reports = asyncio.run(run_job(job, args.output))
+    except KeyboardInterrupt:
+        print("stopped; the checkpoint folder has the last completed checkpoint", file=sys.stderr)
+        return 130
+    last = reports[-1].metrics.get("reward/mean", 0.0) if reports else 0.0
+    print(
+        f"done: {len(reports)} steps, final mean reward {last:.3f}; checkpoints in {args.output / 'checkpoints'}"
+    )
+    return 0

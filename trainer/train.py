@@ -1,0 +1,506 @@
+"""The online-RL loop: rollouts through the taskapp-proxy, traces from the inference workers, GRPO updates,
+new weights back to the workers. Read `Trainer.run` top to bottom; everything else is a helper it calls.
+
+    for step in steps:
+        batch  = groups of episodes for this step (played by the Task App through the proxy, each turn
+                 recorded by a worker as a token trace), generated with weights at most `max_staleness`
+                 versions old; a producer task plays the next batches while this one trains
+        train  = GRPO on the batch: group advantages, the clipped objective against the sampler's
+                 log-probs, the KL term when configured; skipped when the loss is not finite
+        sync   = the new weights to every worker (`WeightPublisher`), version = step + 1
+        report = a `train.step` event with the step's metrics; a checkpoint every N steps
+
+Shortcuts, on purpose: one trainer process (rank 0) trains on its device; the policy is a Hugging Face
+causal LM loaded from a local directory; a group whose episodes all failed or were too stale is dropped
+whole (GRPO needs at least two episodes to compare).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import secrets
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tandem.events.v1 import event_pb2, events_service_pb2
+from tandem.inference.v1 import inference_service_pb2 as ipb
+from tandem.inference.v1 import trace_pb2
+from tandem.taskapp.v1 import rollout_pb2
+from tandem.taskapp.v1 import taskapp_service_pb2 as tpb
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from trainer import grpo
+from trainer.config import Job
+from trainer.inference.publisher import WeightPublisher
+
+log = logging.getLogger("tandem.trainer")
+MAX_BAD_STEPS = 3  # consecutive non-finite losses before the job stops
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass(frozen=True)
+class WorkerEndpoint:
+    stub: Any  # InferenceServiceStub
+    openai_base_url: str  # ends in /v1
+    model: str
+
+
+@dataclass
+class Environment:
+    """What the trainer talks to: every outbound call goes through these stubs."""
+
+    proxy: Any  # TaskAppServiceStub
+    workers: Sequence[WorkerEndpoint]
+    task_app: str  # orgs/{org}/taskApps/{app}
+    job: str  # orgs/{org}/jobs/{job}
+    output_dir: Path
+    events: Any | None = None  # EventServiceStub
+    rpc_timeout_s: float = 120.0
+
+
+@dataclass
+class Episode:
+    seed: int
+    reward: float | None  # None: the rollout failed
+    trace: trace_pb2.Trace | None
+    error: str = ""
+
+
+@dataclass
+class StepReport:
+    step: int
+    version: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    skipped: bool = False
+
+
+class Trainer:
+    def __init__(self, job: Job, env: Environment, *, device: str = "cpu") -> None:
+        self.job = job
+        self.env = env
+        self.device = torch.device(device)
+        config = job.config
+        self.model_dir = Path(config.model.dir)
+        self.policy = _load_model(self.model_dir, self.device)
+        self.reference: PreTrainedModel | None = None
+        if config.algorithm.kl_coef > 0:
+            self.reference = _load_model(self.model_dir, self.device)
+            self.reference.train(False)
+            self.reference.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(),
+            lr=job.learning_rate(0),
+            weight_decay=config.optimizer.weight_decay,
+        )
+        self.publisher = WeightPublisher(
+            [w.stub for w in env.workers],
+            bucket_size_bytes=32 * 1024 * 1024,
+            rpc_timeout_s=env.rpc_timeout_s,
+            events=env.events,
+            job=env.job,
+        )
+        self.step = 0  # steps completed
+        self.version = 0  # the weights in service on the workers
+        self.run_id = secrets.token_hex(4)
+        self.history: list[StepReport] = []
+        self._version_changed = asyncio.Condition()
+        self._bad_steps = 0
+        self._seeds = job.seeds("train")
+        random.Random(config.seed).shuffle(self._seeds)  # noqa: S311 - a reproducible order, not a secret
+        torch.manual_seed(config.seed)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    async def run(
+        self, on_step: Callable[[StepReport], Awaitable[None] | None] | None = None
+    ) -> list[StepReport]:
+        steps = self.job.config.algorithm.steps
+        self.resume()
+        await self.publisher.connect()
+        if self.version:  # resumed: the workers start from the checkpoint the job began with
+            await self.publisher.publish(self.version, self._named_weights())
+        batches: asyncio.Queue[tuple[int, list[list[Episode]]]] = asyncio.Queue()
+        producer = asyncio.create_task(self._produce(batches, steps), name="rollouts")
+        try:
+            while self.step < steps:
+                if producer.done():
+                    producer.result()  # a producer failure ends the job with its error
+                index, groups = await batches.get()
+                report = await self._train(index, groups)
+                self.history.append(report)
+                if on_step is not None:
+                    result = on_step(report)
+                    if result is not None:
+                        await result
+                interval = self.job.config.checkpoint_interval
+                if (interval and self.step % interval == 0) or self.step == steps:
+                    await self.save_checkpoint()
+        finally:
+            producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await producer
+            self.publisher.close()
+        return self.history
+
+    async def _produce(self, batches: asyncio.Queue[tuple[int, list[list[Episode]]]], steps: int) -> None:
+        """Play batch k once the workers serve weights of version k - max_staleness or newer."""
+        lag = self.job.max_staleness
+        for index in range(self.step, steps):
+            async with self._version_changed:
+                await self._version_changed.wait_for(lambda index=index: self.version >= index - lag)  # type: ignore[misc]
+            await batches.put((index, await self._play(index)))
+
+    async def _play(self, index: int) -> list[list[Episode]]:
+        algorithm = self.job.config.algorithm
+        count = len(self._seeds)
+        seeds = [
+            self._seeds[(index * algorithm.prompts_per_step + p) % count]
+            for p in range(algorithm.prompts_per_step)
+        ]
+        return list(
+            await asyncio.gather(
+                *(self._group(index, p, seed, algorithm.group_size) for p, seed in enumerate(seeds))
+            )
+        )
+
+    async def _group(self, index: int, prompt: int, seed: int, size: int) -> list[Episode]:
+        workers = self.env.workers
+        return list(
+            await asyncio.gather(
+                *(
+                    self._episode(
+                        f"{self.run_id}-{index}-{prompt}-{member}",
+                        seed,
+                        workers[(prompt * size + member) % len(workers)],
+                    )
+                    for member in range(size)
+                )
+            )
+        )
+
+    async def _episode(self, cid: str, seed: int, worker: WorkerEndpoint) -> Episode:
+        sampling = self.job.config.sampling
+        policy = rollout_pb2.RolloutPolicyConfig(
+            model=worker.model, inference_url=f"{worker.openai_base_url}/traces/{cid}"
+        )
+        policy.temperature = self.job.temperature
+        if sampling.max_tokens:
+            policy.max_completion_tokens = sampling.max_tokens
+        spec = rollout_pb2.RolloutSpec(
+            trace_correlation_id=cid,
+            env=rollout_pb2.RolloutEnv(seed=seed, config=self.job.config.data.train.env_config),
+            policy=rollout_pb2.RolloutPolicy(config=policy),
+        )
+        if self.job.config.task_app.HasField("limits"):
+            spec.limits.CopyFrom(self.job.config.task_app.limits)
+        try:
+            answer = await self.env.proxy.Rollout(
+                tpb.RolloutRequest(task_app=self.env.task_app, spec=spec, job=self.env.job),
+                timeout=self.env.rpc_timeout_s,
+            )
+        except Exception as exc:  # the step goes on with the other episodes and reports this one
+            return Episode(seed, None, None, f"rollout: {exc}")
+        result = answer.result
+        try:
+            trace = (await worker.stub.FinishTrace(ipb.FinishTraceRequest(correlation_id=cid))).trace
+        except Exception as exc:
+            return Episode(seed, None, None, f"trace: {exc}")
+        if result.HasField("error") and result.error.message:
+            return Episode(seed, None, trace, f"rollout: {result.error.message}")
+        return Episode(seed, result.metrics.outcome_reward, trace)
+
+    # ---- one update ---------------------------------------------------------------------------
+
+    async def _train(self, index: int, groups: list[list[Episode]]) -> StepReport:
+        started = time.perf_counter()
+        job, algorithm = self.job, self.job.config.algorithm
+        failed = sum(1 for g in groups for e in g if e.reward is None)
+        decisions: list[grpo.Staleness] = []
+        kept: list[list[Episode]] = []
+        for group in groups:
+            usable = []
+            for episode in group:
+                if episode.reward is None or episode.trace is None or not episode.trace.turns:
+                    continue
+                decision = grpo.staleness(episode.trace.min_weight_version, self.version, job.max_staleness)
+                decisions.append(decision)
+                if decision.used:
+                    usable.append(episode)
+            if len(usable) >= 2:
+                kept.append(usable)
+        rewards = [e.reward for g in groups for e in g if e.reward is not None]
+        metrics: dict[str, float] = {
+            "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "episodes/failed": float(failed),
+            **{f"staleness/{k}": float(v) for k, v in grpo.staleness_counts(decisions).items()},
+        }
+        report = StepReport(index + 1, self.version, metrics)
+        if not kept:
+            report.skipped = True  # nothing to learn from: the weights stay as they are
+            log.warning("step %d: no usable group (%d failed episodes)", index + 1, failed)
+            await self._finish_step(report, started, update=False)
+            return report
+        sequences, advantages, zero = self._sequences(kept)
+        metrics["groups/zero_variance"] = float(zero)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = job.learning_rate(index)
+        loss, stats, entropy, tokens = self._loss(sequences, advantages)
+        if not grpo.finite(float(loss.detach())):
+            self._bad_steps += 1
+            report.skipped = True
+            metrics["loss/non_finite"] = 1.0
+            log.warning("step %d: the loss is not finite; update skipped", index + 1)
+            if self._bad_steps >= MAX_BAD_STEPS:
+                raise RuntimeError(f"{MAX_BAD_STEPS} steps in a row had a non-finite loss; stopping")
+            await self._finish_step(report, started, update=False)
+            return report
+        self._bad_steps = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if job.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), job.max_grad_norm)
+            metrics["grad_norm"] = float(norm)
+        self.optimizer.step()
+        metrics.update(
+            {
+                "loss": stats.loss,
+                "kl": stats.kl,
+                "entropy": entropy,
+                "clip_fraction": stats.clip_fraction,
+                "ratio/mean": stats.ratio_mean,
+                "ratio/max": stats.ratio_max,
+                "lr": job.learning_rate(index),
+                "tokens": float(tokens),
+                "reward/std": float(torch.tensor([e.reward for g in kept for e in g]).std()),
+            }
+        )
+        await self._finish_step(report, started, update=True)
+        del algorithm
+        return report
+
+    async def _finish_step(self, report: StepReport, started: float, *, update: bool) -> None:
+        self.step = report.step
+        if update:
+            sync = await self.publisher.publish(self.step, self._named_weights())
+            report.metrics["weight_sync_s"] = sync.total_s
+            async with self._version_changed:
+                self.version = self.step
+                self._version_changed.notify_all()
+        else:
+            async with self._version_changed:
+                self.version = max(self.version, 0)
+                self._version_changed.notify_all()
+        report.version = self.version
+        elapsed = time.perf_counter() - started
+        report.metrics["step_s"] = elapsed
+        if report.metrics.get("tokens"):
+            report.metrics["tokens_per_s"] = report.metrics["tokens"] / elapsed
+        log.info("step %d", report.step, extra={"metrics": report.metrics})
+        await self._publish_metrics(report, elapsed)
+
+    def _sequences(
+        self, groups: list[list[Episode]]
+    ) -> tuple[list[tuple[list[int], int, list[float], list[bool], float]], list[float], int]:
+        """Per trained turn: (token ids, completion start, sampler log-probs, loss mask, temperature), and
+        each turn's advantage (its episode's)."""
+        sequences: list[tuple[list[int], int, list[float], list[bool], float]] = []
+        advantages: list[float] = []
+        zero = 0
+        for group in groups:
+            rewards = torch.tensor([e.reward for e in group], dtype=torch.float64)
+            adv, stats = grpo.group_advantages(rewards, len(group))
+            zero += stats.zero_variance
+            for episode, value in zip(group, adv.tolist(), strict=True):
+                assert episode.trace is not None
+                for turn in episode.trace.turns:
+                    if not turn.completion_token_ids:
+                        continue
+                    prompt = list(turn.prompt_token_ids)
+                    sequences.append(
+                        (
+                            prompt + list(turn.completion_token_ids),
+                            len(prompt),
+                            list(turn.sampler_logprobs),
+                            list(turn.loss_mask),
+                            turn.temperature,
+                        )
+                    )
+                    advantages.append(value)
+        return sequences, advantages, zero
+
+    def _loss(
+        self,
+        sequences: list[tuple[list[int], int, list[float], list[bool], float]],
+        advantages: list[float],
+    ) -> tuple[torch.Tensor, grpo.LossStats, float, int]:
+        """Right-padded batch; the logits at position p score the token at p + 1."""
+        width = max(len(ids) for ids, *_ in sequences)
+        completion = max(len(ids) - start for ids, start, *_ in sequences)
+        count = len(sequences)
+        input_ids = torch.zeros(count, width, dtype=torch.long)
+        attention = torch.zeros(count, width, dtype=torch.long)
+        targets = torch.zeros(count, completion, dtype=torch.long)
+        sampler = torch.zeros(count, completion)
+        mask = torch.zeros(count, completion, dtype=torch.bool)
+        positions = torch.zeros(count, completion, dtype=torch.long)
+        temperatures = torch.ones(count, 1, 1)
+        for row, (ids, start, logprobs, loss_mask, temperature) in enumerate(sequences):
+            n = len(ids) - start
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention[row, : len(ids)] = 1
+            targets[row, :n] = torch.tensor(ids[start:])
+            sampler[row, :n] = torch.tensor(logprobs[:n])
+            mask[row, :n] = torch.tensor(loss_mask[:n])
+            positions[row, :n] = torch.arange(start - 1, start - 1 + n)
+            temperatures[row] = temperature if temperature > 0 else 1.0
+        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        self.policy.train()
+        logits = self.policy(input_ids=input_ids, attention_mask=attention).logits.float() / temperatures.to(
+            self.device
+        )
+        picked = torch.gather(
+            logits, 1, positions.to(self.device).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        )
+        logprobs_now = (
+            torch.log_softmax(picked, dim=-1).gather(-1, targets.to(self.device).unsqueeze(-1)).squeeze(-1)
+        )
+        reference = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self.reference(input_ids=input_ids, attention_mask=attention).logits.float()
+                ref_logits = ref_logits / temperatures.to(self.device)
+                ref_picked = torch.gather(
+                    ref_logits,
+                    1,
+                    positions.to(self.device).unsqueeze(-1).expand(-1, -1, ref_logits.shape[-1]),
+                )
+                reference = (
+                    torch.log_softmax(ref_picked, dim=-1)
+                    .gather(-1, targets.to(self.device).unsqueeze(-1))
+                    .squeeze(-1)
+                )
+        loss, stats = grpo.policy_loss(
+            logprobs_now,
+            sampler.to(self.device),
+            torch.tensor(advantages, device=self.device),
+            mask.to(self.device),
+            clip_low=self.job.clip_low,
+            clip_high=self.job.clip_high,
+            kl_coef=self.job.config.algorithm.kl_coef,
+            ref_logprobs=reference,
+            aggregation=self.job.aggregation,
+        )
+        entropy = grpo.entropy(picked.detach(), mask.to(self.device))
+        return loss, stats, entropy, int(mask.sum())
+
+    def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters in checkpoint naming, a tied one once (as the workers' manifest lists them)."""
+        return [(name, parameter.detach()) for name, parameter in self.policy.named_parameters()]
+
+    # ---- progress and checkpoints -------------------------------------------------------------
+
+    async def _publish_metrics(self, report: StepReport, elapsed: float) -> None:
+        if self.env.events is None:
+            return
+        event = event_pb2.Event(
+            type="train.step",
+            message=f"step {report.step}: reward {report.metrics.get('reward/mean', 0):.3f}",
+        )
+        event.train_step.step = report.step
+        event.train_step.weight_version = report.version
+        for name, value in report.metrics.items():
+            if grpo.finite(value):
+                event.train_step.metrics[name] = value
+        event.train_step.duration.FromNanoseconds(int(elapsed * 1e9))
+        try:
+            await self.env.events.Publish(
+                events_service_pb2.PublishRequest(job=self.env.job, events=[event]), timeout=30
+            )
+        except Exception:  # progress reporting must not stop training
+            log.warning("could not publish step %d", report.step, exc_info=True)
+
+    def checkpoints(self) -> Path:
+        return self.env.output_dir / "checkpoints"
+
+    async def save_checkpoint(self) -> Path:
+        """Hugging Face files plus the state to resume, written beside and renamed into place, so a failed
+        write (a full disk) leaves the previous checkpoint intact."""
+        final = await asyncio.to_thread(self._write_checkpoint)
+        await self._announce_checkpoint(final)
+        return final
+
+    def _write_checkpoint(self) -> Path:
+        final = self.checkpoints() / f"step-{self.step:06d}"
+        partial = final.with_name(final.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        self.policy.save_pretrained(partial)
+        for item in self.model_dir.iterdir():
+            if "token" in item.name or item.name in ("chat_template.jinja", "special_tokens_map.json"):
+                shutil.copy2(item, partial / item.name)
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "optimizer": self.optimizer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "run_id": self.run_id,
+        }
+        torch.save(state, partial / STATE_FILE)
+        (partial / "tandem.json").write_text(json.dumps({"step": self.step, "job": self.env.job}))
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        return final
+
+    async def _announce_checkpoint(self, path: Path) -> None:
+        if self.env.events is None:
+            return
+        size = await asyncio.to_thread(lambda: sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
+        event = event_pb2.Event(type="checkpoint.saved", message=f"checkpoint at step {self.step}: {path}")
+        saved = event.checkpoint_saved
+        saved.checkpoint = f"{self.env.job}/checkpoints/step-{self.step:06d}"
+        saved.step = self.step
+        saved.weight_version = self.version
+        saved.uri = f"file://{path}"
+        saved.size_bytes = size
+        try:
+            await self.env.events.Publish(
+                events_service_pb2.PublishRequest(job=self.env.job, events=[event]), timeout=30
+            )
+        except Exception:
+            log.warning("could not announce the checkpoint at step %d", self.step, exc_info=True)
+
+    def resume(self) -> bool:
+        """Continue from the newest complete checkpoint in the output folder, if there is one."""
+        found = sorted(p for p in self.checkpoints().glob("step-*") if not p.name.endswith(".partial"))
+        if not found:
+            return False
+        latest = found[-1]
+        self.policy = _load_model(latest, self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(),
+            lr=self.job.learning_rate(0),
+            weight_decay=self.job.config.optimizer.weight_decay,
+        )
+        state = torch.load(latest / STATE_FILE, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step = int(state["step"])
+        self.version = int(state["version"]) or self.step
+        self.run_id = f"{state['run_id']}r{self.step}"
+        log.info("resumed from %s at step %d", latest, self.step)
+        return True
+
+
+def _load_model(path: Path, device: torch.device) -> PreTrainedModel:
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path)
+    model.to(device)  # type: ignore[arg-type]
+    return model
