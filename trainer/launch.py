@@ -35,6 +35,7 @@ from mesh.identity import TokenSigner, load_signing_key
 from mesh.observability import configure_logging
 from mesh.secrets import seal_for_upload
 from mesh.server import RunningService, serve
+from mesh.status import RpcError
 from mesh.settings import Ports, Settings
 from trainer.config import Job, load_job
 from trainer.inference.process import ROOT, Worker, start_worker, stop_worker
@@ -135,14 +136,21 @@ async def _register(settings: Settings, org: str, app_id: str, url: str, key: st
         )
     async with open_channel(settings.target("taskapp_proxy"), settings, token=user) as channel:
         proxy = taskapp_service_pb2_grpc.TaskAppServiceStub(channel)
-        await proxy.RegisterTaskApp(
-            taskapp_service_pb2.RegisterTaskAppRequest(
-                parent=f"orgs/{org}",
-                task_app_id=app_id,
-                task_app=task_app_pb2.TaskApp(base_url=url, secret_name=f"orgs/{org}/secrets/{app_id}-key"),
-            )
+        name = f"orgs/{org}/taskApps/{app_id}"
+        request = taskapp_service_pb2.RegisterTaskAppRequest(
+            parent=f"orgs/{org}",
+            task_app_id=app_id,
+            task_app=task_app_pb2.TaskApp(base_url=url, secret_name=f"orgs/{org}/secrets/{app_id}-key"),
         )
-    return f"orgs/{org}/taskApps/{app_id}"
+        try:
+            await proxy.RegisterTaskApp(request)
+        except RpcError as error:
+            if error.reason != "ALREADY_EXISTS":
+                raise
+            # A resumed job over the same folder: the app runs again on another port, with a new key.
+            await proxy.DeleteTaskApp(taskapp_service_pb2.DeleteTaskAppRequest(name=name))
+            await proxy.RegisterTaskApp(request)
+    return name
 
 
 @contextlib.asynccontextmanager
