@@ -35,8 +35,8 @@ from mesh.identity import TokenSigner, load_signing_key
 from mesh.observability import configure_logging
 from mesh.secrets import seal_for_upload
 from mesh.server import RunningService, serve
-from mesh.status import RpcError
 from mesh.settings import Ports, Settings
+from mesh.status import RpcError
 from trainer.config import Job, load_job
 from trainer.inference.process import ROOT, Worker, start_worker, stop_worker
 from trainer.placement import plan
@@ -153,11 +153,16 @@ async def _register(settings: Settings, org: str, app_id: str, url: str, key: st
     return name
 
 
+def _prepare(folder: Path) -> Path:
+    folder = folder.absolute()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 @contextlib.asynccontextmanager
 async def local_environment(job: Job, output_dir: Path) -> AsyncIterator[Environment]:
     """Everything the job talks to, on loopback, stopped on the way out."""
-    output_dir = output_dir.absolute()
-    await asyncio.to_thread(output_dir.mkdir, parents=True, exist_ok=True)
+    output_dir = await asyncio.to_thread(_prepare, output_dir)
     target = job.config.task_app
     org = target.name.split("/")[1] if target.name else "local"
     app_id = target.name.rsplit("/", 1)[-1] if target.name else "app"
