@@ -103,12 +103,15 @@ def policy_loss(
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     aggregation: Aggregation = "token_mean",
+    max_ratio: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The GRPO loss (to minimise) for one batch and its diagnostics.
 
     `logprobs` [B, T]: the policy's log-probs of the sampled tokens, with gradient; `sampler_logprobs`
     [B, T]: what the inference worker recorded; `advantages` [B]; `mask` [B, T]: tokens trained on;
-    `ref_logprobs` [B, T]: the reference model's, required when `kl_coef` > 0."""
+    `ref_logprobs` [B, T]: the reference model's, required when `kl_coef` > 0; `max_ratio`: the dual clip
+    (Ye et al., 2020) for negative advantages, so a token whose ratio grew large (a stale episode, a drifting
+    policy) costs at most `max_ratio * |A|` instead of an unbounded amount."""
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs the reference model's log-probs")
     trained = mask.bool()
@@ -117,6 +120,8 @@ def policy_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if max_ratio is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -max_ratio * adv), per_token)
     kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(per_token)
     total = per_token + kl_coef * kl if kl_coef > 0 else per_token
     loss = aggregate(total, trained, aggregation)

@@ -398,6 +398,7 @@ class Trainer:
             kl_coef=self.job.config.algorithm.kl_coef,
             ref_logprobs=reference,
             aggregation=self.job.aggregation,
+            max_ratio=self.job.max_importance_ratio,
         )
         entropy = grpo.entropy(picked.detach(), mask.to(self.device))
         return loss, stats, entropy, int(mask.sum())

@@ -61,6 +61,18 @@ def test_the_gradient_vanishes_where_the_ratio_is_clipped() -> None:
     assert float(logp.grad[0, 1]) == pytest.approx(-1.0 / 2)  # d(-r)/dlogp = -r = -1, token mean over 2
 
 
+def test_the_dual_clip_bounds_a_negative_advantage_at_a_large_ratio() -> None:
+    logp = torch.log(torch.tensor([[5.0, 1.5]])).requires_grad_(True)
+    adv = torch.tensor([-1.0])
+    plain, _ = policy_loss(logp, torch.zeros(1, 2), adv, torch.ones(1, 2))
+    capped, _ = policy_loss(logp, torch.zeros(1, 2), adv, torch.ones(1, 2), max_ratio=2.0)
+    # A=-1: -min(-5, -1.2) = 5 and -min(-1.5, -1.2) = 1.5; capped at 2 * |A| = 2 -> 2 and 1.5.
+    assert float(plain) == pytest.approx((5.0 + 1.5) / 2)
+    assert float(capped) == pytest.approx((2.0 + 1.5) / 2)
+    capped.backward()
+    assert logp.grad is not None and logp.grad[0, 0] == 0.0  # no gradient through the capped token
+
+
 def test_k3_by_hand_and_added_with_its_coefficient() -> None:
     logp = torch.tensor([[math.log(0.5)]])
     ref = torch.tensor([[math.log(0.25)]])
