@@ -144,19 +144,22 @@ async def serve(
     on_ready: Callable[[list[RunningService]], None] | None = None,
     stop_event: asyncio.Event | None = None,
     setups: Mapping[str, Setup] | None = None,
+    handle_signals: bool = True,
 ) -> None:
     """Run services in this process until SIGINT/SIGTERM (or `stop_event`), then drain and stop.
 
     Services start in the given order with their ports from settings; a peer a service calls is reached
     through `settings.target(peer)`. When a port is 0 the chosen port is written back into the settings
     so later services in this process find it. `setups` gives the setup of a service that is not a module
-    under `services/` (an inference worker builds its own around the engine it loaded).
+    under `services/` (an inference worker builds its own around the engine it loaded). With
+    `handle_signals=False` the caller owns SIGINT/SIGTERM and stops the services with `stop_event`.
     """
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     configure_tracing("tandem-" + "+".join(services), settings.otlp_endpoint, settings.trace_path)
     stop = stop_event or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    signals = (signal.SIGINT, signal.SIGTERM) if handle_signals else ()
+    for sig in signals:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     running: list[RunningService] = []
@@ -172,7 +175,7 @@ async def serve(
         log.info("draining", extra={"grace_s": settings.drain_grace_s})
         await asyncio.gather(*(s.stop(settings.drain_grace_s) for s in reversed(running)))
         flush_tracing()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
 

@@ -6,9 +6,11 @@ and is recorded as a trajectory turn."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import secrets
+import ssl
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -137,7 +139,7 @@ class Policy:
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self._timeout)
+            self._client = httpx.AsyncClient(timeout=self._timeout, verify=_tls_context())
         return self._client
 
     async def _post(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -191,6 +193,13 @@ class Policy:
         propagate.inject(
             headers, context=trace.set_span_in_context(NonRecordingSpan(child), self._parent_context)
         )
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """httpx's default TLS context, built once: loading the CA bundle for every episode's client cost most
+    of a Task App's CPU (about 80% in a profile of the single-turn app at 10 episodes/s)."""
+    return httpx.create_ssl_context()
 
 
 def trace_id_for(trace_correlation_id: str) -> int:

@@ -38,7 +38,7 @@ from mesh.server import RunningService, serve
 from mesh.settings import Ports, Settings
 from mesh.status import RpcError
 from trainer.config import Job, load_job
-from trainer.inference.process import ROOT, Worker, start_worker, stop_worker
+from trainer.inference.process import ROOT, Worker, die_with_parent, start_worker, stop_worker
 from trainer.placement import plan
 from trainer.train import Environment, StepReport, Trainer, WorkerEndpoint
 
@@ -71,6 +71,7 @@ def _task_app(script: Path, key: str) -> Iterator[str]:
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,  # noqa: PLW1509 - only sets the parent-death signal
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -105,7 +106,9 @@ async def _mesh(state_dir: Path, mesh_key: str) -> AsyncIterator[Settings]:
     def on_ready(running: list[RunningService]) -> None:
         ready.set()
 
-    task = asyncio.create_task(serve(list(MESH), settings, on_ready=on_ready, stop_event=stop))
+    task = asyncio.create_task(
+        serve(list(MESH), settings, on_ready=on_ready, stop_event=stop, handle_signals=False)
+    )
     waiter = asyncio.create_task(ready.wait())
     await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if task.done():
@@ -227,6 +230,12 @@ async def local_environment(job: Job, output_dir: Path) -> AsyncIterator[Environ
 
 
 async def run_job(job: Job, output_dir: Path) -> list[StepReport]:
+    # SIGTERM (a scheduler stopping the job) unwinds like Ctrl-C, so every process started here is stopped.
+    task = asyncio.current_task()
+    if task is not None:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
     async with local_environment(job, output_dir) as env:
         trainer = Trainer(job, env)
 
@@ -253,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     job = Job(load_job(args.config))
     try:
         reports = asyncio.run(run_job(job, args.output))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         print("stopped; the checkpoint folder has the last completed checkpoint", file=sys.stderr)
         return 130
     last = reports[-1].metrics.get("reward/mean", 0.0) if reports else 0.0

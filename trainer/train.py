@@ -44,6 +44,7 @@ from trainer.inference.publisher import WeightPublisher
 
 log = logging.getLogger("tandem.trainer")
 MAX_BAD_STEPS = 3  # consecutive non-finite losses before the job stops
+MAX_EMPTY_STEPS = 5  # consecutive steps without one usable group before the job stops
 STATE_FILE = "trainer_state.pt"
 
 
@@ -114,6 +115,7 @@ class Trainer:
         self.history: list[StepReport] = []
         self._version_changed = asyncio.Condition()
         self._bad_steps = 0
+        self._empty_steps = 0
         self._seeds = job.seeds("train")
         random.Random(config.seed).shuffle(self._seeds)  # noqa: S311 - a reproducible order, not a secret
         torch.manual_seed(config.seed)
@@ -247,6 +249,10 @@ class Trainer:
         if not kept:
             report.skipped = True  # nothing to learn from: the weights stay as they are
             log.warning("step %d: no usable group (%d failed episodes)", index + 1, failed)
+            self._empty_steps += 1
+            if self._empty_steps >= MAX_EMPTY_STEPS:
+                errors = sorted({e.error for g in groups for e in g if e.error})[:3]
+                raise RuntimeError(f"{MAX_EMPTY_STEPS} steps in a row had nothing to train on: {errors}")
             await self._finish_step(report, started, update=False)
             return report
         sequences, advantages, zero = self._sequences(kept)
@@ -264,6 +270,7 @@ class Trainer:
             await self._finish_step(report, started, update=False)
             return report
         self._bad_steps = 0
+        self._empty_steps = 0
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
         if job.max_grad_norm > 0:

@@ -17,6 +17,18 @@ ROOT = (
 )  # the checkout; workers run as `python -m trainer.inference.worker`
 
 
+def die_with_parent() -> None:
+    """In a child before exec: Linux sends it SIGTERM when the process that started it dies, however it dies
+    (a SIGKILLed launcher leaves no orphan workers). Elsewhere a no-op."""
+    if sys.platform != "linux":
+        return
+    import ctypes  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 @dataclass
 class Worker:
     proc: subprocess.Popen[bytes]
@@ -67,6 +79,7 @@ def start_worker(
             env=worker_env(model_dir, folder, mesh_key, extra or {}),
             stdout=log_file,
             stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,  # noqa: PLW1509 - only sets the parent-death signal
         )
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
