@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import os
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +18,18 @@ from pathlib import Path
 import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system, all threads) of this process, or of child `pid` from /proc (Linux)."""
+    if pid is None:
+        return time.process_time()
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return math.nan
+    fields = stat.rsplit(")", 1)[1].split()  # fields[11], fields[12]: utime and stime in clock ticks
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:

@@ -59,7 +59,7 @@ from typing import Any, TypeVar
 
 import grpc
 import nacl.signing
-from _children import Child, child_process, free_port, serve_until_signal
+from _children import Child, child_process, cpu_seconds, free_port, serve_until_signal
 from google.protobuf import duration_pb2, timestamp_pb2
 from tandem.common.v1 import types_pb2
 from tandem.events.v1 import event_pb2, events_service_pb2, events_service_pb2_grpc
@@ -533,18 +533,6 @@ async def measure_latency(target: Target, plan: Plan, run: str) -> LatencyResult
         for task in inflight:
             task.cancel()
         await subs.close()
-
-
-def cpu_seconds(pid: int | None = None) -> float:
-    """CPU time (user + system, all threads) of this process, or of child `pid` from /proc (Linux)."""
-    if pid is None:
-        return time.process_time()
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return math.nan
-    fields = stat.rsplit(")", 1)[1].split()  # fields[11], fields[12]: utime and stime in clock ticks
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass

@@ -67,7 +67,7 @@ from typing import Any
 import grpc
 import httpx
 import nacl.signing
-from _children import Child, child_process, free_port
+from _children import Child, child_process, cpu_seconds, free_port
 from google.protobuf import duration_pb2
 from tandem.taskapp.v1 import rollout_pb2, task_app_pb2, taskapp_service_pb2, taskapp_service_pb2_grpc
 from tandem.vault.v1 import vault_service_pb2, vault_service_pb2_grpc
@@ -212,18 +212,6 @@ async def wait_for_app(app: Child, http: httpx.AsyncClient, url: str) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the Task App did not answer within {START_TIMEOUT_S:.0f} s:\n{app.tail()}")
         await asyncio.sleep(0.05)
-
-
-def cpu_seconds(pid: int | None = None) -> float:
-    """CPU time (user + system, all threads) of this process, or of child `pid` from /proc (Linux)."""
-    if pid is None:
-        return time.process_time()
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return math.nan
-    fields = stat.rsplit(")", 1)[1].split()  # fields[11], fields[12]: utime and stime in clock ticks
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- setup through the mesh ---------------------------------------------------------------------------

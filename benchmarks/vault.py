@@ -56,7 +56,7 @@ from typing import Any
 import grpc
 import nacl.public
 import nacl.signing
-from _children import Child, child_process, free_port, serve_until_signal
+from _children import Child, child_process, cpu_seconds, free_port, serve_until_signal
 from google.protobuf import timestamp_pb2
 from google.protobuf.message import Message
 from tandem.vault.v1 import secret_pb2, vault_service_pb2, vault_service_pb2_grpc
@@ -163,18 +163,6 @@ def vault_env(state_dir: Path, port: int, seed_hex: str, store_url: str) -> dict
     if store_url:
         env["TANDEM_STORE_URL"] = store_url
     return env
-
-
-def cpu_seconds(pid: int | None = None) -> float:
-    """CPU time (user + system, all threads) of this process, or of child `pid` from /proc (Linux)."""
-    if pid is None:
-        return time.process_time()
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return math.nan
-    fields = stat.rsplit(")", 1)[1].split()  # fields[11], fields[12]: utime and stime in clock ticks
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- client side --------------------------------------------------------------------------------------
