@@ -113,7 +113,7 @@ class Trainer:
         self.version = 0  # the weights in service on the workers
         self.run_id = secrets.token_hex(4)
         self.history: list[StepReport] = []
-        self._version_changed = asyncio.Condition()
+        self._step_done = asyncio.Condition()
         self._bad_steps = 0
         self._empty_steps = 0
         self._seeds = job.seeds("train")
@@ -154,11 +154,12 @@ class Trainer:
         return self.history
 
     async def _produce(self, batches: asyncio.Queue[tuple[int, list[list[Episode]]]], steps: int) -> None:
-        """Play batch k once the workers serve weights of version k - max_staleness or newer."""
+        """Play batch k once step k - max_staleness is done: its weights (or, after a skipped step, the
+        unchanged ones) are in service, so no episode of batch k is more than max_staleness versions old."""
         lag = self.job.max_staleness
         for index in range(self.step, steps):
-            async with self._version_changed:
-                await self._version_changed.wait_for(lambda index=index: self.version >= index - lag)  # type: ignore[misc]
+            async with self._step_done:
+                await self._step_done.wait_for(lambda index=index: self.step >= index - lag)  # type: ignore[misc]
             await batches.put((index, await self._play(index)))
 
     async def _play(self, index: int) -> list[list[Episode]]:
@@ -224,7 +225,7 @@ class Trainer:
 
     async def _train(self, index: int, groups: list[list[Episode]]) -> StepReport:
         started = time.perf_counter()
-        job, algorithm = self.job, self.job.config.algorithm
+        job = self.job
         failed = sum(1 for g in groups for e in g if e.reward is None)
         decisions: list[grpo.Staleness] = []
         kept: list[list[Episode]] = []
@@ -291,21 +292,17 @@ class Trainer:
             }
         )
         await self._finish_step(report, started, update=True)
-        del algorithm
         return report
 
     async def _finish_step(self, report: StepReport, started: float, *, update: bool) -> None:
-        self.step = report.step
         if update:
-            sync = await self.publisher.publish(self.step, self._named_weights())
+            sync = await self.publisher.publish(report.step, self._named_weights())
             report.metrics["weight_sync_s"] = sync.total_s
-            async with self._version_changed:
-                self.version = self.step
-                self._version_changed.notify_all()
-        else:
-            async with self._version_changed:
-                self.version = max(self.version, 0)
-                self._version_changed.notify_all()
+        async with self._step_done:
+            self.step = report.step
+            if update:
+                self.version = report.step
+            self._step_done.notify_all()
         report.version = self.version
         elapsed = time.perf_counter() - started
         report.metrics["step_s"] = elapsed
