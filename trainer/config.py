@@ -86,8 +86,31 @@ def _cross_field(config: config_pb2.TrainerConfig) -> list[FieldViolation]:
         and topology.inference_gpus % topology.tensor_parallel_size
     ):
         found.append(FieldViolation("topology.tensor_parallel_size", "must divide inference_gpus"))
+    if topology.cpu_trainer_ranks and topology.gpus:
+        found.append(
+            FieldViolation(
+                "topology.cpu_trainer_ranks", "is for CPU jobs (gpus = 0); with GPUs, ranks follow the plan"
+            )
+        )
+    found.extend(_model_build(config.model))
     if config.optimizer.warmup_steps > algorithm.steps:
         found.append(FieldViolation("optimizer.warmup_steps", f"is more than the {algorithm.steps} steps"))
+    return found
+
+
+def _model_build(model: config_pb2.ModelConfig) -> list[FieldViolation]:
+    if not model.HasField("build"):
+        return []
+    found: list[FieldViolation] = []
+    hidden, heads = model.build.hidden_size or 128, model.build.heads or 4
+    if hidden % heads:
+        found.append(
+            FieldViolation("model.build.hidden_size", f"{hidden} is not a multiple of heads ({heads})")
+        )
+    if model.build.vocab_size and model.build.vocab_size < 259:
+        found.append(
+            FieldViolation("model.build.vocab_size", "must be at least 259 (256 bytes + 3 specials)")
+        )
     return found
 
 
@@ -116,6 +139,16 @@ class Job:
     def max_importance_ratio(self) -> float:
         a = self.config.algorithm
         return a.max_importance_ratio if a.HasField("max_importance_ratio") else 2.0
+
+    @property
+    def normalize_std(self) -> bool:
+        a = self.config.algorithm
+        return a.normalize_std if a.HasField("normalize_std") else True
+
+    @property
+    def trainer_ranks(self) -> int:
+        """Trainer processes on CPU (gloo); GPU jobs take theirs from the placement plan."""
+        return max(1, self.config.topology.cpu_trainer_ranks)
 
     @property
     def aggregation(self) -> Aggregation:

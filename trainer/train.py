@@ -321,7 +321,7 @@ class Trainer:
         zero = 0
         for group in groups:
             rewards = torch.tensor([e.reward for e in group], dtype=torch.float64)
-            adv, stats = grpo.group_advantages(rewards, len(group))
+            adv, stats = grpo.group_advantages(rewards, len(group), normalize_std=self.job.normalize_std)
             zero += stats.zero_variance
             for episode, value in zip(group, adv.tolist(), strict=True):
                 assert episode.trace is not None

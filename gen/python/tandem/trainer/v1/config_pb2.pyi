@@ -189,6 +189,7 @@ class ModelConfig(_message.Message):
 
     DIR_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
+    BUILD_FIELD_NUMBER: _builtins.int
     dir: _builtins.str
     """Required. The Hugging Face model directory (config, tokenizer, safetensors) as the job's nodes see it,
     or a checkpoint resource `orgs/{org}/jobs/{job}/checkpoints/{checkpoint}` to continue from; at most
@@ -196,19 +197,75 @@ class ModelConfig(_message.Message):
     """
     dtype: _builtins.str
     """Optional. The torch dtype to train and serve in, e.g. `bfloat16`; unset means the model's own."""
+    @_builtins.property
+    def build(self) -> Global___TinyModelSpec:
+        """Optional. When set and `dir` holds no model yet, the launcher builds a small randomly initialised model
+        there before the job starts (nothing is downloaded); when `dir` already holds a model, it is used as it
+        is. For demos, tests and smoke runs of a new Task App.
+        """
+
     def __init__(
         self,
         *,
         dir: _builtins.str = ...,
         dtype: _builtins.str = ...,
+        build: Global___TinyModelSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["build", b"build"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dir", b"dir", "dtype", b"dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["build", b"build", "dir", b"dir", "dtype", b"dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelConfig: _TypeAlias = ModelConfig  # noqa: Y015
+
+@_typing.final
+class TinyModelSpec(_message.Message):
+    """TinyModelSpec describes a small Llama-architecture policy built from random initialisation, with a
+    byte-level BPE tokenizer trained on the spot and a ChatML chat template.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYERS_FIELD_NUMBER: _builtins.int
+    HIDDEN_SIZE_FIELD_NUMBER: _builtins.int
+    HEADS_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    INIT_STD_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    layers: _builtins.int
+    """Optional. Decoder layers, 1 to 64; 0 means 2."""
+    hidden_size: _builtins.int
+    """Optional. Hidden size, 8 to 8192 and a multiple of `heads`; 0 means 128."""
+    heads: _builtins.int
+    """Optional. Attention heads, 1 to 128; must divide `hidden_size`; 0 means 4."""
+    vocab_size: _builtins.int
+    """Optional. Vocabulary size, 259 to 65536 (the 256 bytes and 3 special tokens at least); 0 means 512."""
+    init_std: _builtins.float
+    """Optional. The standard deviation of the random initialisation, above 0 and at most 1; unset means 0.02,
+    which starts the policy near uniform. Larger values give peaked, arbitrary first answers.
+    """
+    seed: _builtins.int
+    """Optional. The seed of the initialisation; 0 is a valid seed."""
+    def __init__(
+        self,
+        *,
+        layers: _builtins.int = ...,
+        hidden_size: _builtins.int = ...,
+        heads: _builtins.int = ...,
+        vocab_size: _builtins.int = ...,
+        init_std: _builtins.float | None = ...,
+        seed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_init_std", b"_init_std", "init_std", b"init_std"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_init_std", b"_init_std", "heads", b"heads", "hidden_size", b"hidden_size", "init_std", b"init_std", "layers", b"layers", "seed", b"seed", "vocab_size", b"vocab_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__init_std: _TypeAlias = _typing.Literal["init_std"]  # noqa: Y015
+    _WhichOneofArgType__init_std: _TypeAlias = _typing.Literal["_init_std", b"_init_std"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__init_std) -> _WhichOneofReturnType__init_std | None: ...
+
+Global___TinyModelSpec: _TypeAlias = TinyModelSpec  # noqa: Y015
 
 @_typing.final
 class TaskAppTarget(_message.Message):
@@ -353,6 +410,7 @@ class AlgorithmConfig(_message.Message):
     LOSS_AGGREGATION_FIELD_NUMBER: _builtins.int
     MAX_STALENESS_FIELD_NUMBER: _builtins.int
     MAX_IMPORTANCE_RATIO_FIELD_NUMBER: _builtins.int
+    NORMALIZE_STD_FIELD_NUMBER: _builtins.int
     group_size: _builtins.int
     """Required. Episodes per prompt (seed); advantages are normalized within a group. 2 to 1024."""
     prompts_per_step: _builtins.int
@@ -382,6 +440,10 @@ class AlgorithmConfig(_message.Message):
     """Optional. The cap on the importance weight of a lagging token (truncated importance sampling), 1 to 100.
     Unset means 2.
     """
+    normalize_std: _builtins.bool
+    """Optional. Whether group advantages are divided by the group's reward standard deviation (GRPO as
+    published) or only mean-centred (Dr. GRPO). Unset means true.
+    """
     def __init__(
         self,
         *,
@@ -394,10 +456,11 @@ class AlgorithmConfig(_message.Message):
         loss_aggregation: Global___LossAggregation.ValueType = ...,
         max_staleness: _builtins.int | None = ...,
         max_importance_ratio: _builtins.float | None = ...,
+        normalize_std: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high", "_clip_low", b"_clip_low", "_max_importance_ratio", b"_max_importance_ratio", "_max_staleness", b"_max_staleness", "clip_high", b"clip_high", "clip_low", b"clip_low", "max_importance_ratio", b"max_importance_ratio", "max_staleness", b"max_staleness"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high", "_clip_low", b"_clip_low", "_max_importance_ratio", b"_max_importance_ratio", "_max_staleness", b"_max_staleness", "_normalize_std", b"_normalize_std", "clip_high", b"clip_high", "clip_low", b"clip_low", "max_importance_ratio", b"max_importance_ratio", "max_staleness", b"max_staleness", "normalize_std", b"normalize_std"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high", "_clip_low", b"_clip_low", "_max_importance_ratio", b"_max_importance_ratio", "_max_staleness", b"_max_staleness", "clip_high", b"clip_high", "clip_low", b"clip_low", "group_size", b"group_size", "kl_coef", b"kl_coef", "loss_aggregation", b"loss_aggregation", "max_importance_ratio", b"max_importance_ratio", "max_staleness", b"max_staleness", "prompts_per_step", b"prompts_per_step", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high", "_clip_low", b"_clip_low", "_max_importance_ratio", b"_max_importance_ratio", "_max_staleness", b"_max_staleness", "_normalize_std", b"_normalize_std", "clip_high", b"clip_high", "clip_low", b"clip_low", "group_size", b"group_size", "kl_coef", b"kl_coef", "loss_aggregation", b"loss_aggregation", "max_importance_ratio", b"max_importance_ratio", "max_staleness", b"max_staleness", "normalize_std", b"normalize_std", "prompts_per_step", b"prompts_per_step", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__clip_high: _TypeAlias = _typing.Literal["clip_high"]  # noqa: Y015
     _WhichOneofArgType__clip_high: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high"]  # noqa: Y015
@@ -407,6 +470,8 @@ class AlgorithmConfig(_message.Message):
     _WhichOneofArgType__max_importance_ratio: _TypeAlias = _typing.Literal["_max_importance_ratio", b"_max_importance_ratio"]  # noqa: Y015
     _WhichOneofReturnType__max_staleness: _TypeAlias = _typing.Literal["max_staleness"]  # noqa: Y015
     _WhichOneofArgType__max_staleness: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness"]  # noqa: Y015
+    _WhichOneofReturnType__normalize_std: _TypeAlias = _typing.Literal["normalize_std"]  # noqa: Y015
+    _WhichOneofArgType__normalize_std: _TypeAlias = _typing.Literal["_normalize_std", b"_normalize_std"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__clip_high) -> _WhichOneofReturnType__clip_high | None: ...
     @_typing.overload
@@ -415,6 +480,8 @@ class AlgorithmConfig(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_importance_ratio) -> _WhichOneofReturnType__max_importance_ratio | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_staleness) -> _WhichOneofReturnType__max_staleness | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_std) -> _WhichOneofReturnType__normalize_std | None: ...
 
 Global___AlgorithmConfig: _TypeAlias = AlgorithmConfig  # noqa: Y015
 
@@ -511,6 +578,7 @@ class TopologyConfig(_message.Message):
     INFERENCE_GPUS_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     REFERENCE_PLACEMENT_FIELD_NUMBER: _builtins.int
+    CPU_TRAINER_RANKS_FIELD_NUMBER: _builtins.int
     gpus: _builtins.int
     """Optional. GPUs for the whole job on one node, 0 to 1024; 0 means CPU only."""
     inference_gpus: _builtins.int
@@ -521,6 +589,10 @@ class TopologyConfig(_message.Message):
     """
     reference_placement: Global___ReferencePlacement.ValueType
     """Optional. Where the reference model runs."""
+    cpu_trainer_ranks: _builtins.int
+    """Optional. With `gpus = 0`: how many trainer ranks train on CPU (torch.distributed over gloo, DDP), 0 to
+    64; 0 means 1. With GPUs the ranks are the plan's training GPUs and this must be unset or 0.
+    """
     def __init__(
         self,
         *,
@@ -528,10 +600,11 @@ class TopologyConfig(_message.Message):
         inference_gpus: _builtins.int | None = ...,
         tensor_parallel_size: _builtins.int | None = ...,
         reference_placement: Global___ReferencePlacement.ValueType = ...,
+        cpu_trainer_ranks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_inference_gpus", b"_inference_gpus", "_tensor_parallel_size", b"_tensor_parallel_size", "inference_gpus", b"inference_gpus", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_inference_gpus", b"_inference_gpus", "_tensor_parallel_size", b"_tensor_parallel_size", "gpus", b"gpus", "inference_gpus", b"inference_gpus", "reference_placement", b"reference_placement", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_inference_gpus", b"_inference_gpus", "_tensor_parallel_size", b"_tensor_parallel_size", "cpu_trainer_ranks", b"cpu_trainer_ranks", "gpus", b"gpus", "inference_gpus", b"inference_gpus", "reference_placement", b"reference_placement", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__inference_gpus: _TypeAlias = _typing.Literal["inference_gpus"]  # noqa: Y015
     _WhichOneofArgType__inference_gpus: _TypeAlias = _typing.Literal["_inference_gpus", b"_inference_gpus"]  # noqa: Y015
