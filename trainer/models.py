@@ -30,11 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from tandem.trainer.v1 import config_pb2
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -197,6 +199,35 @@ def build_tiny_model(
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def ensure_model(model: config_pb2.ModelConfig) -> Path:
+    """The job's model directory; built first from `model.build` when it holds no model yet. The build goes to
+    a folder beside it that is renamed into place, so an interrupted build never leaves half a model."""
+    path = Path(model.dir)
+    if (path / "config.json").is_file():
+        return path
+    if not model.HasField("build"):
+        raise FileNotFoundError(
+            f"model.dir {model.dir} holds no model (no config.json); point it at a Hugging Face model directory, "
+            "or add a [model.build] section to build a small random one there"
+        )
+    spec = model.build
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    build_tiny_model(
+        partial,
+        vocab_size=spec.vocab_size or 512,
+        hidden_size=spec.hidden_size or 128,
+        layers=spec.layers or 2,
+        heads=spec.heads or 4,
+        initializer_range=spec.init_std if spec.HasField("init_std") else 0.02,
+        seed=spec.seed,
+        dtype=model.dtype or "float32",
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial.rename(path)
     return path
 
 
