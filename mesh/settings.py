@@ -36,6 +36,9 @@ class Ports(BaseModel):
         le=65535,
         description="An inference worker (one per process, several per node): 0 picks a free port.",
     )
+    trainer: int = Field(
+        0, ge=0, le=65535, description="A job's trainer (TrainerService, one per job): 0 picks a free port."
+    )
 
 
 class Targets(BaseModel):

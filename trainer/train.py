@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import secrets
@@ -38,14 +37,15 @@ from tandem.taskapp.v1 import rollout_pb2
 from tandem.taskapp.v1 import taskapp_service_pb2 as tpb
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from trainer import grpo
+from trainer import checkpoints, grpo
+from trainer.checkpoints import STATE_FILE, CheckpointInfo, Trigger
 from trainer.config import Job
+from trainer.control import Control
 from trainer.inference.publisher import WeightPublisher
 
 log = logging.getLogger("tandem.trainer")
 MAX_BAD_STEPS = 3  # consecutive non-finite losses before the job stops
 MAX_EMPTY_STEPS = 5  # consecutive steps without one usable group before the job stops
-STATE_FILE = "trainer_state.pt"
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,7 @@ class Environment:
     job: str  # orgs/{org}/jobs/{job}
     output_dir: Path
     events: Any | None = None  # EventServiceStub
+    control: Control = field(default_factory=Control)  # what TrainerService reads and asks
     rpc_timeout_s: float = 120.0
 
 
@@ -113,6 +114,7 @@ class Trainer:
         self.version = 0  # the weights in service on the workers
         self.run_id = secrets.token_hex(4)
         self.history: list[StepReport] = []
+        self.control = env.control
         self._step_done = asyncio.Condition()
         self._bad_steps = 0
         self._empty_steps = 0
@@ -126,32 +128,64 @@ class Trainer:
         self, on_step: Callable[[StepReport], Awaitable[None] | None] | None = None
     ) -> list[StepReport]:
         steps = self.job.config.algorithm.steps
-        self.resume()
-        await self.publisher.connect()
-        if self.version:  # resumed: the workers start from the checkpoint the job began with
-            await self.publisher.publish(self.version, self._named_weights())
-        batches: asyncio.Queue[tuple[int, list[list[Episode]]]] = asyncio.Queue()
-        producer = asyncio.create_task(self._produce(batches, steps), name="rollouts")
+        control = self.control  # TrainerService: status, checkpoint and stop requests
+        producer: asyncio.Task[None] | None = None
         try:
-            while self.step < steps:
+            self.resume()
+            await self.publisher.connect()
+            if self.version:  # resumed: the workers start from the checkpoint the job began with
+                await self.publisher.publish(self.version, self._named_weights())
+            control.training(self.step, self.version, steps)
+            batches: asyncio.Queue[tuple[int, list[list[Episode]]]] = asyncio.Queue()
+            producer = asyncio.create_task(self._produce(batches, steps), name="rollouts")
+            while self.step < steps and not control.stop_requested:  # a stop ends it after this step
                 if producer.done():
                     producer.result()  # a producer failure ends the job with its error
                 index, groups = await batches.get()
                 report = await self._train(index, groups)
                 self.history.append(report)
+                if self._eval_due(steps):
+                    report.metrics.update(await self.evaluate())
+                control.stepped(report.step, report.version, report.metrics)
+                self.progress.record(report.step, report.version, report.metrics, skipped=report.skipped)
+                if self.progress.plot_due(report.step, self.step >= steps or control.stop_requested):
+                    await asyncio.to_thread(self.progress.plot)
                 if on_step is not None:
                     result = on_step(report)
                     if result is not None:
                         await result
-                interval = self.job.config.checkpoint_interval
-                if (interval and self.step % interval == 0) or self.step == steps:
-                    await self.save_checkpoint()
+                trigger = self._checkpoint_due(steps)
+                if trigger is not None:
+                    await self.save_checkpoint(trigger)
+        except Exception as exc:
+            control.failed(exc)
+            raise
         finally:
-            producer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await producer
+            if producer is not None:
+                producer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await producer
             self.publisher.close()
+            control.ended()
         return self.history
+
+    def _eval_due(self, steps: int) -> bool:
+        if not self.job.config.data.HasField("eval"):
+            return False
+        interval = self.job.config.eval_interval
+        return (
+            self.step == steps or self.control.stop_requested or bool(interval and self.step % interval == 0)
+        )
+
+    def _checkpoint_due(self, steps: int) -> Trigger | None:
+        """Why this step boundary gets a checkpoint, if it does: the end (unless a stop skips it), the
+        interval, or a SaveCheckpoint waiting for it."""
+        if (self.step == steps or self.control.stop_requested) and not self.control.skip_final_checkpoint:
+            return Trigger.FINAL
+        interval = self.job.config.checkpoint_interval
+        if interval and self.step % interval == 0:
+            return Trigger.INTERVAL
+        return Trigger.REQUESTED if self.control.save_wanted else None
 
     async def _produce(self, batches: asyncio.Queue[tuple[int, list[list[Episode]]]], steps: int) -> None:
         """Play batch k once step k - max_staleness is done: its weights (or, after a skipped step, the
@@ -436,59 +470,96 @@ class Trainer:
     def checkpoints(self) -> Path:
         return self.env.output_dir / "checkpoints"
 
-    async def save_checkpoint(self) -> Path:
-        """Hugging Face files plus the state to resume, written beside and renamed into place, so a failed
-        write (a full disk) leaves the previous checkpoint intact."""
-        final = await asyncio.to_thread(self._write_checkpoint)
-        await self._announce_checkpoint(final)
-        return final
+    async def save_checkpoint(self, trigger: Trigger = Trigger.INTERVAL) -> CheckpointInfo | None:
+        """Hugging Face files plus the state to resume, written beside, synced and renamed into place. A
+        failed write (a full disk) removes its partial folder and leaves the previous checkpoint intact;
+        training goes on without this one, except that a final checkpoint that cannot be written fails the
+        job, since it is the job's result."""
+        self.control.checkpointing()
+        started = time.perf_counter()
+        try:
+            saved = await asyncio.to_thread(self._write_checkpoint, trigger)
+        except Exception as exc:
+            self.control.checkpoint_failed(self.step, exc)
+            if trigger is Trigger.FINAL:
+                raise RuntimeError(
+                    f"the final checkpoint (step {self.step}) could not be written: {exc}"
+                ) from exc
+            log.error(
+                "the checkpoint at step %d could not be written; training goes on", self.step, exc_info=True
+            )
+            return None
+        await self._announce_checkpoint(saved, time.perf_counter() - started)
+        self.control.checkpointed(saved)
+        return saved
 
-    def _write_checkpoint(self) -> Path:
-        final = self.checkpoints() / f"step-{self.step:06d}"
-        partial = final.with_name(final.name + ".partial")
+    def _write_checkpoint(self, trigger: Trigger) -> CheckpointInfo:
+        final = checkpoints.folder(self.checkpoints(), self.step)
+        partial = final.with_name(final.name + checkpoints.PARTIAL_SUFFIX)
         shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        self.policy.save_pretrained(partial)
-        for item in self.model_dir.iterdir():
-            if "token" in item.name or item.name in ("chat_template.jinja", "special_tokens_map.json"):
-                shutil.copy2(item, partial / item.name)
-        state = {
-            "step": self.step,
-            "version": self.version,
-            "optimizer": self.optimizer.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "run_id": self.run_id,
-        }
-        torch.save(state, partial / STATE_FILE)
-        (partial / "tandem.json").write_text(json.dumps({"step": self.step, "job": self.env.job}))
+        try:
+            partial.mkdir(parents=True)
+            self.policy.save_pretrained(partial)
+            for item in self.model_dir.iterdir():
+                if "token" in item.name or item.name in ("chat_template.jinja", "special_tokens_map.json"):
+                    shutil.copy2(item, partial / item.name)
+            state = {
+                "step": self.step,
+                "version": self.version,
+                "optimizer": self.optimizer.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "run_id": self.run_id,
+            }
+            torch.save(state, partial / STATE_FILE)
+            last = self.history[-1] if self.history else None
+            checkpoints.write_metadata(
+                partial,
+                job=self.env.job,
+                step=self.step,
+                weight_version=self.version,
+                trigger=trigger,
+                metrics=last.metrics if last is not None and last.step == self.step else {},
+            )
+            checkpoints.make_durable(partial)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)  # gives back what a full disk let it write
+            raise
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
-        return final
+        checkpoints.sync_folder(final.parent)
+        saved = checkpoints.read(final)
+        assert saved is not None, f"{final} has no readable {checkpoints.METADATA_FILE}"
+        return saved
 
-    async def _announce_checkpoint(self, path: Path) -> None:
+    async def _announce_checkpoint(self, saved: CheckpointInfo, seconds: float) -> None:
         if self.env.events is None:
             return
-        size = await asyncio.to_thread(lambda: sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
-        event = event_pb2.Event(type="checkpoint.saved", message=f"checkpoint at step {self.step}: {path}")
-        saved = event.checkpoint_saved
-        saved.checkpoint = f"{self.env.job}/checkpoints/step-{self.step:06d}"
-        saved.step = self.step
-        saved.weight_version = self.version
-        saved.uri = f"file://{path}"
-        saved.size_bytes = size
+        event = event_pb2.Event(
+            type="checkpoint.saved", message=f"checkpoint at step {saved.step}: {saved.path}"
+        )
+        announced = event.checkpoint_saved
+        announced.checkpoint = f"{self.env.job}/checkpoints/{saved.id}"
+        announced.step = saved.step
+        announced.weight_version = saved.weight_version
+        announced.uri = saved.path.as_uri()
+        announced.size_bytes = saved.size_bytes
+        announced.save_duration.FromNanoseconds(int(seconds * 1e9))
         try:
             await self.env.events.Publish(
                 events_service_pb2.PublishRequest(job=self.env.job, events=[event]), timeout=30
             )
         except Exception:
-            log.warning("could not announce the checkpoint at step %d", self.step, exc_info=True)
+            log.warning("could not announce the checkpoint at step %d", saved.step, exc_info=True)
 
     def resume(self) -> bool:
         """Continue from the newest complete checkpoint in the output folder, if there is one."""
-        found = sorted(p for p in self.checkpoints().glob("step-*") if not p.name.endswith(".partial"))
+        for stale in self.checkpoints().glob(f"step-*{checkpoints.PARTIAL_SUFFIX}"):
+            shutil.rmtree(stale, ignore_errors=True)  # a write the previous process did not finish
+        found = checkpoints.list_all(self.checkpoints())  # the complete ones, newest first
         if not found:
             return False
-        latest = found[-1]
+        self.control.last_checkpoint = found[0]
+        latest = found[0].path
         self.policy = _load_model(latest, self.device)
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(),
