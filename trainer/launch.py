@@ -5,7 +5,8 @@ error or Ctrl-C): the embedded mesh services the trainer uses (events, vault, ta
 process), the Task App (an example app named by the config's `task_app.name`, e.g.
 `orgs/demo/taskApps/single-turn` plays `examples/taskapps/single_turn.py`, or the app at `task_app.base_url`),
 registered through the proxy with a fresh key sealed into the vault, and the inference workers the placement
-plan asks for (`python -m trainer.inference.worker`, one per replica). The trainer then runs in this process.
+plan asks for (`python -m trainer.inference.worker`, one per replica). The trainer then runs in this process,
+serving its control surface (`trainer/service.py`) on loopback.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from mesh.server import RunningService, serve
 from mesh.settings import Ports, Settings
 from mesh.status import RpcError
 from trainer.config import Job, load_job
+from trainer.control import Control
 from trainer.inference.process import ROOT, Worker, die_with_parent, start_worker, stop_worker
 from trainer.placement import plan
+from trainer.service import serving
 from trainer.train import Environment, StepReport, Trainer, WorkerEndpoint
 
 log = logging.getLogger("tandem.launch")
@@ -163,13 +166,16 @@ def _prepare(folder: Path) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def local_environment(job: Job, output_dir: Path) -> AsyncIterator[Environment]:
-    """Everything the job talks to, on loopback, stopped on the way out."""
+async def local_environment(job: Job, output_dir: Path, *, mesh_key: str = "") -> AsyncIterator[Environment]:
+    """Everything the job talks to, on loopback, stopped on the way out, and the trainer's own
+    TrainerService (its address in `<output>/trainer.json`). `mesh_key` is the seed of the key that signs
+    mesh tokens (`TANDEM_MESH_KEY`), so callers that hold it can reach the TrainerService; a fresh one when
+    empty."""
     output_dir = await asyncio.to_thread(_prepare, output_dir)
     target = job.config.task_app
     org = target.name.split("/")[1] if target.name else "local"
     app_id = target.name.rsplit("/", 1)[-1] if target.name else "app"
-    mesh_key = secrets.token_hex(32)
+    mesh_key = mesh_key or secrets.token_hex(32)
     topology = job.config.topology
     placed = plan(
         topology.gpus,
@@ -214,14 +220,17 @@ async def local_environment(job: Job, output_dir: Path) -> AsyncIterator[Environ
                     settings.target("events"), settings, signer=signer, subject="trainer"
                 )
                 channels += [proxy_channel, events_channel]
-                yield Environment(
-                    proxy=taskapp_service_pb2_grpc.TaskAppServiceStub(proxy_channel),
-                    workers=endpoints,
-                    task_app=task_app,
-                    job=f"orgs/{org}/jobs/run-{secrets.token_hex(3)}",
-                    output_dir=output_dir,
-                    events=events_service_pb2_grpc.EventServiceStub(events_channel),
-                )
+                name, control = f"orgs/{org}/jobs/run-{secrets.token_hex(3)}", Control()
+                async with serving(control, name, output_dir, settings):
+                    yield Environment(
+                        proxy=taskapp_service_pb2_grpc.TaskAppServiceStub(proxy_channel),
+                        workers=endpoints,
+                        task_app=task_app,
+                        job=name,
+                        output_dir=output_dir,
+                        events=events_service_pb2_grpc.EventServiceStub(events_channel),
+                        control=control,
+                    )
             finally:
                 for channel in channels:
                     await channel.close()
@@ -236,7 +245,7 @@ async def run_job(job: Job, output_dir: Path) -> list[StepReport]:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             for sig in (signal.SIGINT, signal.SIGTERM):
                 asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
-    async with local_environment(job, output_dir) as env:
+    async with local_environment(job, output_dir, mesh_key=os.environ.get("TANDEM_MESH_KEY", "")) as env:
         trainer = Trainer(job, env)
 
         def show(report: StepReport) -> None:
