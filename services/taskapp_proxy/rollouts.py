@@ -5,6 +5,9 @@ runtime injection and kept in memory only, briefly) and the episodes in flight o
 correlation id: a repeat joins the running episode or gets the recorded result. Retries are only for
 failures where the request may not have been acted on (connection failures, 502/503/504), with the same
 correlation id, which the contract makes idempotent. Domain code: no grpc import.
+
+Every app is called through one pooled aiohttp session (`http_session`): httpx's connection pool scanned
+every pooled connection on each request, a quarter of the mesh's CPU at 64 rollouts in flight.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import asyncio
 import json
 import math
 import time
+import urllib.request
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 from google.protobuf import json_format
 from tandem.taskapp.v1 import rollout_pb2, task_app_pb2
@@ -28,6 +33,25 @@ Kind = rollout_pb2.RolloutError.Kind
 KeyFetcher = Callable[[str], Awaitable[str]]
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 BREAKER_KINDS = frozenset({Kind.KIND_UNREACHABLE, Kind.KIND_TIMEOUT, Kind.KIND_HTTP_STATUS})
+MAX_CONNECTIONS = 1024
+
+
+def http_session(max_connections: int = MAX_CONNECTIONS) -> aiohttp.ClientSession:
+    """The one session the proxy calls every app with: pooled keep-alive connections, no session-wide
+    timeout (each call brings its own deadline), no cookie jar (an app's cookies are not sent back to it,
+    nor to another app on the same host). It trusts the same CA bundle httpx would (`SSL_CERT_FILE`,
+    `SSL_CERT_DIR`, else certifi's), in a TLS context built once, and honours `HTTP(S)_PROXY` / `NO_PROXY`
+    when they are set at start-up. Must be made on the running event loop."""
+    connector = aiohttp.TCPConnector(
+        limit=max_connections, limit_per_host=0, ssl=httpx.create_ssl_context(), keepalive_timeout=30.0
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        # Proxy variables are looked up on every request when trusted; where none is set, skip that.
+        trust_env=bool(urllib.request.getproxies()),
+    )
 
 
 @dataclass
@@ -82,6 +106,11 @@ def _error(kind: Any, message: str, *, status: int = 0, retryable: bool = False)
     return rollout_pb2.RolloutError(
         kind=kind, message=message[:1000], http_status=status, retryable=retryable
     )
+
+
+def encode_json(body: Any) -> bytes:
+    """A request body as httpx's `json=` wrote it: compact, UTF-8, NaN refused."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 def spec_json(spec: rollout_pb2.RolloutSpec) -> dict[str, Any]:
@@ -145,7 +174,7 @@ def parse_result(raw: bytes, correlation_id: str) -> rollout_pb2.RolloutResult:
 class RolloutRunner:
     def __init__(
         self,
-        http: httpx.AsyncClient,
+        http: aiohttp.ClientSession,
         keys: KeyFetcher,
         *,
         breaker_failures: int = 5,
@@ -274,7 +303,9 @@ class RolloutRunner:
     ) -> tuple[rollout_pb2.RolloutResult, int]:
         headers = {"X-API-Key": key} if key else {}
         headers["X-Trace-Correlation-Id"] = spec.trace_correlation_id
-        body = spec_json(spec)
+        headers["Content-Type"] = "application/json"
+        body = encode_json(spec_json(spec))  # once per episode, not per attempt
+        url = app.base_url.rstrip("/") + "/rollout"
         attempts = 0
         backoff = 0.1
         while True:
@@ -284,9 +315,7 @@ class RolloutRunner:
                 return rollout_pb2.RolloutResult(
                     error=_error(Kind.KIND_TIMEOUT, "the rollout deadline passed")
                 ), attempts - 1
-            result = await self._attempt(
-                app.base_url.rstrip("/") + "/rollout", headers, body, spec, remaining
-            )
+            result = await self._attempt(url, headers, body, spec, remaining)
             error = result.error if result.HasField("error") else None
             if error is None or not error.retryable or attempts > state.limits.max_retries:
                 return result, attempts
@@ -297,38 +326,38 @@ class RolloutRunner:
         self,
         url: str,
         headers: dict[str, str],
-        body: dict[str, Any],
+        body: bytes,
         spec: rollout_pb2.RolloutSpec,
         budget_s: float,
     ) -> rollout_pb2.RolloutResult:
         timeout = budget_s
+        too_large = rollout_pb2.RolloutResult(
+            error=_error(Kind.KIND_RESPONSE_TOO_LARGE, f"the answer exceeds {self._max_response} bytes")
+        )
         try:
+            # One deadline covers the pool wait, connecting, sending and reading the whole answer.
             async with asyncio.timeout(timeout):
-                async with self._http.stream(
-                    "POST", url, json=body, headers=headers, timeout=timeout
-                ) as response:
+                async with self._http.post(url, data=body, headers=headers) as response:
+                    status = response.status
+                    declared = response.content_length
+                    if (
+                        declared is not None
+                        and declared > self._max_response
+                        and "Content-Encoding" not in response.headers
+                    ):
+                        return too_large
                     chunks: list[bytes] = []
                     size = 0
-                    async for chunk in response.aiter_bytes():
+                    async for chunk in response.content.iter_any():  # decoded bytes, as they arrive
                         size += len(chunk)
                         if size > self._max_response:
-                            return rollout_pb2.RolloutResult(
-                                error=_error(
-                                    Kind.KIND_RESPONSE_TOO_LARGE,
-                                    f"the answer exceeds {self._max_response} bytes",
-                                )
-                            )
+                            return too_large
                         chunks.append(chunk)
-                    status = response.status_code
-        except TimeoutError:
+        except TimeoutError:  # aiohttp's own timeouts are TimeoutErrors too
             return rollout_pb2.RolloutResult(
                 error=_error(Kind.KIND_TIMEOUT, f"no answer within {timeout:.1f}s")
             )
-        except httpx.TimeoutException:
-            return rollout_pb2.RolloutResult(
-                error=_error(Kind.KIND_TIMEOUT, f"no answer within {timeout:.1f}s")
-            )
-        except httpx.TransportError as error:
+        except aiohttp.ClientError as error:  # refused, reset, closed early, garbled HTTP
             return rollout_pb2.RolloutResult(
                 error=_error(
                     Kind.KIND_UNREACHABLE,
@@ -349,4 +378,4 @@ class RolloutRunner:
                     retryable=status in RETRYABLE_STATUS,
                 )
             )
-        return parse_result(b"".join(chunks), spec.trace_correlation_id)
+        return parse_result(chunks[0] if len(chunks) == 1 else b"".join(chunks), spec.trace_correlation_id)

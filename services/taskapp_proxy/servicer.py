@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 import grpc
-import httpx
 from google.protobuf import duration_pb2, json_format, struct_pb2, timestamp_pb2
 from tandem.common.v1 import types_pb2
 from tandem.events.v1 import event_pb2, events_service_pb2, events_service_pb2_grpc
@@ -30,7 +31,7 @@ from mesh.secrets import open_secrets
 from mesh.server import Deps, Registration
 from mesh.store import Database, IntegrityError, open_database
 from services.taskapp_proxy.config import TaskAppProxySettings
-from services.taskapp_proxy.rollouts import Limits, RolloutRunner
+from services.taskapp_proxy.rollouts import Limits, RolloutRunner, http_session
 from services.taskapp_proxy.store import MIGRATIONS
 
 SERVICE_NAME = taskapp_service_pb2.DESCRIPTOR.services_by_name["TaskAppService"].full_name
@@ -39,6 +40,7 @@ Context = grpc.aio.ServicerContext[Any, Any]
 log = logging.getLogger("tandem.taskapp_proxy")
 Outcome = event_pb2.RolloutCompleted
 APP_CACHE_S = 2.0
+TASK_INFO_TIMEOUT_S = 10.0
 
 
 def _now() -> timestamp_pb2.Timestamp:
@@ -133,8 +135,10 @@ class TaskAppServiceServicer(taskapp_service_pb2_grpc.TaskAppServiceServicer):
         keys: KeyCache,
         events: RolloutEvents,
         config: TaskAppProxySettings,
+        http: aiohttp.ClientSession,
     ) -> None:
         self._db = db
+        self._http = http
         self._runner = runner
         self._keys = keys
         self._events = events
@@ -200,14 +204,14 @@ class TaskAppServiceServicer(taskapp_service_pb2_grpc.TaskAppServiceServicer):
 
     async def _task_info(self, app: task_app_pb2.TaskApp) -> struct_pb2.Struct | None:
         key = await self._keys.get(app.secret_name) if app.secret_name else ""
-        async with httpx.AsyncClient(timeout=10.0) as http:
-            try:
-                response = await http.get(
+        try:
+            async with asyncio.timeout(TASK_INFO_TIMEOUT_S):
+                async with self._http.get(
                     app.base_url.rstrip("/") + "/task_info", params={"seed": 0}, headers={"X-API-Key": key}
-                )
-                body = response.json()
-            except (httpx.HTTPError, ValueError):
-                return None
+                ) as response:
+                    body = json.loads(await response.read())
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
         info = struct_pb2.Struct()
         if isinstance(body, dict):
             json_format.ParseDict(body, info, ignore_unknown_fields=True)
@@ -360,7 +364,7 @@ class TaskAppServiceServicer(taskapp_service_pb2_grpc.TaskAppServiceServicer):
 async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     config = TaskAppProxySettings()
     db = await open_database(deps.settings.store_url_for("taskapp_proxy"), "taskapp_proxy", MIGRATIONS)
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+    http = http_session()
     vault = deps.clients.stub(vault_service_pb2_grpc.VaultServiceStub, "vault")
     keys = KeyCache(vault, config.key_cache_s)
     runner = RolloutRunner(
@@ -373,6 +377,6 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     )
     events = RolloutEvents(deps.clients.stub(events_service_pb2_grpc.EventServiceStub, "events"))
     events.start()
-    servicer = TaskAppServiceServicer(db, runner, keys, events, config)
+    servicer = TaskAppServiceServicer(db, runner, keys, events, config, http)
     taskapp_service_pb2_grpc.add_TaskAppServiceServicer_to_server(servicer, server)
-    return Registration(service_names=[SERVICE_NAME], on_stop=[events.stop, http.aclose, db.close])
+    return Registration(service_names=[SERVICE_NAME], on_stop=[events.stop, http.close, db.close])
