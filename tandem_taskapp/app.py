@@ -21,11 +21,13 @@ import hmac
 import inspect
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import aiohttp
 import httpx
 from opentelemetry import propagate
 from opentelemetry.context import Context
@@ -38,7 +40,7 @@ from starlette.routing import Route
 from tandem_taskapp import schema
 from tandem_taskapp.errors import InvalidArgument, InvalidResult, PolicyError, TurnLimitReached
 from tandem_taskapp.models import MAX_SEED, Result, RolloutRequest, Turn, is_finite_number, normalize_mode
-from tandem_taskapp.policy import DEFAULT_TIMEOUT_S, Policy
+from tandem_taskapp.policy import DEFAULT_TIMEOUT_S, Policy, policy_session
 
 log = logging.getLogger("tandem_taskapp")
 
@@ -217,47 +219,88 @@ class _Entry:
     fingerprint: str
     task: asyncio.Task[dict[str, Any]]
     result: dict[str, Any] | None = None
+    used_at: float = 0.0
 
 
-@dataclass
 class RolloutCache:
-    """Finished rollout answers by correlation id (a bounded LRU) plus the episodes in flight, which a
-    duplicate request joins. Failed episodes are forgotten, so a retry plays again."""
+    """Finished rollout answers by correlation id (a bounded LRU, optionally forgetting an answer `ttl_s`
+    seconds after its last use) plus the episodes in flight, which a duplicate request joins. Failed
+    episodes are forgotten, so a retry plays again. Every operation but `in_flight()` is O(1): the
+    episodes in flight and the finished answers are kept apart, so neither a bound nor an expiry has to
+    look past the answers it drops."""
 
-    max_entries: int = DEFAULT_CACHE_SIZE
-    _entries: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)
+    def __init__(
+        self,
+        max_entries: int = DEFAULT_CACHE_SIZE,
+        *,
+        ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_entries < 0:
+            raise ValueError("max_entries must be 0 or more")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError("ttl_s must be positive (None keeps answers until the bound evicts them)")
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._running: dict[str, _Entry] = {}
+        self._done: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
 
     def get(self, key: str) -> _Entry | None:
-        entry = self._entries.get(key)
-        if entry is not None and entry.result is not None:
-            self._entries.move_to_end(key)
+        running = self._running.get(key)
+        if running is not None:
+            return running
+        self._expire()
+        entry = self._done.get(key)
+        if entry is not None:
+            entry.used_at = self._clock()
+            self._done.move_to_end(key)
         return entry
 
     def start(self, key: str, fingerprint: str, task: asyncio.Task[dict[str, Any]]) -> _Entry:
+        self._done.pop(key, None)
         entry = _Entry(fingerprint, task)
-        self._entries[key] = entry
+        self._running[key] = entry
         return entry
 
     def finish(self, key: str, entry: _Entry, result: dict[str, Any] | None) -> None:
-        if self._entries.get(key) is not entry:
+        if self._running.get(key) is not entry:
             return
+        del self._running[key]
         if result is None:
-            del self._entries[key]
             return
         entry.result = result
-        self._entries.move_to_end(key)
-        finished = [k for k, e in self._entries.items() if e.result is not None]
-        for k in finished[: max(0, len(finished) - self.max_entries)]:
-            del self._entries[k]
+        entry.used_at = self._clock()
+        self._done[key] = entry
+        while len(self._done) > self.max_entries:
+            self._done.popitem(last=False)
+        self._expire()
 
     def in_flight(self) -> list[asyncio.Task[dict[str, Any]]]:
-        return [e.task for e in self._entries.values() if e.result is None]
+        return [e.task for e in self._running.values()]
+
+    @property
+    def running(self) -> int:
+        """How many episodes are in flight."""
+        return len(self._running)
+
+    def _expire(self) -> None:
+        if self.ttl_s is None:
+            return
+        oldest = self._clock() - self.ttl_s
+        while self._done:
+            first = next(iter(self._done.values()))
+            if first.used_at > oldest:
+                return
+            self._done.popitem(last=False)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        self._expire()
+        return len(self._running) + len(self._done)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        self._expire()
+        return key in self._running or key in self._done
 
 
 def create_app(
@@ -266,6 +309,7 @@ def create_app(
     *,
     public_health: bool = True,
     cache_size: int = DEFAULT_CACHE_SIZE,
+    cache_ttl_s: float | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     validate_responses: bool = True,
     policy_timeout: float = DEFAULT_TIMEOUT_S,
@@ -275,13 +319,15 @@ def create_app(
 
     `api_key` is the environment key (or several, e.g. during a rotation); None turns authentication off,
     for local experiments only. With `public_health`, `GET /health` without a key answers a minimal body
-    (a wrong key is still refused). `http_client` is used for policy calls (one client per episode
-    otherwise)."""
+    (a wrong key is still refused). A finished answer is kept for repeats of its correlation id: at most
+    `cache_size` of them, least recently used dropped first, each for `cache_ttl_s` after its last use
+    (None: until the bound drops it). `http_client` is used for policy calls; otherwise the app makes
+    one pooled aiohttp session for all its episodes (per event loop) and closes it at shutdown."""
     server = _Server(
         task_app,
         api_key,
         public_health=public_health,
-        cache=RolloutCache(cache_size),
+        cache=RolloutCache(cache_size, ttl_s=cache_ttl_s),
         max_body_bytes=max_body_bytes,
         validate_responses=validate_responses,
         policy_timeout=policy_timeout,
@@ -333,6 +379,18 @@ class _Server:
         self.validate_responses = validate_responses
         self.policy_timeout = policy_timeout
         self.http_client = http_client
+        self._session: tuple[asyncio.AbstractEventLoop, aiohttp.ClientSession] | None = None
+
+    def _policy_session(self) -> aiohttp.ClientSession | None:
+        """The session policy calls go through when no `http_client` was given: one the app owns, made on
+        first use on this event loop. A client made per episode cost a connection pool, a TCP connection
+        and its teardown per rollout."""
+        if self.http_client is not None:
+            return None
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session[0] is not loop:
+            self._session = (loop, policy_session())
+        return self._session[1]
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -343,6 +401,9 @@ class _Server:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self._session is not None:
+                owned, self._session = self._session[1], None
+                await owned.close()
 
     # -- auth ------------------------------------------------------------------------------------------
 
@@ -383,9 +444,7 @@ class _Server:
             return self._unauthenticated()
         body: dict[str, Any] = {"healthy": True}
         if auth:
-            body.update(
-                task=self.task_app.name, version=self.task_app.version, in_flight=len(self.cache.in_flight())
-            )
+            body.update(task=self.task_app.name, version=self.task_app.version, in_flight=self.cache.running)
         return JSONResponse(body)
 
     async def task_info(self, request: Request) -> Response:
@@ -513,6 +572,7 @@ class _Server:
             trace_correlation_id=spec.trace_correlation_id,
             max_turns=max_turns,
             client=self.http_client,
+            session=self._policy_session(),
             timeout=self.policy_timeout,
             parent_context=parent,
         )
@@ -542,10 +602,11 @@ class _Server:
         if len(events) > 10000:
             raise InvalidResult("at most 10000 event rewards")
         try:
-            details = json.loads(_encode(dict(result.details)))
+            encoded = _encode(dict(result.details))
         except (TypeError, ValueError) as e:
             raise InvalidResult(f"details must be JSON with finite numbers: {e}") from None
-        if len(_encode(details)) > MAX_DETAILS_BYTES:
+        details = json.loads(encoded)  # plain JSON values, which encode to the same bytes again
+        if len(encoded) > MAX_DETAILS_BYTES:
             raise InvalidResult("details exceed 64 KiB once encoded")
         turns = recorded if result.turns is None else list(result.turns)
         body: dict[str, Any] = {
