@@ -43,13 +43,23 @@ def parse_job(document: dict[str, Any]) -> config_pb2.TrainerConfig:
     return config
 
 
-def load_job(path: Path) -> config_pb2.TrainerConfig:
+def load_job(path: Path, overrides: dict[str, dict[str, Any]] | None = None) -> config_pb2.TrainerConfig:
+    """Parse the TOML file at `path`; `overrides` replaces keys of its sections (`{"topology": {"gpus": 8}}`)
+    before validation, as the launcher's placement flags do."""
     try:
         document = tomllib.loads(path.read_text())
     except OSError as exc:
         raise InvalidArgument(f"cannot read the job config {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise _invalid(f"{path} is not valid TOML: {exc}", []) from None
+    for section, values in (overrides or {}).items():
+        if values:
+            table = document.setdefault(section, {})
+            if not isinstance(table, dict):
+                raise _invalid(
+                    f"{path}: {section} must be a table", [FieldViolation(section, "is not a table")]
+                )
+            table.update(values)
     return parse_job(document)
 
 

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -553,6 +554,7 @@ async def run_worker(
                 "openai_base_url": worker.openai_base_url,
                 "incarnation": worker.incarnation,
                 "model": engine.info.model,
+                "pid": os.getpid(),
             }
             worker_settings.ready_file.write_text(json.dumps(payload))
 
