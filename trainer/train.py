@@ -144,12 +144,7 @@ class Trainer:
                 index, groups = await batches.get()
                 report = await self._train(index, groups)
                 self.history.append(report)
-                if self._eval_due(steps):
-                    report.metrics.update(await self.evaluate())
                 control.stepped(report.step, report.version, report.metrics)
-                self.progress.record(report.step, report.version, report.metrics, skipped=report.skipped)
-                if self.progress.plot_due(report.step, self.step >= steps or control.stop_requested):
-                    await asyncio.to_thread(self.progress.plot)
                 if on_step is not None:
                     result = on_step(report)
                     if result is not None:
@@ -168,14 +163,6 @@ class Trainer:
             self.publisher.close()
             control.ended()
         return self.history
-
-    def _eval_due(self, steps: int) -> bool:
-        if not self.job.config.data.HasField("eval"):
-            return False
-        interval = self.job.config.eval_interval
-        return (
-            self.step == steps or self.control.stop_requested or bool(interval and self.step % interval == 0)
-        )
 
     def _checkpoint_due(self, steps: int) -> Trigger | None:
         """Why this step boundary gets a checkpoint, if it does: the end (unless a stop skips it), the
