@@ -42,6 +42,7 @@ from trainer.config import Job, load_job
 from trainer.control import Control
 from trainer.inference.process import ROOT, Worker, die_with_parent, start_worker, stop_worker
 from trainer.placement import plan
+from trainer.ranks import Ranks, devices_for, start_ranks
 from trainer.service import serving
 from trainer.train import Environment, StepReport, Trainer, WorkerEndpoint
 
@@ -185,6 +186,7 @@ async def local_environment(job: Job, output_dir: Path, *, mesh_key: str = "") -
     )
     key = secrets.token_hex(16)
     workers: list[Worker] = []
+    ranks: Ranks | None = None  # trainer ranks 1..N-1 (this process is rank 0)
     channels = []
     with contextlib.ExitStack() as stack:
         url = target.base_url or stack.enter_context(_task_app(_example_script(target.name), key))
@@ -205,6 +207,8 @@ async def local_environment(job: Job, output_dir: Path, *, mesh_key: str = "") -
                             extra,
                         )
                     )
+                devices = devices_for(job, placed.trainer)
+                ranks = await asyncio.to_thread(start_ranks, job, output_dir, devices)
                 signer = TokenSigner(load_signing_key(mesh_key, settings.state_dir))
                 endpoints = []
                 for worker in workers:
@@ -230,10 +234,13 @@ async def local_environment(job: Job, output_dir: Path, *, mesh_key: str = "") -
                         output_dir=output_dir,
                         events=events_service_pb2_grpc.EventServiceStub(events_channel),
                         control=control,
+                        ranks=ranks,
                     )
             finally:
                 for channel in channels:
                     await channel.close()
+                if ranks is not None:
+                    await asyncio.to_thread(ranks.close)
                 for worker in workers:
                     await asyncio.to_thread(stop_worker, worker)
 

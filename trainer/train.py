@@ -10,9 +10,11 @@ new weights back to the workers. Read `Trainer.run` top to bottom; everything el
         sync   = the new weights to every worker (`WeightPublisher`), version = step + 1
         report = a `train.step` event with the step's metrics; a checkpoint every N steps
 
-Shortcuts, on purpose: one trainer process (rank 0) trains on its device; the policy is a Hugging Face
-causal LM loaded from a local directory; a group whose episodes all failed or were too stale is dropped
-whole (GRPO needs at least two episodes to compare).
+Several trainer ranks (trainer/ranks.py): this process is rank 0, the only one that talks to the mesh;
+each update runs on every rank at once (DDP, each on its shard of the batch) on a worker thread.
+
+Shortcuts, on purpose: the policy is a Hugging Face causal LM loaded from a local directory; a group whose
+episodes all failed or were too stale is dropped whole (GRPO needs at least two episodes to compare).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from trainer.checkpoints import STATE_FILE, CheckpointInfo, Trigger
 from trainer.config import Job
 from trainer.control import Control
 from trainer.inference.publisher import WeightPublisher
+from trainer.ranks import Ranks, StepShard, Update
 
 log = logging.getLogger("tandem.trainer")
 MAX_BAD_STEPS = 3  # consecutive non-finite losses before the job stops
@@ -66,6 +69,7 @@ class Environment:
     output_dir: Path
     events: Any | None = None  # EventServiceStub
     control: Control = field(default_factory=Control)  # what TrainerService reads and asks
+    ranks: Ranks | None = None  # the other trainer ranks (trainer/ranks.py); None: this process trains alone
     rpc_timeout_s: float = 120.0
 
 
@@ -86,10 +90,11 @@ class StepReport:
 
 
 class Trainer:
-    def __init__(self, job: Job, env: Environment, *, device: str = "cpu") -> None:
+    def __init__(self, job: Job, env: Environment, *, device: str | None = None) -> None:
         self.job = job
         self.env = env
-        self.device = torch.device(device)
+        self.ranks = env.ranks or Ranks.alone(device or "cpu")
+        self.device = torch.device(device) if device else self.ranks.device
         config = job.config
         self.model_dir = Path(config.model.dir)
         self.policy = _load_model(self.model_dir, self.device)
@@ -152,6 +157,7 @@ class Trainer:
                 trigger = self._checkpoint_due(steps)
                 if trigger is not None:
                     await self.save_checkpoint(trigger)
+            await asyncio.to_thread(self.ranks.finish, self.policy, self.optimizer)  # every rank agrees
         except Exception as exc:
             control.failed(exc)
             raise
@@ -279,10 +285,9 @@ class Trainer:
             return report
         sequences, advantages, zero = self._sequences(kept)
         metrics["groups/zero_variance"] = float(zero)
-        for param_group in self.optimizer.param_groups:
-            param_group["lr"] = job.learning_rate(index)
-        loss, stats, entropy, tokens = self._loss(sequences, advantages)
-        if not grpo.finite(float(loss.detach())):
+        # On a worker thread, so the producer keeps playing the next batches while this one trains.
+        update = await asyncio.to_thread(self._update, sequences, advantages, job.learning_rate(index))
+        if not update.finite:  # on any rank: every rank skipped it
             self._bad_steps += 1
             report.skipped = True
             metrics["loss/non_finite"] = 1.0
@@ -293,22 +298,19 @@ class Trainer:
             return report
         self._bad_steps = 0
         self._empty_steps = 0
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        if job.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), job.max_grad_norm)
-            metrics["grad_norm"] = float(norm)
-        self.optimizer.step()
+        if update.grad_norm is not None:
+            metrics["grad_norm"] = update.grad_norm
+        stats = update.stats  # the whole batch's, over every rank
         metrics.update(
             {
                 "loss": stats.loss,
                 "kl": stats.kl,
-                "entropy": entropy,
+                "entropy": update.entropy,
                 "clip_fraction": stats.clip_fraction,
                 "ratio/mean": stats.ratio_mean,
                 "ratio/max": stats.ratio_max,
                 "lr": job.learning_rate(index),
-                "tokens": float(tokens),
+                "tokens": float(update.tokens),
                 "reward/std": float(torch.tensor([e.reward for g in kept for e in g]).std()),
             }
         )
@@ -332,12 +334,10 @@ class Trainer:
         log.info("step %d", report.step, extra={"metrics": report.metrics})
         await self._publish_metrics(report, elapsed)
 
-    def _sequences(
-        self, groups: list[list[Episode]]
-    ) -> tuple[list[tuple[list[int], int, list[float], list[bool], float]], list[float], int]:
+    def _sequences(self, groups: list[list[Episode]]) -> tuple[list[TrainSequence], list[float], int]:
         """Per trained turn: (token ids, completion start, sampler log-probs, loss mask, temperature), and
         each turn's advantage (its episode's)."""
-        sequences: list[tuple[list[int], int, list[float], list[bool], float]] = []
+        sequences: list[TrainSequence] = []
         advantages: list[float] = []
         zero = 0
         for group in groups:
@@ -362,71 +362,19 @@ class Trainer:
                     advantages.append(value)
         return sequences, advantages, zero
 
+    def _update(self, sequences: list[TrainSequence], advantages: list[float], lr: float) -> Update:
+        """One GRPO update on every trainer rank at once: rank 0 sends each rank its shard of the batch
+        (trainer/ranks.py), and each runs `train_shard` on it."""
+        module = self.ranks.wrap(self.policy, self.optimizer)  # DDP over the ranks; the policy when alone
+        tokens = [trained_tokens(s) for s in sequences]
+        shard = self.ranks.scatter(sequences, advantages, tokens, lr=lr, aggregation=self.job.aggregation)
+        return train_shard(self.ranks, module, self.reference, self.optimizer, shard, self.job, self.device)
+
     def _loss(
-        self,
-        sequences: list[tuple[list[int], int, list[float], list[bool], float]],
-        advantages: list[float],
+        self, sequences: list[TrainSequence], advantages: list[float]
     ) -> tuple[torch.Tensor, grpo.LossStats, float, int]:
-        """Right-padded batch; the logits at position p score the token at p + 1."""
-        width = max(len(ids) for ids, *_ in sequences)
-        completion = max(len(ids) - start for ids, start, *_ in sequences)
-        count = len(sequences)
-        input_ids = torch.zeros(count, width, dtype=torch.long)
-        attention = torch.zeros(count, width, dtype=torch.long)
-        targets = torch.zeros(count, completion, dtype=torch.long)
-        sampler = torch.zeros(count, completion)
-        mask = torch.zeros(count, completion, dtype=torch.bool)
-        positions = torch.zeros(count, completion, dtype=torch.long)
-        temperatures = torch.ones(count, 1, 1)
-        for row, (ids, start, logprobs, loss_mask, temperature) in enumerate(sequences):
-            n = len(ids) - start
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention[row, : len(ids)] = 1
-            targets[row, :n] = torch.tensor(ids[start:])
-            sampler[row, :n] = torch.tensor(logprobs[:n])
-            mask[row, :n] = torch.tensor(loss_mask[:n])
-            positions[row, :n] = torch.arange(start - 1, start - 1 + n)
-            temperatures[row] = temperature if temperature > 0 else 1.0
-        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        self.policy.train()
-        logits = self.policy(input_ids=input_ids, attention_mask=attention).logits.float() / temperatures.to(
-            self.device
-        )
-        picked = torch.gather(
-            logits, 1, positions.to(self.device).unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        )
-        logprobs_now = (
-            torch.log_softmax(picked, dim=-1).gather(-1, targets.to(self.device).unsqueeze(-1)).squeeze(-1)
-        )
-        reference = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = self.reference(input_ids=input_ids, attention_mask=attention).logits.float()
-                ref_logits = ref_logits / temperatures.to(self.device)
-                ref_picked = torch.gather(
-                    ref_logits,
-                    1,
-                    positions.to(self.device).unsqueeze(-1).expand(-1, -1, ref_logits.shape[-1]),
-                )
-                reference = (
-                    torch.log_softmax(ref_picked, dim=-1)
-                    .gather(-1, targets.to(self.device).unsqueeze(-1))
-                    .squeeze(-1)
-                )
-        loss, stats = grpo.policy_loss(
-            logprobs_now,
-            sampler.to(self.device),
-            torch.tensor(advantages, device=self.device),
-            mask.to(self.device),
-            clip_low=self.job.clip_low,
-            clip_high=self.job.clip_high,
-            kl_coef=self.job.config.algorithm.kl_coef,
-            ref_logprobs=reference,
-            aggregation=self.job.aggregation,
-            max_ratio=self.job.max_importance_ratio,
-        )
-        entropy = grpo.entropy(picked.detach(), mask.to(self.device))
-        return loss, stats, entropy, int(mask.sum())
+        """The loss of `sequences` under this process's policy alone (no other rank is involved)."""
+        return batch_loss(self.policy, self.reference, sequences, advantages, self.job, self.device)
 
     def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The parameters in checkpoint naming, a tied one once (as the workers' manifest lists them)."""
@@ -567,3 +515,112 @@ def _load_model(path: Path, device: torch.device) -> PreTrainedModel:
     model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path)
     model.to(device)  # type: ignore[arg-type]
     return model
+
+def batch_loss(
+    policy: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    sequences: Sequence[TrainSequence],
+    advantages: Sequence[float],
+    job: Job,
+    device: torch.device,
+) -> tuple[torch.Tensor, grpo.LossStats, float, int]:
+    """The GRPO loss of `sequences` under `policy` (a DDP module on several ranks), its statistics, the mean
+    entropy and the trained tokens. Right-padded batch; the logits at position p score the token at p + 1."""
+    width = max(len(ids) for ids, *_ in sequences)
+    completion = max(len(ids) - start for ids, start, *_ in sequences)
+    count = len(sequences)
+    input_ids = torch.zeros(count, width, dtype=torch.long)
+    attention = torch.zeros(count, width, dtype=torch.long)
+    targets = torch.zeros(count, completion, dtype=torch.long)
+    sampler = torch.zeros(count, completion)
+    mask = torch.zeros(count, completion, dtype=torch.bool)
+    positions = torch.zeros(count, completion, dtype=torch.long)
+    temperatures = torch.ones(count, 1, 1)
+    for row, (ids, start, logprobs, loss_mask, temperature) in enumerate(sequences):
+        n = len(ids) - start
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention[row, : len(ids)] = 1
+        targets[row, :n] = torch.tensor(ids[start:])
+        sampler[row, :n] = torch.tensor(logprobs[:n])
+        mask[row, :n] = torch.tensor(loss_mask[:n])
+        positions[row, :n] = torch.arange(start - 1, start - 1 + n)
+        temperatures[row] = temperature if temperature > 0 else 1.0
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    policy.train()
+    logits = policy(input_ids=input_ids, attention_mask=attention).logits.float() / temperatures.to(device)
+    picked = torch.gather(logits, 1, positions.to(device).unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    logprobs_now = torch.log_softmax(picked, dim=-1).gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)
+    ref_logprobs = None
+    if reference is not None:
+        with torch.no_grad():
+            ref_logits = reference(input_ids=input_ids, attention_mask=attention).logits.float()
+            ref_logits = ref_logits / temperatures.to(device)
+            ref_picked = torch.gather(
+                ref_logits,
+                1,
+                positions.to(device).unsqueeze(-1).expand(-1, -1, ref_logits.shape[-1]),
+            )
+            ref_logprobs = (
+                torch.log_softmax(ref_picked, dim=-1).gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)
+            )
+    loss, stats = grpo.policy_loss(
+        logprobs_now,
+        sampler.to(device),
+        torch.tensor(advantages, device=device),
+        mask.to(device),
+        clip_low=job.clip_low,
+        clip_high=job.clip_high,
+        kl_coef=job.config.algorithm.kl_coef,
+        ref_logprobs=ref_logprobs,
+        aggregation=job.aggregation,
+        max_ratio=job.max_importance_ratio,
+    )
+    if not loss.requires_grad:  # no trained token (sequence mean): still a graph, for DDP's all-reduce
+        loss = logprobs_now.sum() * 0.0
+    entropy = grpo.entropy(picked.detach(), mask.to(device))
+    return loss, stats, entropy, int(mask.sum())
+
+
+def trained_tokens(sequence: TrainSequence) -> int:
+    """How many of the sequence's completion tokens the loss trains on (its loss mask)."""
+    ids, start, _, loss_mask, _ = sequence
+    return sum(1 for keep in loss_mask[: len(ids) - start] if keep)
+
+
+def train_shard(
+    ranks: Ranks,
+    policy: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    shard: StepShard,
+    job: Job,
+    device: torch.device,
+) -> Update:
+    """One rank's part of a GRPO update, the same code on every rank: the loss on its shard, weighted so
+    that DDP's mean of the ranks' gradients is the whole batch's; no rank steps unless every rank's loss is
+    finite; then backward (DDP all-reduces the gradients), clip and step."""
+    for param_group in optimizer.param_groups:
+        param_group["lr"] = shard.lr
+    loss, stats, entropy, tokens = batch_loss(
+        policy, reference, shard.sequences, shard.advantages, job, device
+    )
+    weighted = loss * shard.weight
+    update = ranks.exchange(
+        float(weighted.detach()),
+        stats.policy_loss * shard.weight,
+        stats,
+        entropy,
+        0 if shard.padding else tokens,
+    )
+    if not update.finite:
+        return update
+    optimizer.zero_grad(set_to_none=True)
+    weighted.backward()  # type: ignore[no-untyped-call]
+    if job.max_grad_norm > 0:
+        update.grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), job.max_grad_norm))
+    optimizer.step()
+    return update
+
+
+# Per trained turn: token ids (prompt + completion), completion start, sampler log-probs, loss mask, temperature.
+TrainSequence = tuple[list[int], int, list[float], list[bool], float]

@@ -1,0 +1,199 @@
+"""Several trainer ranks (trainer/ranks.py), as real processes on CPU over gloo: this test process is rank 0
+(a `Trainer`), rank 1 a child started by `start_ranks`. The 2-rank gradient equals the one-process gradient
+on the same batch for both loss aggregations, with uneven shards and with a rank that has no sequence of its
+own; the ranks skip a non-finite loss together; a dead rank fails the update with its name; and a 2-rank
+job runs end to end over the real mesh with the workers on the policy's weights."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tandem.inference.v1 import trace_pb2
+
+from trainer.config import Job, parse_job
+from trainer.grpo import Aggregation
+from trainer.launch import local_environment
+from trainer.models import build_tiny_model
+from trainer.ranks import RankError, Ranks, shard_batch, start_ranks, weights_digest
+from trainer.train import Environment, Episode, Trainer, trained_tokens
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def make_job(model_dir: Path, aggregation: Aggregation = "token_mean", ranks: int = 2) -> Job:
+    return Job(
+        parse_job(
+            {
+                "model": {"dir": str(model_dir)},
+                "task_app": {"name": "orgs/demo/taskApps/single-turn"},
+                "data": {"train": {"seeds": [{"start": 0, "end": 10}]}},
+                "algorithm": {
+                    "group_size": 2,
+                    "prompts_per_step": 1,
+                    "steps": 10,
+                    "kl_coef": 0.05,
+                    "loss_aggregation": "LOSS_AGGREGATION_" + aggregation.upper(),
+                },
+                "optimizer": {"learning_rate": 1e-2, "max_grad_norm": 0},  # the raw gradients, unclipped
+                "topology": {"cpu_trainer_ranks": ranks},
+            }
+        )
+    )
+
+
+def trainer(job: Job, folder: Path, ranks: Ranks | None = None) -> Trainer:
+    env = Environment(
+        proxy=None,
+        workers=[],
+        task_app="orgs/demo/taskApps/single-turn",
+        job="orgs/demo/jobs/j",
+        output_dir=folder,
+        ranks=ranks,
+    )
+    return Trainer(job, env)
+
+
+def episode(reward: float, completion: int, masked: int = 0, logprob: float = -1.3) -> Episode:
+    """A one-turn episode with `completion` tokens, the last `masked` of them not trained on."""
+    trace = trace_pb2.Trace(correlation_id="c", min_weight_version=0)
+    turn = trace.turns.add(temperature=1.0)
+    turn.prompt_token_ids.extend([5, 6, 7, 8][: 2 + completion % 3])
+    turn.completion_token_ids.extend(range(20 + completion, 20 + 2 * completion))
+    turn.sampler_logprobs.extend([logprob - 0.1 * i for i in range(completion)])
+    turn.loss_mask.extend([True] * (completion - masked) + [False] * masked)
+    return Episode(seed=1, reward=reward, trace=trace)
+
+
+# Five sequences of 2..9 trained tokens: rank 0 takes the first two, rank 1 the other three.
+UNEVEN = [
+    [episode(1.0, 3), episode(0.0, 9, masked=2), episode(0.5, 5)],
+    [episode(0.0, 2), episode(1.0, 6, masked=4)],
+]
+ONE = [[episode(1.0, 4), episode(0.0, 1, masked=1)]]  # one trained sequence: rank 0 has none of its own
+
+
+ONE = [[episode(1.0, 4), episode(0.0, 0)]]  # one sequence (an empty completion trains nothing): rank 0 pads
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "groups"),
+    [("token_mean", UNEVEN), ("sequence_mean", UNEVEN), ("token_mean", ONE)],
+    ids=["token_mean", "sequence_mean", "padded_rank"],
+)
+def test_two_ranks_train_on_the_gradient_of_the_whole_batch(
+    model_dir: Path, tmp_path: Path, aggregation: Aggregation, groups: list[list[Episode]]
+) -> None:
+    job = make_job(model_dir, aggregation)
+    alone = trainer(job, tmp_path / "alone")
+    sequences, advantages, _ = alone._sequences(groups)
+    want = alone._update(sequences, advantages, 1e-2)
+    shards = shard_batch([trained_tokens(s) for s in sequences], 2, aggregation)
+    assert sorted(s.weight for s in shards) != [1.0, 1.0]  # uneven: a plain mean of the ranks would be wrong
+    ranks = start_ranks(job, tmp_path / "run", ["cpu", "cpu"], timeout_s=60)
+    try:
+        t = trainer(job, tmp_path / "run", ranks)
+        got = t._update(sequences, advantages, 1e-2)
+        assert got.finite and got.tokens == want.tokens
+        for a, b in zip(alone.policy.parameters(), t.policy.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-8)
+        for name in ("loss", "policy_loss", "kl", "ratio_mean", "ratio_min", "ratio_max"):
+            assert math.isclose(
+                getattr(got.stats, name), getattr(want.stats, name), rel_tol=1e-5, abs_tol=1e-9
+            )
+        assert math.isclose(got.entropy, want.entropy, rel_tol=1e-5)
+        # Rank 1 averaged the same gradients and stepped to the same weights.
+        assert ranks.finish(t.policy, t.optimizer) == weights_digest(t.policy)
+    finally:
+        ranks.close()
+
+
+def test_shards_weigh_their_share_of_the_batch() -> None:
+    tokens = [3, 0, 5, 2, 0]
+    shards = shard_batch(tokens, 2, "token_mean")
+    assert [s.indices for s in shards] == [(0, 1), (2, 3, 4)]
+    assert [s.weight for s in shards] == [2 * 3 / 10, 2 * 7 / 10]
+    assert [s.weight for s in shard_batch(tokens, 2, "sequence_mean")] == [2 * 1 / 3, 2 * 2 / 3]
+    padded = shard_batch([4], 3, "sequence_mean")
+    assert [(s.padding, s.weight) for s in padded] == [(True, 0.0), (True, 0.0), (False, 3.0)]
+
+
+async def test_the_ranks_skip_a_non_finite_loss_together_and_train_on_after_it(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    job = make_job(model_dir)
+    # Four sequences; the NaN log-probs are in rank 1's half only, so rank 0's own loss is finite.
+    poisoned = [[episode(1.0, 3), episode(0.0, 4)], [episode(1.0, 2, logprob=math.nan), episode(0.0, 5)]]
+    ranks = start_ranks(job, tmp_path, ["cpu", "cpu"], timeout_s=60)
+    try:
+        t = trainer(job, tmp_path, ranks)
+        sequences, advantages, _ = t._sequences(poisoned)
+        assert math.isfinite(float(t._loss(sequences[:2], advantages[:2])[0].detach()))
+        before = weights_digest(t.policy)
+        report = await t._train(0, poisoned)
+        assert report.skipped and report.metrics["loss/non_finite"] == 1.0
+        assert weights_digest(t.policy) == before
+        sequences, advantages, _ = t._sequences(UNEVEN)
+        assert t._update(sequences, advantages, 1e-2).finite
+        assert weights_digest(t.policy) != before
+        ranks.finish(t.policy, t.optimizer)  # raises unless rank 1 skipped, then stepped, with rank 0
+    finally:
+        ranks.close()
+
+
+def test_a_rank_that_dies_fails_the_update_with_its_name(model_dir: Path, tmp_path: Path) -> None:
+    job = make_job(model_dir)
+    ranks = start_ranks(job, tmp_path, ["cpu", "cpu"], timeout_s=60)
+    try:
+        t = trainer(job, tmp_path, ranks)
+        sequences, advantages, _ = t._sequences(UNEVEN)
+        assert t._update(sequences, advantages, 1e-2).finite
+        ranks.children[0].proc.kill()
+        with pytest.raises(RankError, match="trainer rank 1 exited with -9"):
+            t._update(sequences, advantages, 1e-2)
+    finally:
+        ranks.close()
+
+
+def test_a_rank_that_cannot_start_fails_with_its_log(tmp_path: Path) -> None:
+    job = make_job(tmp_path / "no-model")
+    with pytest.raises(RankError, match="trainer rank 1 exited with 1") as info:
+        start_ranks(job, tmp_path, ["cpu", "cpu"], timeout_s=60)
+    assert "no-model" in str(info.value)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_a_two_rank_job_runs_end_to_end_over_the_mesh(model_dir: Path, tmp_path: Path) -> None:
+    job = Job(
+        parse_job(
+            {
+                "seed": 3,
+                "model": {"dir": str(model_dir)},
+                "task_app": {"name": "orgs/demo/taskApps/single-turn"},
+                "data": {"train": {"seeds": [{"start": 0, "end": 1000}]}},
+                "algorithm": {"group_size": 4, "prompts_per_step": 2, "steps": 2, "kl_coef": 0.01},
+                "optimizer": {"learning_rate": 1e-3},
+                "sampling": {"max_tokens": 3},
+                "topology": {"cpu_trainer_ranks": 2},
+            }
+        )
+    )
+    async with local_environment(job, tmp_path / "run") as env:
+        assert env.ranks is not None and env.ranks.world_size == 2
+        t = Trainer(job, env)
+        reports = await t.run()  # ends by comparing the ranks' weight digests
+        assert [r.step for r in reports] == [1, 2] and any(not r.skipped for r in reports)
+        await t.publisher.verify(t._named_weights())  # the workers serve exactly the policy
+        child = env.ranks.children[0]
+        assert await asyncio.to_thread(child.proc.wait, 30) == 0
+        assert "digests agree: True" in child.log_path.read_text()
