@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -86,3 +87,40 @@ def test_sdk_validators_use_the_document() -> None:
     }
     assert schema.errors("RolloutResponse", response) == []
     assert schema.errors("RolloutResponse", {**response, "metrics": {}})
+
+
+@pytest.mark.parametrize(
+    ("name", "instance"),
+    [
+        ("RolloutRequest", {"trace_correlation_id": "has space", "env": {"seed": -1}, "policy": {}}),
+        ("RolloutRequest", {"trace_correlation_id": "ok", "env": {"seed": "x"}, "mode": "RL", "limits": 3}),
+        ("RolloutResponse", {"trace_correlation_id": "ok", "metrics": {"outcome_reward": "1"}}),
+        (
+            "RolloutResponse",
+            {
+                "trace_correlation_id": "ok",
+                "metrics": {"outcome_reward": 1.0},
+                "trajectory": {"turns": [{"messages": [{"role": 1}]}]},
+                "aborted": "no",
+            },
+        ),
+        ("TaskInfo", {"task": {"id": 3}, "seed": -2}),
+    ],
+)
+def test_inlined_schemas_report_what_the_referencing_ones_do(name: str, instance: Any) -> None:
+    """The validators inline the components' `$ref`s for speed; the violations must not change."""
+    from referencing import Registry, Resource  # noqa: PLC0415
+    from referencing.jsonschema import DRAFT202012  # noqa: PLC0415
+
+    resource: Resource[Any] = Resource.from_contents(schema.openapi_spec(), default_specification=DRAFT202012)
+    referencing = Draft202012Validator(
+        {"$ref": f"{schema.SPEC_URI}#/components/schemas/{name}"},
+        registry=Registry().with_resource(schema.SPEC_URI, resource),
+    )
+    assert "$ref" not in json.dumps(schema.validator(name).schema)
+
+    def seen(validator: Draft202012Validator) -> list[tuple[str, str]]:
+        return sorted((e.json_path, e.message) for e in validator.iter_errors(instance))
+
+    assert seen(schema.validator(name)) == seen(referencing)
+    assert seen(referencing)

@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from tandem_taskapp import Message, Policy, PolicyConfig, PolicyError, Turn, TurnLimitReached
-from tandem_taskapp.testing import FakePolicyServer
+from tandem_taskapp.policy import policy_session
+from tandem_taskapp.testing import FakePolicyServer, serve_in_thread
 
 CONFIG = PolicyConfig(model="tiny", inference_url="http://policy.test/v1/traces/ep-1", temperature=0.5)
 
@@ -129,3 +130,45 @@ async def test_scripted_and_callable_replies(client: httpx.AsyncClient) -> None:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=fake.app)) as c:
         assert await make(c).chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "2"
     assert fake.requests_for("ep-1")[0].messages[1]["content"] == "b"
+
+
+# -- through a shared aiohttp session, as a Task App server calls the policy --------------------------------
+
+
+async def test_a_shared_session_carries_the_calls_and_maps_failures() -> None:
+    server = FakePolicyServer(["first", "second"], delay=0.0)
+    with serve_in_thread(server.app) as url:
+        async with policy_session() as session:
+            config = PolicyConfig(model="tiny", inference_url=FakePolicyServer.inference_url(url, "ep-s"))
+            policy = Policy(config, trace_correlation_id="ep-s", session=session, timeout=10)
+            assert await policy.chat([{"role": "user", "content": "a"}]) == "first"
+            assert await policy.chat([{"role": "user", "content": "b"}]) == "second"
+            other = Policy(config, trace_correlation_id="ep-t", session=session, timeout=10)
+            await other.chat([{"role": "user", "content": "c"}])
+            await policy.aclose()  # a policy never closes a session it was given
+            assert not session.closed
+            sent = server.requests_for("ep-s")
+            assert len(sent) == 2 and sent[0].body["model"] == "tiny"
+            assert sent[0].headers["content-type"] == "application/json"
+            assert server.requests[-1].correlation_id == "ep-t"
+
+            server.status_code = 503
+            with pytest.raises(PolicyError) as status:
+                await policy.chat([{"role": "user", "content": "x"}])
+            assert status.value.status_code == 503
+
+            down = PolicyConfig(model="m", inference_url="http://user:pw@127.0.0.1:9/v1")
+            unreachable = Policy(down, trace_correlation_id="ep-d", session=session, timeout=5)
+            with pytest.raises(PolicyError) as info:
+                await unreachable.chat([{"role": "user", "content": "x"}])
+            assert "pw" not in str(info.value) and "127.0.0.1" not in str(info.value)
+
+
+async def test_a_slow_policy_over_a_session_times_out_as_a_policy_error() -> None:
+    server = FakePolicyServer("late", delay=5.0)
+    with serve_in_thread(server.app) as url:
+        async with policy_session() as session:
+            config = PolicyConfig(model="m", inference_url=FakePolicyServer.inference_url(url, "ep-slow"))
+            policy = Policy(config, trace_correlation_id="ep-slow", session=session, timeout=0.3)
+            with pytest.raises(PolicyError, match="policy call failed"):
+                await policy.chat([{"role": "user", "content": "x"}])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from typing import Any
 
 import httpx
@@ -455,6 +456,94 @@ async def test_the_cache_is_a_bounded_lru() -> None:
     assert "b" not in cache
     assert "c" in cache
     assert len(cache) == 2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def finished(cache: RolloutCache, key: str, result: dict[str, Any] | None = None) -> None:
+    async def value() -> dict[str, Any]:
+        return {"key": key}
+
+    task = asyncio.ensure_future(value())
+    entry = cache.start(key, "fp", task)
+    await task
+    cache.finish(key, entry, task.result() if result is None else result)
+
+
+async def test_the_bound_counts_finished_answers_only_and_never_drops_an_episode_in_flight() -> None:
+    cache = RolloutCache(max_entries=2)
+    gate = asyncio.Event()
+
+    async def blocked() -> dict[str, Any]:
+        await gate.wait()
+        return {"key": "slow"}
+
+    slow_task = asyncio.ensure_future(blocked())
+    slow = cache.start("slow", "fp", slow_task)
+    for key in ("a", "b", "c", "d"):
+        await finished(cache, key)
+    assert "slow" in cache and cache.get("slow") is slow
+    assert ("a" in cache, "b" in cache, "c" in cache, "d" in cache) == (False, False, True, True)
+    assert cache.running == 1 and cache.in_flight() == [slow_task]
+    gate.set()
+    await slow_task
+    cache.finish("slow", slow, slow_task.result())
+    assert "c" not in cache and "slow" in cache and len(cache) == 2 and cache.running == 0
+
+
+async def test_a_failed_episode_is_forgotten_and_a_stale_finish_is_ignored() -> None:
+    cache = RolloutCache(max_entries=4)
+
+    async def value() -> dict[str, Any]:
+        return {}
+
+    task = asyncio.ensure_future(value())
+    first = cache.start("k", "fp", task)
+    await task
+    cache.finish("k", first, None)  # failed
+    assert "k" not in cache and len(cache) == 0
+    again = cache.start("k", "fp", task)
+    cache.finish("k", first, {"stale": True})  # not the entry in the cache: ignored
+    assert cache.get("k") is again and again.result is None
+
+
+async def test_answers_expire_ttl_after_their_last_use() -> None:
+    clock = Clock()
+    cache = RolloutCache(max_entries=10, ttl_s=60, clock=clock)
+    await finished(cache, "a")
+    clock.now += 30
+    await finished(cache, "b")
+    clock.now += 20
+    assert cache.get("a") is not None  # used at 50 s: kept another 60 s from now
+    clock.now += 45
+    assert "b" not in cache  # finished 65 s ago, never used since
+    assert cache.get("a") is not None
+    clock.now += 61
+    assert cache.get("a") is None and len(cache) == 0
+
+
+def test_cache_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_entries"):
+        RolloutCache(max_entries=-1)
+    with pytest.raises(ValueError, match="ttl_s"):
+        RolloutCache(ttl_s=0)
+
+
+def test_an_expired_answer_plays_the_episode_again(policy: PolicyFixture) -> None:
+    app = ThreeTurns()
+    with served(app, cache_ttl_s=0.2) as client:
+        body = rollout_body("ep-ttl", policy.url("ep-ttl"))
+        assert client.post("/rollout", json=body).status_code == 200
+        time.sleep(0.3)  # past the answer's time to live, whatever the machine's load
+        again = client.post("/rollout", json=body)
+    assert again.status_code == 200 and REPLAYED_HEADER not in again.headers
+    assert app.episodes == 2
 
 
 def test_request_round_trips_through_json() -> None:
