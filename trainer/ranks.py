@@ -220,10 +220,10 @@ class Ranks:
     timeout_s: float = TIMEOUT_S
     wait_s: float = WAIT_S
     children: list[RankProcess] = field(default_factory=list)
-    _store: TCPStore | None = None
-    _module: torch.nn.Module | None = None
-    _wrapped: torch.nn.Module | None = None  # the model `_module` wraps
-    _finished: bool = False
+    store: TCPStore | None = None  # the group's rendezvous (rank 0 serves it)
+    _module: torch.nn.Module | None = field(default=None, init=False)
+    _wrapped: torch.nn.Module | None = field(default=None, init=False)  # the model `_module` wraps
+    _finished: bool = field(default=False, init=False)
 
     @classmethod
     def alone(cls, device: str | torch.device = "cpu") -> Ranks:
@@ -323,7 +323,7 @@ class Ranks:
         self._module = self._wrapped = None
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-        self._store = None
+        self.store = None
 
     # ---- every rank -----------------------------------------------------------------------------
 
@@ -458,7 +458,9 @@ def start_ranks(
     store = TCPStore(
         HOST, 0, world, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
-    ranks = Ranks(0, world, torch.device(devices[0]), timeout_s, wait_s, _store=store)
+    ranks = Ranks(0, world, torch.device(devices[0]), timeout_s, wait_s, store=store)
+    if ranks.device.type == "cuda":
+        torch.cuda.set_device(ranks.device)
     config = base64.b64encode(job.config.SerializeToString()).decode()
     try:
         for rank in range(1, world):
@@ -526,7 +528,7 @@ def main() -> int:
     store = TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=timeout_s))
     store.set(f"ready/{rank}", "1")
     _init_group(store, rank, world, device, timeout_s)
-    ranks = Ranks(rank, world, device, timeout_s, wait_s, _store=store)
+    ranks = Ranks(rank, world, device, timeout_s, wait_s, store=store)
     log.info("rank %d of %d on %s joined", rank, world, device)
 
     def step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, shard: StepShard) -> object:
