@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 from tandem.events.v1 import events_service_pb2_grpc
@@ -30,8 +31,10 @@ from tandem.inference.v1 import inference_service_pb2 as ipb
 from tandem.inference.v1 import inference_service_pb2_grpc
 from tandem.taskapp.v1 import task_app_pb2, taskapp_service_pb2, taskapp_service_pb2_grpc
 from tandem.vault.v1 import vault_service_pb2, vault_service_pb2_grpc
+from transformers.utils import logging as transformers_logging
 
 from mesh.clients import open_channel
+from mesh.errors import InvalidArgument
 from mesh.identity import TokenSigner, load_signing_key
 from mesh.observability import configure_logging
 from mesh.secrets import seal_for_upload
@@ -41,6 +44,7 @@ from mesh.status import RpcError
 from trainer.config import Job, load_job
 from trainer.control import Control
 from trainer.inference.process import ROOT, Worker, die_with_parent, start_worker, stop_worker
+from trainer.models import ensure_model
 from trainer.placement import plan
 from trainer.ranks import Ranks, devices_for, start_ranks
 from trainer.service import serving
@@ -126,8 +130,9 @@ async def _mesh(state_dir: Path, mesh_key: str) -> AsyncIterator[Settings]:
         await task
 
 
-async def _register(settings: Settings, org: str, app_id: str, url: str, key: str) -> str:
-    """Seal the app's key into the vault and register the app through the proxy, as the job's user would."""
+async def _register(settings: Settings, org: str, app_id: str, url: str, key: str, concurrency: int) -> str:
+    """Seal the app's key into the vault and register the app through the proxy, as the job's user would,
+    with room for a whole batch in flight (`concurrency` episodes)."""
     signer = TokenSigner(load_signing_key(settings.mesh_key, settings.state_dir))
     user = signer.issue("user", "launcher", org=org, ttl_s=3600)
     async with open_channel(settings.target("vault"), settings, token=user) as channel:
@@ -147,7 +152,11 @@ async def _register(settings: Settings, org: str, app_id: str, url: str, key: st
         request = taskapp_service_pb2.RegisterTaskAppRequest(
             parent=f"orgs/{org}",
             task_app_id=app_id,
-            task_app=task_app_pb2.TaskApp(base_url=url, secret_name=f"orgs/{org}/secrets/{app_id}-key"),
+            task_app=task_app_pb2.TaskApp(
+                base_url=url,
+                secret_name=f"orgs/{org}/secrets/{app_id}-key",
+                limits=task_app_pb2.TaskAppLimits(max_concurrency=min(concurrency, 4096)),
+            ),
         )
         try:
             await proxy.RegisterTaskApp(request)
@@ -173,6 +182,7 @@ async def local_environment(job: Job, output_dir: Path, *, mesh_key: str = "") -
     mesh tokens (`TANDEM_MESH_KEY`), so callers that hold it can reach the TrainerService; a fresh one when
     empty."""
     output_dir = await asyncio.to_thread(_prepare, output_dir)
+    await asyncio.to_thread(ensure_model, job.config.model)
     target = job.config.task_app
     org = target.name.split("/")[1] if target.name else "local"
     app_id = target.name.rsplit("/", 1)[-1] if target.name else "app"
@@ -192,7 +202,9 @@ async def local_environment(job: Job, output_dir: Path, *, mesh_key: str = "") -
         url = target.base_url or stack.enter_context(_task_app(_example_script(target.name), key))
         async with _mesh(output_dir / "mesh", mesh_key) as settings:
             try:
-                task_app = await _register(settings, org, app_id, url, key)
+                algorithm = job.config.algorithm
+                batch = algorithm.prompts_per_step * algorithm.group_size * (job.max_staleness + 1)
+                task_app = await _register(settings, org, app_id, url, key, batch)
                 for index, gpus in enumerate(placed.inference):
                     extra = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
                     extra["TANDEM_WORKER_MODEL_PATH"] = job.config.model.dir
@@ -273,16 +285,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--config", type=Path, required=True, help="the job's TOML file")
     parser.add_argument("--output", type=Path, default=Path("runs/latest"), help="checkpoints and logs")
+    placement = parser.add_argument_group(
+        "placement", "override the config's [topology] (the scheduler passes the GPUs it granted this way)"
+    )
+    placement.add_argument("--gpus", type=int, help="GPUs of this node for the whole job (0: CPU only)")
+    placement.add_argument("--inference-gpus", type=int, help="GPUs for inference workers (default: auto)")
+    placement.add_argument(
+        "--tensor-parallel-size", type=int, help="tensor-parallel size per inference replica"
+    )
+    placement.add_argument(
+        "--reference", choices=["none", "stacked", "own"], help="where the reference model runs"
+    )
+    placement.add_argument("--cpu-trainer-ranks", type=int, help="trainer ranks on CPU (gloo), with --gpus 0")
     args = parser.parse_args(argv)
     configure_logging("WARNING", "text")
-    job = Job(load_job(args.config))
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one line a step is the view
+    topology: dict[str, Any] = {
+        key: value
+        for key, value in (
+            ("gpus", args.gpus),
+            ("inference_gpus", args.inference_gpus),
+            ("tensor_parallel_size", args.tensor_parallel_size),
+            ("reference_placement", args.reference and f"REFERENCE_PLACEMENT_{args.reference.upper()}"),
+            ("cpu_trainer_ranks", args.cpu_trainer_ranks),
+        )
+        if value is not None
+    }
+    try:
+        job = Job(load_job(args.config, {"topology": topology}))
+    except InvalidArgument as error:
+        print(
+            f"error: {args.config}: invalid job config" if error.violations else f"error: {error.message}",
+            file=sys.stderr,
+        )
+        for violation in error.violations:
+            print(f"  {violation.field}: {violation.description}", file=sys.stderr)
+        return 2
     try:
         reports = asyncio.run(run_job(job, args.output))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("stopped; the checkpoint folder has the last completed checkpoint", file=sys.stderr)
         return 130
+    except (RuntimeError, OSError, RpcError, ValueError) as error:
+        # The job failed: say why in one line (the log under the output folder has the rest).
+        print(f"the job failed: {error}", file=sys.stderr)
+        return 1
     last = reports[-1].metrics.get("reward/mean", 0.0) if reports else 0.0
     print(
         f"done: {len(reports)} steps, final mean reward {last:.3f}; checkpoints in {args.output / 'checkpoints'}"
+        f" (reward plot: {args.output / 'checkpoints' / 'reward.png'})"
     )
     return 0

@@ -44,11 +44,14 @@ from trainer.checkpoints import STATE_FILE, CheckpointInfo, Trigger
 from trainer.config import Job
 from trainer.control import Control
 from trainer.inference.publisher import WeightPublisher
+from trainer.progress import Progress
 from trainer.ranks import Ranks, StepShard, Update
 
 log = logging.getLogger("tandem.trainer")
 MAX_BAD_STEPS = 3  # consecutive non-finite losses before the job stops
 MAX_EMPTY_STEPS = 5  # consecutive steps without one usable group before the job stops
+WORKER_PROBE_S = 10.0  # how long a worker has to answer GetWorkerInfo after a batch with failed episodes
+STREAM_ATTEMPTS = 3  # StreamRollouts calls per batch: the first and two reopenings after a broken stream
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,16 @@ class Environment:
     control: Control = field(default_factory=Control)  # what TrainerService reads and asks
     ranks: Ranks | None = None  # the other trainer ranks (trainer/ranks.py); None: this process trains alone
     rpc_timeout_s: float = 120.0
+    batch_timeout_s: float = 3600.0  # one batch's StreamRollouts call, all of its episodes together
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One episode to play: its correlation id, seed and the worker whose endpoint its policy calls go to."""
+
+    cid: str
+    seed: int
+    worker: WorkerEndpoint
 
 
 @dataclass
@@ -120,6 +133,7 @@ class Trainer:
         self.run_id = secrets.token_hex(4)
         self.history: list[StepReport] = []
         self.control = env.control
+        self.progress = Progress(env.output_dir, env.job)
         self._step_done = asyncio.Condition()
         self._bad_steps = 0
         self._empty_steps = 0
@@ -144,12 +158,15 @@ class Trainer:
             batches: asyncio.Queue[tuple[int, list[list[Episode]]]] = asyncio.Queue()
             producer = asyncio.create_task(self._produce(batches, steps), name="rollouts")
             while self.step < steps and not control.stop_requested:  # a stop ends it after this step
-                if producer.done():
-                    producer.result()  # a producer failure ends the job with its error
-                index, groups = await batches.get()
+                index, groups = await _next_batch(batches, producer)
                 report = await self._train(index, groups)
                 self.history.append(report)
+                if self._eval_due(steps):
+                    report.metrics.update(await self.evaluate())
                 control.stepped(report.step, report.version, report.metrics)
+                self.progress.record(report.step, report.version, report.metrics, skipped=report.skipped)
+                if self.progress.plot_due(report.step, self.step >= steps or control.stop_requested):
+                    await asyncio.to_thread(self.progress.plot)
                 if on_step is not None:
                     result = on_step(report)
                     if result is not None:
@@ -169,6 +186,14 @@ class Trainer:
             self.publisher.close()
             control.ended()
         return self.history
+
+    def _eval_due(self, steps: int) -> bool:
+        if not self.job.config.data.HasField("eval"):
+            return False
+        interval = self.job.config.eval_interval
+        return (
+            self.step == steps or self.control.stop_requested or bool(interval and self.step % interval == 0)
+        )
 
     def _checkpoint_due(self, steps: int) -> Trigger | None:
         """Why this step boundary gets a checkpoint, if it does: the end (unless a stop skips it), the
@@ -191,62 +216,135 @@ class Trainer:
 
     async def _play(self, index: int) -> list[list[Episode]]:
         algorithm = self.job.config.algorithm
-        count = len(self._seeds)
-        seeds = [
-            self._seeds[(index * algorithm.prompts_per_step + p) % count]
-            for p in range(algorithm.prompts_per_step)
-        ]
-        return list(
-            await asyncio.gather(
-                *(self._group(index, p, seed, algorithm.group_size) for p, seed in enumerate(seeds))
-            )
-        )
-
-    async def _group(self, index: int, prompt: int, seed: int, size: int) -> list[Episode]:
-        workers = self.env.workers
-        return list(
-            await asyncio.gather(
-                *(
-                    self._episode(
+        count, size, workers = len(self._seeds), algorithm.group_size, self.env.workers
+        planned = []
+        for prompt in range(algorithm.prompts_per_step):
+            seed = self._seeds[(index * algorithm.prompts_per_step + prompt) % count]
+            planned.append(
+                [
+                    Planned(
                         f"{self.run_id}-{index}-{prompt}-{member}",
                         seed,
                         workers[(prompt * size + member) % len(workers)],
                     )
                     for member in range(size)
-                )
+                ]
             )
-        )
+        played = await self._play_planned(planned, self.job.config.data.train.env_config)
+        if any(e.reward is None for group in played for e in group):
+            await self._check_workers()  # failed episodes: a lost worker ends the job here, by name
+        return played
 
-    async def _episode(self, cid: str, seed: int, worker: WorkerEndpoint) -> Episode:
+    async def _check_workers(self) -> None:
+        for number, worker in enumerate(self.env.workers):
+            try:
+                await worker.stub.GetWorkerInfo(ipb.GetWorkerInfoRequest(), timeout=WORKER_PROBE_S)
+            except Exception as exc:
+                raise WorkerLost(
+                    f"inference worker {number} ({worker.openai_base_url}) does not answer: {exc}; "
+                    "the job stops rather than train on the other workers' share alone"
+                ) from exc
+
+    async def _play_planned(self, planned: list[list[Planned]], env_config: Any) -> list[list[Episode]]:
+        """Every planned episode over one `StreamRollouts` call; each trace is sealed on its worker as soon as
+        its result arrives. A broken stream is reopened for the episodes without a result (the correlation id
+        makes the repeat idempotent: the proxy answers finished ones from its record and joins running ones)."""
+        plans = {p.cid: p for group in planned for p in group}
+        done: dict[str, Episode] = {}
+        answered: set[str] = set()
+        sealing: list[asyncio.Task[None]] = []
+        error = ""
+
+        async def seal(plan: Planned, result: rollout_pb2.RolloutResult) -> None:
+            done[plan.cid] = await self._seal(plan, result)
+
+        for _attempt in range(STREAM_ATTEMPTS):
+            pending = [p for p in plans.values() if p.cid not in answered]
+            if not pending:
+                break
+            requests = [
+                tpb.StreamRolloutsRequest(
+                    task_app=self.env.task_app, spec=self._spec(p, env_config), job=self.env.job
+                )
+                for p in pending
+            ]
+            try:
+                call = self.env.proxy.StreamRollouts(iter(requests), timeout=self.env.batch_timeout_s)
+                async for answer in call:
+                    plan = plans.get(answer.result.trace_correlation_id)
+                    if plan is not None and plan.cid not in answered:
+                        answered.add(plan.cid)
+                        sealing.append(asyncio.create_task(seal(plan, answer.result)))
+                error = ""
+                break
+            except Exception as exc:  # the step goes on with the episodes that finished, and reports the rest
+                error = f"rollout stream: {exc}"
+                log.warning("rollout stream broke (%s); resending the episodes without a result", exc)
+        await asyncio.gather(*sealing)
+        return [
+            [done.get(p.cid) or Episode(p.seed, None, None, error or "rollout: no result") for p in group]
+            for group in planned
+        ]
+
+    def _spec(self, plan: Planned, env_config: Any) -> rollout_pb2.RolloutSpec:
         sampling = self.job.config.sampling
         policy = rollout_pb2.RolloutPolicyConfig(
-            model=worker.model, inference_url=f"{worker.openai_base_url}/traces/{cid}"
+            model=plan.worker.model, inference_url=f"{plan.worker.openai_base_url}/traces/{plan.cid}"
         )
         policy.temperature = self.job.temperature
         if sampling.max_tokens:
             policy.max_completion_tokens = sampling.max_tokens
         spec = rollout_pb2.RolloutSpec(
-            trace_correlation_id=cid,
-            env=rollout_pb2.RolloutEnv(seed=seed, config=self.job.config.data.train.env_config),
+            trace_correlation_id=plan.cid,
+            env=rollout_pb2.RolloutEnv(seed=plan.seed, config=env_config),
             policy=rollout_pb2.RolloutPolicy(config=policy),
         )
         if self.job.config.task_app.HasField("limits"):
             spec.limits.CopyFrom(self.job.config.task_app.limits)
+        return spec
+
+    async def _seal(self, plan: Planned, result: rollout_pb2.RolloutResult) -> Episode:
         try:
-            answer = await self.env.proxy.Rollout(
-                tpb.RolloutRequest(task_app=self.env.task_app, spec=spec, job=self.env.job),
-                timeout=self.env.rpc_timeout_s,
-            )
-        except Exception as exc:  # the step goes on with the other episodes and reports this one
-            return Episode(seed, None, None, f"rollout: {exc}")
-        result = answer.result
-        try:
-            trace = (await worker.stub.FinishTrace(ipb.FinishTraceRequest(correlation_id=cid))).trace
+            trace = (
+                await plan.worker.stub.FinishTrace(
+                    ipb.FinishTraceRequest(correlation_id=plan.cid), timeout=self.env.rpc_timeout_s
+                )
+            ).trace
         except Exception as exc:
-            return Episode(seed, None, None, f"trace: {exc}")
+            return Episode(plan.seed, None, None, f"trace: {exc}")
         if result.HasField("error") and result.error.message:
-            return Episode(seed, None, trace, f"rollout: {result.error.message}")
-        return Episode(seed, result.metrics.outcome_reward, trace)
+            return Episode(plan.seed, None, trace, f"rollout: {result.error.message}")
+        return Episode(plan.seed, result.metrics.outcome_reward, trace)
+
+    async def evaluate(self) -> dict[str, float]:
+        """One episode per seed of the eval split, played with the weights in service now and the job's
+        sampling settings; nothing is trained on. Announced as an `eval.completed` event."""
+        workers, split = self.env.workers, self.job.config.data.eval
+        planned = [
+            [Planned(f"{self.run_id}-eval{self.step}-{i}", seed, workers[i % len(workers)])]
+            for i, seed in enumerate(self.job.seeds("eval"))
+        ]
+        played = [e for group in await self._play_planned(planned, split.env_config) for e in group]
+        rewards = [e.reward for e in played if e.reward is not None]
+        metrics = {
+            "eval/reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "eval/episodes": float(len(rewards)),
+            "eval/failed": float(len(played) - len(rewards)),
+        }
+        if self.env.events is not None:
+            event = event_pb2.Event(
+                type="eval.completed",
+                message=f"eval at step {self.step}: reward {metrics['eval/reward_mean']:.3f} "
+                f"over {len(rewards)} episodes",
+            )
+            event.payload.update({"step": self.step, "weight_version": self.version, **metrics})
+            try:
+                await self.env.events.Publish(
+                    events_service_pb2.PublishRequest(job=self.env.job, events=[event]), timeout=30
+                )
+            except Exception:
+                log.warning("could not publish the eval at step %d", self.step, exc_info=True)
+        return metrics
 
     # ---- one update ---------------------------------------------------------------------------
 
@@ -511,10 +609,28 @@ class Trainer:
         return True
 
 
+class WorkerLost(RuntimeError):
+    """An inference worker of the job stopped answering."""
+
+
+async def _next_batch(
+    batches: asyncio.Queue[tuple[int, list[list[Episode]]]], producer: asyncio.Task[None]
+) -> tuple[int, list[list[Episode]]]:
+    """The next played batch, or the producer's error if it fails first (it would never put the batch)."""
+    getter = asyncio.ensure_future(batches.get())
+    await asyncio.wait({getter, producer}, return_when=asyncio.FIRST_COMPLETED)
+    if getter.done():
+        return getter.result()
+    getter.cancel()
+    producer.result()  # raises the producer's error
+    raise RuntimeError("the rollout producer ended before the last step")
+
+
 def _load_model(path: Path, device: torch.device) -> PreTrainedModel:
     model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path)
     model.to(device)  # type: ignore[arg-type]
     return model
+
 
 def batch_loss(
     policy: torch.nn.Module,

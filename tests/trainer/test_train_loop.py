@@ -3,6 +3,7 @@ proxy, a real inference worker process, GRPO steps with weight sync, events, che
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -56,8 +57,11 @@ async def test_steps_train_sync_report_checkpoint_and_resume(model_dir: Path, tm
         )
         kinds = [e.type for e in listed.events]
         assert kinds.count("train.step") == 3 and kinds.count("checkpoint.saved") == 2  # steps 2 and 3
-        checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+        checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
         assert checkpoints == ["step-000002", "step-000003"]
+        assert (tmp_path / "run" / "checkpoints" / "reward.png").stat().st_size > 0  # drawn at the last step
+        logged = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in logged] == [1, 2, 3]
 
     # A new job process over the same output folder continues from step 3, with the workers on its weights.
     longer = demo_job(model_dir, steps=4, max_staleness=1, kl_coef=0.01)
