@@ -4,13 +4,17 @@ proxy, a real inference worker process, GRPO steps with weight sync, events, che
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 
+import httpx
 import pytest
 from tandem.events.v1 import events_service_pb2 as epb
 from tandem.inference.v1 import inference_service_pb2 as ipb
 
+from tests.support.workers import running_worker, worker_stub
 from trainer.config import Job, parse_job
+from trainer.inference.publisher import WeightPublisher
 from trainer.launch import local_environment
 from trainer.models import build_tiny_model
 from trainer.train import Trainer
@@ -70,3 +74,19 @@ async def test_steps_train_sync_report_checkpoint_and_resume(model_dir: Path, tm
         reports = await resumed.run()
         assert [r.step for r in reports] == [4]
         await resumed.publisher.verify(resumed._named_weights())
+
+    # The final checkpoint is a model directory a fresh worker serves: exactly the trained weights, and it
+    # answers a chat request over the OpenAI-compatible endpoint.
+    final = tmp_path / "run" / "checkpoints" / "step-000004"
+    mesh_key = secrets.token_hex(32)
+    with running_worker(final, tmp_path / "serve", mesh_key) as worker:
+        channel, stub = worker_stub(worker, mesh_key)
+        async with channel:
+            await WeightPublisher([stub]).verify(resumed._named_weights())
+        async with httpx.AsyncClient(timeout=60) as http:
+            answer = await http.post(
+                f"{worker.openai_base_url}/chat/completions",
+                json={"messages": [{"role": "user", "content": "Copy this letter: B"}], "max_tokens": 2},
+            )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["role"] == "assistant"
