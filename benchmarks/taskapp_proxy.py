@@ -39,7 +39,9 @@ restates the throughput ratio: reported, not judged); proxy throughput >= 0.7x d
 
 Under the table: the cores the client, the app and the mesh kept busy in each measured window, and the
 process that was at a core, i.e. the one that limited a figure (one Python process cannot use much more than
-one core; on a 2-core machine the proxy path runs three busy processes where the direct path runs two). When
+one core; on a 2-core machine the proxy path runs three busy processes where the direct path runs two), and
+the CPU time the app and the mesh spent per completed rollout, which other work on a shared machine moves
+far less than it moves the rates. When
 the direct path is limited by this client, the direct figure is httpx's limit rather than the app's: the
 ratio then compares the proxy with httpx (which the proxy itself uses to call the app). The 1-minute load
 average before and after tells whether other work shared the machine.
@@ -345,6 +347,9 @@ class Sample:
     def cores(self, process: str) -> float:
         return self.cpu.get(process, math.nan) / self.window_s if self.window_s else math.nan
 
+    def cpu_ms_per_rollout(self, process: str) -> float:
+        return 1000 * self.cpu.get(process, math.nan) / self.completed if self.completed else math.nan
+
 
 async def closed_loop(
     call: Call, concurrency: int, plan: Plan, prefix: str, pids: dict[str, int | None], into: Sample
@@ -484,6 +489,15 @@ def report(rows: Sequence[Row], plan: Plan, elapsed_s: float, load: tuple[float,
         + "; ".join(
             f"{row.concurrency}: "
             + " vs ".join("/".join(number(s.cores(n), 2) for n in PROCESSES) for s in (row.direct, row.proxy))
+            for row in rows
+        ),
+        "CPU ms per rollout, app/mesh, direct vs proxy: "
+        + "; ".join(
+            f"{row.concurrency}: "
+            + " vs ".join(
+                "/".join(number(s.cpu_ms_per_rollout(n), 2) for n in ("app", "mesh"))
+                for s in (row.direct, row.proxy)
+            )
             for row in rows
         ),
         f"limited by (the process at >= {BUSY_CORES} cores), direct vs proxy: "
