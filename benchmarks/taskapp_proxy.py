@@ -23,7 +23,7 @@ Two servers run as child processes, so neither shares an event loop or a GIL wit
 For each concurrency c, c loops in this process run rollouts back to back (closed loop), each with a fresh
 correlation id, for a short warm-up that is not counted and then a measured window:
 
-* direct: POST /rollout on one shared `httpx.AsyncClient` (the proxy's connection limits) with the key and
+* direct: POST /rollout on one shared `httpx.AsyncClient` (1,024 connections, as the proxy) with the key and
   the very JSON body the proxy sends (`spec_json` of the same RolloutSpec); the answer is parsed and its
   echoed correlation id checked.
 * proxy: `TaskAppService.Rollout` on one gRPC channel with a `job` token of org bench, the request naming
@@ -43,7 +43,7 @@ one core; on a 2-core machine the proxy path runs three busy processes where the
 the CPU time the app and the mesh spent per completed rollout, which other work on a shared machine moves
 far less than it moves the rates. When
 the direct path is limited by this client, the direct figure is httpx's limit rather than the app's: the
-ratio then compares the proxy with httpx (which the proxy itself uses to call the app). The 1-minute load
+ratio then compares the proxy with httpx (the proxy itself calls the app through aiohttp). The 1-minute load
 average before and after tells whether other work shared the machine.
 """
 
@@ -89,7 +89,7 @@ JOB = f"orgs/{ORG}/jobs/bench-rollouts"
 READY_LINE = "Press Ctrl-C to stop."
 START_TIMEOUT_S = 60.0
 CALL_TIMEOUT_S = 30.0
-HTTP_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=256)  # as the proxy's client
+HTTP_LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=256)  # as many as the proxy
 PROCESSES = ("client", "app", "mesh")
 BUSY_CORES = 0.8  # a process this busy is at its limit: one Python process cannot use much more than one core
 Metadata = tuple[tuple[str, str], ...]
