@@ -1,0 +1,1 @@
+"""Job backends behind one interface (`base.Backend`): local processes, Slurm, Kubernetes."""
