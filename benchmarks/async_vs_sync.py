@@ -56,33 +56,32 @@ class Run:
 
 
 async def one_run(
-    document: dict[str, Any], model_dir: Path, staleness: int, target: float, max_steps: int
+    document: dict[str, Any], model_dir: Path, folder: Path, staleness: int, target: float, max_steps: int
 ) -> Run:
     document = {**document, "model": {"dir": str(model_dir)}, "checkpoint_interval": 0}
     document["algorithm"] = {**document["algorithm"], "max_staleness": staleness, "steps": max_steps}
     job = Job(parse_job(document))
     run = Run(staleness)
-    with tempfile.TemporaryDirectory(prefix=f"async-{staleness}-") as folder:
-        async with local_environment(job, Path(folder)) as env:
-            trainer = Trainer(job, env)
-            started = time.perf_counter()
+    async with local_environment(job, folder / f"staleness-{staleness}") as env:
+        trainer = Trainer(job, env)
+        started = time.perf_counter()
 
-            def on_step(report: StepReport) -> None:
-                m = report.metrics
-                run.rewards.append(m.get("reward/mean", 0.0))
-                run.tokens += m.get("tokens", 0.0)
-                for name in run.counts:
-                    run.counts[name] += m.get(f"staleness/{name}", 0.0)
-                run.steps = report.step
-                recent = run.rewards[-WINDOW:]
-                if len(recent) == WINDOW and sum(recent) / WINDOW >= target:
-                    run.seconds = time.perf_counter() - started
-                    run.reached = True
-                    raise Reached
+        def on_step(report: StepReport) -> None:
+            m = report.metrics
+            run.rewards.append(m.get("reward/mean", 0.0))
+            run.tokens += m.get("tokens", 0.0)
+            for name in run.counts:
+                run.counts[name] += m.get(f"staleness/{name}", 0.0)
+            run.steps = report.step
+            recent = run.rewards[-WINDOW:]
+            if len(recent) == WINDOW and sum(recent) / WINDOW >= target:
+                run.seconds = time.perf_counter() - started
+                run.reached = True
+                raise Reached
 
-            with contextlib.suppress(Reached):
-                await trainer.run(on_step=on_step)
-            run.wall_s = time.perf_counter() - started
+        with contextlib.suppress(Reached):
+            await trainer.run(on_step=on_step)
+        run.wall_s = time.perf_counter() - started
     return run
 
 
@@ -91,8 +90,9 @@ def show(run: Run, target: float) -> None:
     at = "  ".join(f"{s}:{run.rewards[s - 1]:.2f}" for s in (10, 20, 30, 40, 50) if s <= len(run.rewards))
     print(
         f"max_staleness={run.max_staleness}: reward {target} ({WINDOW}-step mean) {reached}; "
-        f"trainer {run.tokens / max(run.wall_s, 1e-9):.0f} tokens/s; episodes used {run.counts['used']:.0f}, "
-        f"importance-corrected {run.counts['importance_corrected']:.0f}, dropped {run.counts['dropped']:.0f}"
+        f"trainer {run.tokens / max(run.wall_s, 1e-9):.0f} tokens/s; "
+        f"episodes on-policy {run.counts['on_policy']:.0f}, "
+        f"importance-corrected {run.counts['corrected']:.0f}, dropped {run.counts['dropped']:.0f}"
     )
     print(f"    reward at step {at}")
 
@@ -110,7 +110,9 @@ async def main() -> int:
         model_dir = await asyncio.to_thread(ensure_model, parse_job({**document, "model": model}).model)
         runs = []
         for staleness in (0, args.async_staleness):
-            runs.append(await one_run(document, model_dir, staleness, args.target, args.max_steps))
+            runs.append(
+                await one_run(document, model_dir, Path(folder), staleness, args.target, args.max_steps)
+            )
             show(runs[-1], args.target)
     sync, fast = runs
     if sync.reached and fast.reached:

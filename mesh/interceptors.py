@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -264,7 +265,10 @@ class RequestContextInterceptor(_Interceptor):
             await self._fail(context, exc, rid)
         finally:
             self._log(method, context, started, error)
-            request_id_var.reset(token)
+            # A stream the client cancelled is closed by the event loop from another context, where the
+            # token does not apply; that context ends with the call anyway.
+            with contextlib.suppress(ValueError):
+                request_id_var.reset(token)
 
 
 class AuthInterceptor(_Interceptor):
