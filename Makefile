@@ -69,7 +69,8 @@ test-fast: setup  ## the suite without tests marked slow
 up: setup  ## run every service in this process (state in ./.tandem); Ctrl-C stops
 	$(VENV)/bin/tandem up
 
-demo: up  ## the main job; for now the mesh itself (`tandem up`)
+demo: setup  ## the main job: an online RL run on this CPU (mesh, Task App, worker, trainer), a policy that learns
+	$(PY) -m trainer --config examples/jobs/demo.toml --output runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 bench-events: setup  ## events service: ingest, fan-out to 50 subscribers, latency, each against a no-storage baseline
 	$(PY) benchmarks/events.py

@@ -330,7 +330,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The job failed: say why in one line (the log under the output folder has the rest).
         print(f"the job failed: {error}", file=sys.stderr)
         return 1
-    last = reports[-1].metrics.get("reward/mean", 0.0) if reports else 0.0
+    if not reports:
+        print(
+            f"nothing to train: the newest checkpoint in {args.output} is already at the last step "
+            f"({job.config.algorithm.steps}); give another --output for a new run"
+        )
+        return 0
+    last = reports[-1].metrics.get("reward/mean", 0.0)
     print(
         f"done: {len(reports)} steps, final mean reward {last:.3f}; checkpoints in {args.output / 'checkpoints'}"
         f" (reward plot: {args.output / 'checkpoints' / 'reward.png'})"
