@@ -1,0 +1,840 @@
+"""The Kubernetes job backend: one Indexed `batch/v1` Job per task attempt (and a headless Service for tasks
+on several nodes), through the official `kubernetes` client.
+
+Usage (the scheduler builds it from its settings; tests point `configuration.host` at a stand-in server):
+
+    backend = KubernetesBackend(namespace="tandem-jobs", image="ghcr.io/acme/tandem-trainer:1.4")
+    handle = await backend.launch(spec)      # idempotent per spec.key
+    observed = await backend.poll(handle)
+
+What one attempt becomes (details and the reasons in `services/scheduler/KUBERNETES.md`):
+
+- A Job named from the attempt key (`tdm-<key, sanitised>-<hash>`, so a second `launch` of the key meets
+  the first Job and returns its handle), `completionMode: Indexed`, `completions = parallelism =
+  num_nodes`, `backoffLimit: 0` (the scheduler owns restarts), `activeDeadlineSeconds` from the time limit.
+- Labels `app.kubernetes.io/managed-by: tandem`, `tandem.dev/{job,task,attempt,key}` on the Job, its pods
+  and its Service (label values are sanitised; the exact job name and key are also annotations), so `find`
+  is a label selector.
+- Each pod runs `bash -euo pipefail -c <command>`; its rank is the completion index
+  (`TANDEM_NODE_RANK` / `SKYPILOT_NODE_RANK` through the downward API). Several nodes get a headless Service
+  named like the Job, so rank r is `<job>-<r>.<service>`: those names are `TANDEM_NODE_IPS` /
+  `SKYPILOT_NODE_IPS` (newline-separated, rank order). One node gets its pod IP.
+- GPUs as `nvidia.com/gpu` limits, CPU and memory as requests, the GPU model as a node selector on
+  `gpu_type_label`; the priority as one of four PriorityClasses (`PRIORITY_BANDS`), created if missing.
+- Secrets: the pod gets `TANDEM_JOB_TOKEN` (in the task's env) and `TANDEM_SECRETS=ENV=name,...` (names
+  only) and starts through `services.scheduler.backends.task_secrets`, which opens them from the vault in
+  the pod. No value is ever written into a pod spec or a Kubernetes Secret.
+
+`logs()` returns `<log_dir>/rank-<r>.log`, a file this backend refreshes from the pods' logs through the
+API (on each `logs()` call, at most every `log_refresh_s`, in the background; and once more when `poll`
+sees the attempt end or `cancel` stops it), appending only what is new so byte offsets stay valid.
+
+The client is synchronous; every call runs in `asyncio.to_thread`. An unreachable API server (connection
+refused, timeout, 5xx, 429) raises `BackendUnavailable`; a refusal of `launch` (400/403/409 conflict with
+another key/422) raises `LaunchRefused` carrying the API's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import urllib3
+from kubernetes import client as k8s
+
+from services.scheduler.backends.base import (
+    BackendUnavailable,
+    Handle,
+    LaunchRefused,
+    LaunchSpec,
+    NodeAssignment,
+    NodeInventory,
+    Observed,
+    Phase,
+)
+from services.scheduler.backends.task_secrets import SECRETS_ENV, format_secrets
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Json = dict[str, Any]
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_JOB = "tandem.dev/job"
+LABEL_TASK = "tandem.dev/task"
+LABEL_ATTEMPT = "tandem.dev/attempt"
+LABEL_KEY = "tandem.dev/key"
+ANNOTATION_KEY = "tandem.dev/key"
+ANNOTATION_JOB = "tandem.dev/job"
+INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+CONTAINER = "task"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class PriorityBand:
+    name: str
+    lowest: int  # the smallest spec priority (0..1000) in the band
+    value: int  # the PriorityClass value
+
+
+# Spec priority (0..1000) -> PriorityClass. Every band has preemptionPolicy Never: priority orders the
+# kube-scheduler's queue (higher first) but never evicts a running pod, as the contract promises for v1.
+PRIORITY_BANDS: tuple[PriorityBand, ...] = (
+    PriorityBand("tandem-critical", 750, 4000),
+    PriorityBand("tandem-high", 500, 3000),
+    PriorityBand("tandem-normal", 250, 2000),
+    PriorityBand("tandem-low", 0, 1000),
+)
+
+
+def priority_band(priority: int) -> PriorityBand:
+    """The band a spec priority falls in (below 0 counts as low, above 1000 as critical)."""
+    for band in PRIORITY_BANDS:
+        if priority >= band.lowest:
+            return band
+    return PRIORITY_BANDS[-1]
+
+
+def priority_class(band: PriorityBand) -> Json:
+    """The PriorityClass object for a band."""
+    return {
+        "apiVersion": "scheduling.k8s.io/v1",
+        "kind": "PriorityClass",
+        "metadata": {"name": band.name, "labels": {MANAGED_BY: "tandem"}},
+        "value": band.value,
+        "globalDefault": False,
+        "preemptionPolicy": "Never",
+        "description": f"Tandem jobs with priority {band.lowest} and up (next band excluded); never preempts.",
+    }
+
+
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+
+
+def _digest(text: str, length: int = 10) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def label_value(text: str) -> str:
+    """`text` itself when it is a valid label value, else a sanitised prefix and a hash of it."""
+    if len(text) <= 63 and _LABEL_VALUE.match(text):
+        return text
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:48].strip("-_.")
+    return f"{base}-{_digest(text)}" if base else _digest(text)
+
+
+def object_name(key: str) -> str:
+    """The Job (and Service) name for an attempt key: a DNS-1035 label, at most 55 characters, so the pods'
+    hostnames `<name>-<rank>` stay within 63."""
+    base = re.sub(r"[^a-z0-9]+", "-", key.lower()).strip("-")[:40].rstrip("-")
+    return f"tdm-{base}-{_digest(key)}" if base else f"tdm-{_digest(key)}"
+
+
+def _quantity_cpu(cpus: float) -> str:
+    return f"{round(cpus * 1000)}m"
+
+
+def _quantity_memory(gib: float) -> str:
+    return f"{round(gib * 1024)}Mi"
+
+
+class KubernetesBackend:
+    """Runs task attempts as Indexed Jobs in one namespace; see the module docstring."""
+
+    name = "kubernetes"
+
+    def __init__(
+        self,
+        *,
+        image: str,
+        namespace: str = "default",
+        service_account: str = "",
+        image_pull_policy: str = "IfNotPresent",
+        image_pull_secrets: Sequence[str] = (),
+        configuration: k8s.Configuration | None = None,
+        node_selector: Mapping[str, str] | None = None,
+        gpu_type_label: str = "nvidia.com/gpu.product",
+        manage_priority_classes: bool = True,
+        termination_grace_s: int = 30,
+        ttl_after_finished_s: int | None = 86400,
+        request_timeout_s: float = 30.0,
+        log_refresh_s: float = 2.0,
+    ) -> None:
+        """
+        image: the container image every task runs in (Tandem installed for secrets and the trainer).
+        namespace: where Jobs, Services and pods are created.
+        service_account: the pods' ServiceAccount; empty means the namespace's default.
+        image_pull_policy: Always, IfNotPresent or Never.
+        image_pull_secrets: names of existing docker-registry Secrets for pulling `image`.
+        configuration: the client configuration; None loads the in-cluster config when running in a pod,
+            else the local kubeconfig.
+        node_selector: node labels every pod must match (e.g. a GPU node pool).
+        gpu_type_label: the node label whose value is a spec's `gpu_type` (GPU feature discovery's
+            `nvidia.com/gpu.product` by default); also what `inventory` reports as the GPU type.
+        manage_priority_classes: create the PRIORITY_BANDS PriorityClasses when missing (needs a
+            ClusterRole); False assumes they exist (deploy/kubernetes creates them).
+        termination_grace_s: the pods' terminationGracePeriodSeconds (SIGTERM to SIGKILL when Kubernetes
+            itself stops a pod); `cancel` passes its own grace.
+        ttl_after_finished_s: finished Jobs are removed this long after they end; None keeps them.
+        request_timeout_s: the deadline of every API call.
+        log_refresh_s: the shortest interval between two log refreshes of one node rank.
+        """
+        if configuration is None:
+            configuration = _load_configuration()
+        self.namespace = namespace
+        self.image = image
+        self.service_account = service_account
+        self.image_pull_policy = image_pull_policy
+        self.image_pull_secrets = tuple(image_pull_secrets)
+        self.node_selector = dict(node_selector or {})
+        self.gpu_type_label = gpu_type_label
+        self.manage_priority_classes = manage_priority_classes
+        self.termination_grace_s = termination_grace_s
+        self.ttl_after_finished_s = ttl_after_finished_s
+        self.request_timeout_s = request_timeout_s
+        self.log_refresh_s = log_refresh_s
+        self._api_client = k8s.ApiClient(configuration)
+        self._batch = k8s.BatchV1Api(self._api_client)
+        self._core = k8s.CoreV1Api(self._api_client)
+        self._scheduling = k8s.SchedulingV1Api(self._api_client)
+        self._priority_classes_ready: set[str] = set()
+        self._log_refreshed: dict[tuple[str, int], float] = {}
+        self._log_tasks: set[asyncio.Task[None]] = set()
+
+    # -- the objects ---------------------------------------------------------------------------------------
+
+    def labels(self, spec: LaunchSpec) -> dict[str, str]:
+        return {
+            MANAGED_BY: "tandem",
+            LABEL_JOB: label_value(spec.job),
+            LABEL_TASK: label_value(spec.task),
+            LABEL_ATTEMPT: str(spec.attempt),
+            LABEL_KEY: label_value(spec.key),
+        }
+
+    def job_object(self, spec: LaunchSpec) -> Json:
+        """The Job for one attempt, as sent to the API."""
+        name = object_name(spec.key)
+        nodes = max(1, spec.num_nodes)
+        labels = self.labels(spec)
+        annotations = {ANNOTATION_KEY: spec.key, ANNOTATION_JOB: spec.job}
+        pod_spec: Json = {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": self.termination_grace_s,
+            "containers": [self._container(spec, name, nodes)],
+        }
+        if nodes > 1:
+            pod_spec["subdomain"] = name
+        if self.service_account:
+            pod_spec["serviceAccountName"] = self.service_account
+        if self.image_pull_secrets:
+            pod_spec["imagePullSecrets"] = [{"name": secret} for secret in self.image_pull_secrets]
+        node_selector = dict(self.node_selector)
+        if spec.resources.gpu_type:
+            node_selector[self.gpu_type_label] = spec.resources.gpu_type
+        if node_selector:
+            pod_spec["nodeSelector"] = node_selector
+        pod_spec["priorityClassName"] = priority_band(spec.priority).name
+        volumes = self._volumes(spec)
+        if volumes:
+            pod_spec["volumes"] = volumes
+        job_spec: Json = {
+            "completionMode": "Indexed",
+            "completions": nodes,
+            "parallelism": nodes,
+            "backoffLimit": 0,
+            "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec},
+        }
+        if spec.time_limit_s > 0:
+            job_spec["activeDeadlineSeconds"] = max(1, round(spec.time_limit_s))
+        if self.ttl_after_finished_s is not None:
+            job_spec["ttlSecondsAfterFinished"] = self.ttl_after_finished_s
+        return {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {
+                "name": name,
+                "namespace": self.namespace,
+                "labels": labels,
+                "annotations": annotations,
+            },
+            "spec": job_spec,
+        }
+
+    def service_object(self, spec: LaunchSpec, owner_uid: str = "") -> Json:
+        """The headless Service that gives the pods of a multi-node attempt their DNS names."""
+        name = object_name(spec.key)
+        metadata: Json = {
+            "name": name,
+            "namespace": self.namespace,
+            "labels": self.labels(spec),
+            "annotations": {ANNOTATION_KEY: spec.key, ANNOTATION_JOB: spec.job},
+        }
+        if owner_uid:  # deleted with the Job by the garbage collector
+            metadata["ownerReferences"] = [
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "name": name,
+                    "uid": owner_uid,
+                    "blockOwnerDeletion": True,
+                }
+            ]
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": metadata,
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,  # ranks resolve each other before they are ready
+                "selector": {LABEL_KEY: label_value(spec.key), MANAGED_BY: "tandem"},
+            },
+        }
+
+    def _container(self, spec: LaunchSpec, name: str, nodes: int) -> Json:
+        env: list[Json] = []
+        own = {"TANDEM_NODE_RANK", "SKYPILOT_NODE_RANK", "TANDEM_NODE_IPS", "SKYPILOT_NODE_IPS", SECRETS_ENV}
+        fixed = {
+            "TANDEM_NUM_NODES": str(nodes),
+            "SKYPILOT_NUM_NODES": str(nodes),
+            "TANDEM_RESTART_COUNT": str(spec.attempt),
+        }
+        for variable, value in sorted({**fixed, **spec.env}.items()):
+            if variable not in own:
+                env.append({"name": variable, "value": value})
+        rank_ref = {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}
+        env += [
+            {"name": "TANDEM_NODE_RANK", "valueFrom": rank_ref},
+            {"name": "SKYPILOT_NODE_RANK", "valueFrom": rank_ref},
+        ]
+        if nodes > 1:
+            hosts = "\n".join(f"{name}-{rank}.{name}" for rank in range(nodes))
+            env += [
+                {"name": "TANDEM_NODE_IPS", "value": hosts},
+                {"name": "SKYPILOT_NODE_IPS", "value": hosts},
+            ]
+        else:
+            ip_ref = {"fieldRef": {"fieldPath": "status.podIP"}}
+            env += [
+                {"name": "TANDEM_NODE_IPS", "valueFrom": ip_ref},
+                {"name": "SKYPILOT_NODE_IPS", "valueFrom": ip_ref},
+            ]
+        script = ["bash", "-euo", "pipefail", "-c", spec.command]
+        if spec.secret_env:
+            env.append({"name": SECRETS_ENV, "value": format_secrets(spec.secret_env)})
+            script = ["python", "-m", "services.scheduler.backends.task_secrets", *script]
+        resources: Json = {}
+        requests: dict[str, str] = {}
+        if spec.resources.cpus > 0:
+            requests["cpu"] = _quantity_cpu(spec.resources.cpus)
+        if spec.resources.memory_gib > 0:
+            requests["memory"] = _quantity_memory(spec.resources.memory_gib)
+        if requests:
+            resources["requests"] = requests
+        if spec.resources.gpus > 0:
+            resources["limits"] = {GPU_RESOURCE: str(spec.resources.gpus)}
+        container: Json = {
+            "name": CONTAINER,
+            "image": self.image,
+            "imagePullPolicy": self.image_pull_policy,
+            "command": script,
+            "env": env,
+            "resources": resources,
+        }
+        if spec.workdir is not None:
+            container["workingDir"] = str(spec.workdir)
+        mounts = [
+            {"name": f"mount-{index}", "mountPath": path, "readOnly": read_only}
+            for index, (path, _source, read_only) in enumerate(spec.file_mounts)
+        ]
+        if mounts:
+            container["volumeMounts"] = mounts
+        return container
+
+    def _volumes(self, spec: LaunchSpec) -> list[Json]:
+        volumes: list[Json] = []
+        for index, (_path, source, read_only) in enumerate(spec.file_mounts):
+            if source.startswith("/"):
+                volumes.append({"name": f"mount-{index}", "hostPath": {"path": source}})
+            else:  # a named volume is a PersistentVolumeClaim in the namespace
+                claim = {"claimName": source, "readOnly": read_only}
+                volumes.append({"name": f"mount-{index}", "persistentVolumeClaim": claim})
+        return volumes
+
+    # -- the interface ---------------------------------------------------------------------------------------
+
+    async def launch(self, spec: LaunchSpec) -> Handle:
+        if self.manage_priority_classes:
+            await self._ensure_priority_class(priority_band(spec.priority))
+        job = self.job_object(spec)
+        name = job["metadata"]["name"]
+        try:
+            created = await self._call(
+                self._batch.create_namespaced_job, self.namespace, job, refusal=True, conflict_ok=True
+            )
+        except _Conflict:
+            created = await self._call(self._batch.read_namespaced_job, name, self.namespace)
+            if created["metadata"].get("annotations", {}).get(ANNOTATION_KEY) != spec.key:
+                raise LaunchRefused(f"Job {name} exists and belongs to another attempt") from None
+        uid = str(created["metadata"].get("uid", ""))
+        service = ""
+        if max(1, spec.num_nodes) > 1:
+            service = name
+            with contextlib.suppress(_Conflict):  # already there: an earlier launch of this key made it
+                await self._call(
+                    self._core.create_namespaced_service,
+                    self.namespace,
+                    self.service_object(spec, uid),
+                    refusal=True,
+                    conflict_ok=True,
+                )
+        return self._handle(spec.key, name, uid, max(1, spec.num_nodes), service, spec.log_dir)
+
+    async def find(self, key: str) -> Handle | None:
+        listed = await self._call(
+            self._batch.list_namespaced_job, self.namespace, label_selector=self._selector(key)
+        )
+        for job in listed.get("items", []):
+            metadata = job.get("metadata", {})
+            annotations = metadata.get("annotations") or {}
+            if annotations.get(ANNOTATION_KEY) != key:
+                continue
+            spec = job.get("spec", {})
+            nodes = int(spec.get("completions") or 1)
+            pod_spec = spec.get("template", {}).get("spec", {})
+            return self._handle(
+                key,
+                str(metadata["name"]),
+                str(metadata.get("uid", "")),
+                nodes,
+                str(pod_spec.get("subdomain", "")),
+                None,
+            )
+        return None
+
+    async def poll(self, handle: Handle) -> Observed:
+        name = str(handle["job"])
+        try:
+            job = await self._call(self._batch.read_namespaced_job, name, self.namespace, missing_ok=True)
+        except _Missing:
+            return Observed(Phase.LOST, message=f"Job {name} no longer exists (deleted)")
+        pods = await self._pods(str(handle["key"]))
+        observed = _observe(job, pods, int(handle.get("num_nodes", 1)))
+        if observed.phase in (Phase.EXITED, Phase.LOST) and handle.get("log_dir"):
+            await self._refresh_logs(handle, pods)
+        return observed
+
+    async def cancel(self, handle: Handle, grace_s: float = 10.0) -> None:
+        name = str(handle["job"])
+        grace = max(0, round(grace_s))
+        if handle.get("log_dir"):
+            with contextlib.suppress(BackendUnavailable):
+                await self._refresh_logs(handle, await self._pods(str(handle["key"])))
+        options = {"propagationPolicy": "Foreground", "gracePeriodSeconds": grace}
+        with contextlib.suppress(_Missing):
+            await self._call(
+                self._batch.delete_namespaced_job, name, self.namespace, body=options, missing_ok=True
+            )
+        # The garbage collector would stop the pods with their own terminationGracePeriodSeconds; deleting
+        # them here applies this call's grace (SIGTERM now, SIGKILL after grace_s).
+        await self._call(
+            self._core.delete_collection_namespaced_pod,
+            self.namespace,
+            label_selector=self._selector(str(handle["key"])),
+            grace_period_seconds=grace,
+        )
+
+    def logs(self, handle: Handle, node_rank: int = 0) -> Path | None:
+        log_dir = handle.get("log_dir")
+        if not log_dir:
+            return None
+        path = Path(log_dir) / f"rank-{node_rank}.log"
+        self._schedule_log_refresh(handle, node_rank)
+        return path if path.exists() else None
+
+    async def inventory(self) -> list[NodeInventory]:
+        nodes = await self._call(self._core.list_node)
+        pods = await self._call(
+            self._core.list_pod_for_all_namespaces,
+            field_selector="status.phase!=Succeeded,status.phase!=Failed",
+        )
+        used: dict[str, list[float]] = {}
+        for pod in pods.get("items", []):
+            node = pod.get("spec", {}).get("nodeName")
+            if not node:
+                continue
+            totals = used.setdefault(node, [0.0, 0.0, 0.0])
+            for container in pod.get("spec", {}).get("containers", []):
+                resources = container.get("resources") or {}
+                requests = resources.get("requests") or {}
+                limits = resources.get("limits") or {}
+                totals[0] += _parse_quantity(str(limits.get(GPU_RESOURCE, requests.get(GPU_RESOURCE, 0))))
+                totals[1] += _parse_quantity(str(requests.get("cpu", 0)))
+                totals[2] += _parse_quantity(str(requests.get("memory", 0))) / 2**30
+        result = []
+        for node in nodes.get("items", []):
+            metadata = node.get("metadata", {})
+            status = node.get("status", {})
+            allocatable = status.get("allocatable") or {}
+            labels = dict(metadata.get("labels") or {})
+            gpus = int(_parse_quantity(str(allocatable.get(GPU_RESOURCE, 0))))
+            cpus = _parse_quantity(str(allocatable.get("cpu", 0)))
+            memory = _parse_quantity(str(allocatable.get("memory", 0))) / 2**30
+            gpus_used, cpus_used, memory_used = used.get(str(metadata.get("name")), [0.0, 0.0, 0.0])
+            ready = any(
+                c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+            )
+            address = next(
+                (a["address"] for a in status.get("addresses") or [] if a.get("type") == "InternalIP"), ""
+            )
+            result.append(
+                NodeInventory(
+                    name=str(metadata.get("name", "")),
+                    address=address,
+                    gpus=gpus,
+                    gpus_free=max(0, gpus - int(gpus_used)),
+                    gpu_type=labels.get(self.gpu_type_label, ""),
+                    cpus=cpus,
+                    cpus_free=max(0.0, cpus - cpus_used),
+                    memory_gib=memory,
+                    memory_free_gib=max(0.0, memory - memory_used),
+                    labels=labels,
+                    up=ready and not node.get("spec", {}).get("unschedulable", False),
+                )
+            )
+        return result
+
+    async def close(self) -> None:
+        for task in list(self._log_tasks):
+            task.cancel()
+        await asyncio.gather(*self._log_tasks, return_exceptions=True)
+        await asyncio.to_thread(self._api_client.close)
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+
+    def _handle(
+        self, key: str, name: str, uid: str, nodes: int, service: str, log_dir: Path | None
+    ) -> Handle:
+        handle: Handle = {
+            "backend": self.name,
+            "namespace": self.namespace,
+            "key": key,
+            "job": name,
+            "uid": uid,
+            "num_nodes": nodes,
+            "service": service,
+        }
+        if log_dir is not None and str(log_dir) not in ("", "."):
+            handle["log_dir"] = str(log_dir)
+        return handle
+
+    async def _ensure_priority_class(self, band: PriorityBand) -> None:
+        if band.name in self._priority_classes_ready:
+            return
+        try:
+            await self._call(self._scheduling.read_priority_class, band.name, missing_ok=True)
+        except _Missing:
+            with contextlib.suppress(_Conflict):
+                await self._call(
+                    self._scheduling.create_priority_class,
+                    priority_class(band),
+                    refusal=True,
+                    conflict_ok=True,
+                )
+        self._priority_classes_ready.add(band.name)
+
+    @staticmethod
+    def _selector(key: str) -> str:
+        return f"{MANAGED_BY}=tandem,{LABEL_KEY}={label_value(key)}"
+
+    async def _pods(self, key: str) -> list[Json]:
+        listed = await self._call(
+            self._core.list_namespaced_pod, self.namespace, label_selector=self._selector(key)
+        )
+        return list(listed.get("items", []))
+
+    def _schedule_log_refresh(self, handle: Handle, node_rank: int) -> None:
+        now = time.monotonic()
+        slot = (str(handle["job"]), node_rank)
+        if now - self._log_refreshed.get(slot, -self.log_refresh_s) < self.log_refresh_s:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop to refresh on; the next poll or logs() call from the scheduler's loop will
+        self._log_refreshed[slot] = now
+        task = loop.create_task(self._refresh_logs(handle, None, only_rank=node_rank))
+        self._log_tasks.add(task)
+        task.add_done_callback(self._log_tasks.discard)
+
+    async def _refresh_logs(
+        self, handle: Handle, pods: list[Json] | None, only_rank: int | None = None
+    ) -> None:
+        """Append what is new in each rank's pod log to `<log_dir>/rank-<r>.log`."""
+        log_dir = Path(str(handle["log_dir"]))
+        try:
+            if pods is None:
+                pods = await self._pods(str(handle["key"]))
+            for rank, item in _latest_pod_per_rank(pods).items():
+                if only_rank is not None and rank != only_rank:
+                    continue
+                pod_name = str(item["metadata"]["name"])
+                try:
+                    text = await self._call(
+                        self._core.read_namespaced_pod_log,
+                        pod_name,
+                        self.namespace,
+                        container=CONTAINER,
+                        raw=True,
+                        missing_ok=True,
+                    )
+                except (_Missing, BackendUnavailable):
+                    continue
+                await asyncio.to_thread(_append_new, log_dir / f"rank-{rank}.log", text)
+        except BackendUnavailable as error:
+            log.warning("kubernetes: could not refresh logs of %s: %s", handle.get("job"), error)
+
+    async def _call(
+        self,
+        method: Callable[..., Any],
+        *args: Any,
+        refusal: bool = False,
+        conflict_ok: bool = False,
+        missing_ok: bool = False,
+        raw: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Run one API call on a thread and map its failures (see the module docstring)."""
+
+        def call() -> Any:
+            response = method(
+                *args, _preload_content=False, _request_timeout=self.request_timeout_s, **kwargs
+            )
+            data = response.data
+            if raw:
+                return bytes(data)
+            return json.loads(data) if data else {}
+
+        try:
+            return await asyncio.to_thread(call)
+        except k8s.ApiException as error:
+            status = int(error.status or 0)
+            message = _api_message(error)
+            if status == 404 and missing_ok:
+                raise _Missing(message) from None
+            if status == 409 and conflict_ok:
+                raise _Conflict(message) from None
+            if status in {0, 429} or status >= 500:
+                raise BackendUnavailable(f"Kubernetes API: {message}") from None
+            if refusal:
+                raise LaunchRefused(f"Kubernetes API refused ({status}): {message}") from None
+            raise BackendUnavailable(f"Kubernetes API answered {status}: {message}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise BackendUnavailable(f"Kubernetes API unreachable: {error}") from None
+
+
+class _Missing(Exception):
+    pass
+
+
+class _Conflict(Exception):
+    pass
+
+
+def _load_configuration() -> k8s.Configuration:
+    from kubernetes import config  # noqa: PLC0415
+
+    configuration = k8s.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    return configuration
+
+
+def _api_message(error: Any) -> str:
+    body = getattr(error, "body", None)
+    if body:
+        try:
+            parsed = json.loads(body)
+        except (TypeError, ValueError):
+            return str(body)[:500]
+        if isinstance(parsed, dict) and parsed.get("message"):
+            return str(parsed["message"])
+    return str(getattr(error, "reason", "") or error)
+
+
+def _append_new(path: Path, text: bytes) -> None:
+    """Write `text` to `path` keeping byte offsets: append the new tail when `text` extends what is there."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    current = path.read_bytes() if path.exists() else b""
+    if text.startswith(current):
+        if len(text) > len(current):
+            with path.open("ab") as out:
+                out.write(text[len(current) :])
+    elif not current.endswith(text):  # a new pod (or a rotated log): keep the old output, add the new
+        with path.open("ab") as out:
+            out.write(text)
+    if not path.exists():
+        path.touch()
+
+
+def _rank(pod: Json) -> int | None:
+    metadata = pod.get("metadata", {})
+    value = (metadata.get("labels") or {}).get(INDEX_LABEL) or (metadata.get("annotations") or {}).get(
+        INDEX_ANNOTATION
+    )
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _latest_pod_per_rank(pods: list[Json]) -> dict[int, Json]:
+    latest: dict[int, Json] = {}
+    for pod in pods:
+        rank = _rank(pod)
+        if rank is None:
+            continue
+        created = str(pod.get("metadata", {}).get("creationTimestamp", ""))
+        if rank not in latest or created >= str(
+            latest[rank].get("metadata", {}).get("creationTimestamp", "")
+        ):
+            latest[rank] = pod
+    return latest
+
+
+def _terminated(pod: Json) -> Json | None:
+    for status in pod.get("status", {}).get("containerStatuses") or []:
+        if status.get("name") == CONTAINER:
+            state = status.get("state") or {}
+            if state.get("terminated"):
+                return dict(state["terminated"])
+            last = status.get("lastState") or {}
+            if last.get("terminated"):
+                return dict(last["terminated"])
+    return None
+
+
+def _disruption(pod: Json) -> str:
+    """Why Kubernetes itself took the pod away (eviction, preemption, node drain), or ""."""
+    status = pod.get("status", {})
+    reason = str(status.get("reason") or "")
+    if reason in ("Evicted", "Preempting", "Preempted", "Shutdown", "Terminated", "NodeShutdown"):
+        return f"{reason}: {status.get('message') or 'the pod was stopped by Kubernetes'}"
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
+            return (
+                f"{condition.get('reason') or 'DisruptionTarget'}: {condition.get('message') or 'disrupted'}"
+            )
+    return ""
+
+
+def _condition(job: Json, kind: str) -> Json | None:
+    for condition in job.get("status", {}).get("conditions") or []:
+        if condition.get("type") == kind and condition.get("status") == "True":
+            return dict(condition)
+    return None
+
+
+def _observe(job: Json, pods: list[Json], num_nodes: int) -> Observed:
+    """Map a Job and its pods to what the scheduler sees."""
+    per_rank = _latest_pod_per_rank(pods)
+    nodes = tuple(
+        NodeAssignment(
+            rank=rank,
+            node=str(pod.get("spec", {}).get("nodeName") or ""),
+            address=str(pod.get("status", {}).get("podIP") or ""),
+        )
+        for rank, pod in sorted(per_rank.items())
+    )
+    disrupted = [(rank, reason) for rank, pod in sorted(per_rank.items()) if (reason := _disruption(pod))]
+    failed = _condition(job, "Failed") or _condition(job, "FailureTarget")
+    if _condition(job, "Complete") or _condition(job, "SuccessCriteriaMet"):
+        return Observed(Phase.EXITED, exit_code=0, nodes=nodes)
+    if disrupted and (
+        failed or any(_pod_phase(per_rank[rank]) in ("Failed", "Unknown") for rank, _ in disrupted)
+    ):
+        rank, reason = disrupted[0]
+        code = int((_terminated(per_rank[rank]) or {}).get("exitCode", 137))
+        return Observed(
+            Phase.EXITED, exit_code=code, message=f"rank {rank}: {reason}", nodes=nodes, preempted=True
+        )
+    if failed:
+        for rank, pod in sorted(per_rank.items()):
+            ended = _terminated(pod)
+            if ended and int(ended.get("exitCode", 0)) != 0:
+                code = int(ended["exitCode"])
+                detail = ended.get("reason") or ""
+                message = f"rank {rank} exited with {code}" + (f" ({detail})" if detail else "")
+                if failed.get("reason") and failed["reason"] != "BackoffLimitExceeded":
+                    message += f"; Job {failed['reason']}: {failed.get('message', '')}"
+                return Observed(Phase.EXITED, exit_code=code, message=message, nodes=nodes)
+        reason = f"{failed.get('reason', 'Failed')}: {failed.get('message', '')}".strip(": ")
+        return Observed(
+            Phase.EXITED,
+            exit_code=137 if failed.get("reason") == "DeadlineExceeded" else 1,
+            message=reason,
+            nodes=nodes,
+        )
+    if any(_pod_phase(pod) == "Unknown" for pod in per_rank.values()):
+        return Observed(Phase.LOST, message="a pod's node stopped reporting (phase Unknown)", nodes=nodes)
+    if job.get("spec", {}).get("suspend"):
+        return Observed(Phase.QUEUED, message="the Job is suspended (queued by a quota manager)", nodes=nodes)
+    running = sum(1 for pod in per_rank.values() if _pod_phase(pod) in ("Running", "Succeeded"))
+    if running >= num_nodes or (running and not any(_pod_phase(p) == "Pending" for p in per_rank.values())):
+        return Observed(Phase.RUNNING, nodes=nodes)
+    if job.get("metadata", {}).get("deletionTimestamp"):
+        return Observed(Phase.RUNNING, message="the Job is being deleted", nodes=nodes)
+    return Observed(Phase.QUEUED, message=_pending_reason(per_rank), nodes=nodes)
+
+
+def _pod_phase(pod: Json) -> str:
+    return str(pod.get("status", {}).get("phase") or "Pending")
+
+
+def _pending_reason(per_rank: Mapping[int, Json]) -> str:
+    for rank, pod in sorted(per_rank.items()):
+        for condition in pod.get("status", {}).get("conditions") or []:
+            if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+                return f"rank {rank}: {condition.get('reason', '')} {condition.get('message', '')}".strip()
+    return "waiting for pods"
+
+
+_QUANTITY = re.compile(r"^([0-9.]+)([a-zA-Z]*)$")
+_SUFFIXES = {
+    "": 1.0,
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "Ki": 2.0**10,
+    "Mi": 2.0**20,
+    "Gi": 2.0**30,
+    "Ti": 2.0**40,
+    "Pi": 2.0**50,
+}
+
+
+def _parse_quantity(text: str) -> float:
+    """A Kubernetes quantity ("500m", "64Gi", "8") as a number; unknown forms count as 0."""
+    match = _QUANTITY.match(text.strip())
+    if not match or match.group(2) not in _SUFFIXES:
+        return 0.0
+    try:
+        return float(match.group(1)) * _SUFFIXES[match.group(2)]
+    except ValueError:
+        return 0.0
