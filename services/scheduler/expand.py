@@ -1,0 +1,163 @@
+"""A checked task -> what a backend runs: the shell script (`LaunchSpec.command`) and the task's environment.
+
+Pure functions over a `TaskSpec` that passed `spec.check_spec`; nothing here touches the disk or a backend.
+
+The script a backend runs on every node of an attempt (with `bash -euo pipefail`):
+
+- `command` tasks: `setup`, then `run`, each in a `bash` of its own, as SkyPilot runs them (a `cd` or an
+  `export` in `setup` does not reach `run`). A failing `setup` exits with `SETUP_FAILED_EXIT`, which the
+  engine classifies as a PRECHECK failure (never recovered); any other exit is `run`'s.
+- `service` tasks: the same, with `TANDEM_SERVICE_PORT` exported as the spec's port, so `run` can say
+  `--port "$TANDEM_SERVICE_PORT"`; the engine probes that port (and `health_path`) for readiness.
+- `online_rl` tasks: `setup`, then the trainer launch, `python -m trainer --config FILE --output DIR
+  --gpus N [--inference-gpus K] [--tensor-parallel-size T] [--reference none|stacked|own]` (flags of
+  `trainer/launch.py`). FILE is the config: the engine writes an inline `config_toml` into the attempt's
+  folder and passes that path; a `config_path` is used as it is. DIR is the task's output folder, the same
+  on every attempt, so a restarted trainer resumes from the newest complete checkpoint under
+  `DIR/checkpoints` (the trainer does that by itself). `output_dir_for` picks it: the task's first
+  read-write volume mount when it has one (checkpoints on shared storage that other tasks mount, as the
+  eval-watcher example does), else the folder the engine keeps for the task. When the spec sets `run`, it
+  replaces the launch; `TANDEM_TRAINER_CONFIG`, `TANDEM_TRAINER_OUTPUT` and `TANDEM_TRAINER_ARGS` (the
+  placement flags) are exported for it.
+
+The environment the engine provides (`task_env`, plus `node_env` per node rank, which backends add):
+
+| variable | value |
+|---|---|
+| `TANDEM_JOB` | the job's name, `orgs/{org}/jobs/{job}` |
+| `TANDEM_TASK` | the task's name |
+| `TANDEM_NUM_NODES`, `SKYPILOT_NUM_NODES` | the task's node count |
+| `TANDEM_NODE_RANK`, `SKYPILOT_NODE_RANK` | this node's rank, 0 first (per node: `node_env`) |
+| `TANDEM_NODE_IPS`, `SKYPILOT_NODE_IPS` | the nodes' addresses, one a line, rank 0 first (SkyPilot's format) |
+| `TANDEM_RESTART_COUNT` | the attempt number, 0 on the first start |
+| `TANDEM_RESUME_FROM` | the newest complete checkpoint folder of the task's output, when there is one |
+| `TANDEM_JOB_TOKEN` | the task's short-lived job token (opens its secrets, publishes events) |
+
+and the spec's `envs`; `secrets` are injected at run time from the vault (`secret_env`), never written
+into the environment a backend stores.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+
+from tandem.scheduler.v1 import job_spec_pb2 as js
+
+from services.scheduler.spec import secret_env_name
+
+SETUP_FAILED_EXIT = 223  # `setup` failed: a PRECHECK failure, never recovered
+_REFERENCES = {
+    js.PlacementOptions.REFERENCE_PLACEMENT_NONE: "none",
+    js.PlacementOptions.REFERENCE_PLACEMENT_STACKED: "stacked",
+    js.PlacementOptions.REFERENCE_PLACEMENT_OWN: "own",
+}
+
+
+def command_for(
+    task: js.TaskSpec,
+    *,
+    job: str,
+    gpus_granted: int,
+    config_file: str = "",
+    output_dir: str = "",
+    python: str = "python",
+) -> str:
+    """The script every node of `task` runs. `gpus_granted` is the GPUs this node holds for the task;
+    `config_file` and `output_dir` are required for online_rl tasks (see the module docstring); `python` is
+    the interpreter that runs the trainer."""
+    lines = [f"# tandem: job {job}, task {task.name}"]
+    if task.setup.strip():
+        lines.append(f"bash -c {shlex.quote(task.setup)} || exit {SETUP_FAILED_EXIT}")
+    if task.kind == js.TaskSpec.KIND_ONLINE_RL:
+        config = task.online_rl.config_path or config_file
+        if not config or not output_dir:
+            raise ValueError("an online_rl task needs config_file (unless it has config_path) and output_dir")
+        args = trainer_args(task, gpus_granted=gpus_granted)
+        if task.run.strip():
+            lines.append(f"export TANDEM_TRAINER_CONFIG={shlex.quote(config)}")
+            lines.append(f"export TANDEM_TRAINER_OUTPUT={shlex.quote(output_dir)}")
+            lines.append(f"export TANDEM_TRAINER_ARGS={shlex.quote(shlex.join(args))}")
+        else:
+            launch = [python, "-m", "trainer", "--config", config, "--output", output_dir, *args]
+            lines.append(f"exec {shlex.join(launch)}")
+            return "\n".join(lines) + "\n"
+    elif task.kind == js.TaskSpec.KIND_SERVICE:
+        lines.append(f"export TANDEM_SERVICE_PORT={task.service.port}")
+    lines.append(f"exec bash -c {shlex.quote(task.run)}")
+    return "\n".join(lines) + "\n"
+
+
+def trainer_args(task: js.TaskSpec, *, gpus_granted: int) -> list[str]:
+    """The placement flags of the trainer launch: the granted GPUs and the spec's split, where it sets one."""
+    placement = task.online_rl.placement
+    args = ["--gpus", str(gpus_granted)]
+    if placement.inference_gpus:
+        args += ["--inference-gpus", str(placement.inference_gpus)]
+    if placement.tensor_parallel_size:
+        args += ["--tensor-parallel-size", str(placement.tensor_parallel_size)]
+    if placement.reference_placement in _REFERENCES:
+        args += ["--reference", _REFERENCES[placement.reference_placement]]
+    return args
+
+
+def output_dir_for(task: js.TaskSpec, default: str) -> str:
+    """Where an online_rl task's trainer writes checkpoints: its first read-write volume mount, else
+    `default` (a folder the engine keeps for the task across attempts)."""
+    for mount in task.file_mounts:
+        if mount.WhichOneof("source") == "volume" and not mount.read_only:
+            return mount.path
+    return default
+
+
+def task_env(
+    task: js.TaskSpec,
+    *,
+    job: str,
+    attempt: int,
+    node_ips: Sequence[str] = (),
+    resume_from: str = "",
+    job_token: str = "",
+) -> dict[str, str]:
+    """The environment of every node of one attempt: the spec's `envs`, then the scheduler's variables
+    (which win; the spec cannot set them anyway). Per-node variables come from `node_env`."""
+    nodes = str(max(task.num_nodes, 1))
+    ips = "\n".join(node_ips)
+    env = dict(task.envs)
+    env.update(
+        {
+            "TANDEM_JOB": job,
+            "TANDEM_TASK": task.name,
+            "TANDEM_NUM_NODES": nodes,
+            "SKYPILOT_NUM_NODES": nodes,
+            "TANDEM_RESTART_COUNT": str(attempt),
+            "TANDEM_RESUME_FROM": resume_from,
+            "TANDEM_JOB_TOKEN": job_token,
+        }
+    )
+    if node_ips:
+        env["TANDEM_NODE_IPS"] = env["SKYPILOT_NODE_IPS"] = ips
+    return env
+
+
+def node_env(rank: int, node_ips: Sequence[str] = ()) -> dict[str, str]:
+    """The variables that differ per node: its rank (and the address list once a backend knows it)."""
+    env = {"TANDEM_NODE_RANK": str(rank), "SKYPILOT_NODE_RANK": str(rank)}
+    if node_ips:
+        env["TANDEM_NODE_IPS"] = env["SKYPILOT_NODE_IPS"] = "\n".join(node_ips)
+    return env
+
+
+def secret_env(task: js.TaskSpec) -> dict[str, str]:
+    """`LaunchSpec.secret_env`: variable name -> vault secret id, for each of the task's secrets."""
+    return {secret_env_name(binding): binding.secret for binding in task.secrets}
+
+
+def file_mounts(task: js.TaskSpec) -> list[tuple[str, str, bool]]:
+    """`LaunchSpec.file_mounts`: (path in the task, source, read-only). A source starting with `/` is a
+    host path; anything else is a volume name (the contract's patterns keep the two apart)."""
+    out: list[tuple[str, str, bool]] = []
+    for mount in task.file_mounts:
+        source = mount.local_path if mount.WhichOneof("source") == "local_path" else mount.volume
+        out.append((mount.path, source, mount.read_only))
+    return out

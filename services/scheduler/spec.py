@@ -1,0 +1,1048 @@
+"""The job spec: a job group as a researcher writes it in YAML, as `tandem.scheduler.v1.JobSpec`.
+
+`parse_yaml` reads SkyPilot's vocabulary (a `tasks:` list, or SkyPilot's multi-document form: a header
+document, then one document per task) into the contract's `JobSpec`; `check_spec` checks a spec that
+arrived as a proto (CreateJob). Both run the same rules: the contract's field rules (`mesh.validation`)
+and the rules that span fields, so a YAML file and the equivalent proto are refused for the same fields.
+YAML refusals name the YAML key (`name`, `tasks[0].resources.memory`, `tasks[1].file_mounts["/ckpt"]`);
+proto refusals name the proto field (`display_name`, `tasks[0].resources.memory_gib`,
+`tasks[1].file_mounts[0].path`). `check_placement` and `check_fits` are the two CreateJob checks that
+follow: the online-RL GPU split (PLACEMENT_INVALID) and whether any node could ever run each task
+(RESOURCES_UNSATISFIABLE). SPEC.md beside this file documents every key.
+
+The inline trainer config of an `online_rl` task is validated by `trainer.config.parse_job` and split by
+`trainer.placement.plan`: both modules are torch-free (they say so, and a test checks that importing this
+module loads no torch), so the trainer and the scheduler share one set of config rules. No grpc here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import posixpath
+import re
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+from google.protobuf import duration_pb2
+from tandem.common.v1 import types_pb2
+from tandem.scheduler.v1 import job_spec_pb2 as js
+from tandem.trainer.v1 import config_pb2
+
+from mesh.errors import FailedPrecondition, FieldViolation, InvalidArgument, R
+from mesh.validation import violations
+from services.scheduler.backends.base import NodeInventory, Resources
+from trainer.config import Job, parse_job
+from trainer.placement import ReferencePlacement, plan
+
+JobSpec = js.JobSpec
+TaskSpec = js.TaskSpec
+
+HOUR_S = 3600.0
+DEFAULT_INITIAL_BACKOFF_S = 10.0
+DEFAULT_MAX_BACKOFF_S = 300.0
+DEFAULT_READINESS_TIMEOUT_S = 600.0
+MAX_ENV_VALUE_BYTES = 32 * 1024
+MAX_GPUS_PER_NODE = 1024
+# Set by the scheduler on every node; a spec may not set them itself (TANDEM_* is reserved as a whole).
+RESERVED_ENVS = frozenset({"SKYPILOT_NUM_NODES", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS"})
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_GPU_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_GPUS = re.compile(r"^(?:(?P<type>[^:]+):)?(?P<count>[0-9]+)$")
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h|d)")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_MEMORY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)$")
+_MEMORY_UNITS = {  # in GiB
+    "": 1.0,
+    "gi": 1.0,
+    "gib": 1.0,
+    "g": 1e9 / 2**30,
+    "gb": 1e9 / 2**30,
+    "mi": 1 / 1024,
+    "mib": 1 / 1024,
+    "m": 1e6 / 2**30,
+    "mb": 1e6 / 2**30,
+    "ti": 1024.0,
+    "tib": 1024.0,
+    "t": 1e12 / 2**30,
+    "tb": 1e12 / 2**30,
+}
+_LABEL_KEY = re.compile(
+    r"^(?:[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+_LABEL_VALUE = re.compile(r"^(?:[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+_BACKENDS = {
+    "local": js.BACKEND_LOCAL,
+    "slurm": js.BACKEND_SLURM,
+    "kubernetes": js.BACKEND_KUBERNETES,
+}
+_KINDS = {
+    "command": TaskSpec.KIND_COMMAND,
+    "online_rl": TaskSpec.KIND_ONLINE_RL,
+    "service": TaskSpec.KIND_SERVICE,
+}
+_ROLES = {"primary": TaskSpec.ROLE_PRIMARY, "auxiliary": TaskSpec.ROLE_AUXILIARY}
+_SCOPES = {"group": js.RecoveryPolicy.SCOPE_GROUP, "task": js.RecoveryPolicy.SCOPE_TASK}
+_REFERENCES = {
+    "none": js.PlacementOptions.REFERENCE_PLACEMENT_NONE,
+    "stacked": js.PlacementOptions.REFERENCE_PLACEMENT_STACKED,
+    "own": js.PlacementOptions.REFERENCE_PLACEMENT_OWN,
+}
+_REFERENCE_NAMES: dict[int, ReferencePlacement] = {
+    js.PlacementOptions.REFERENCE_PLACEMENT_NONE: "none",
+    js.PlacementOptions.REFERENCE_PLACEMENT_STACKED: "stacked",
+    js.PlacementOptions.REFERENCE_PLACEMENT_OWN: "own",
+}
+_KIND_NAMES: dict[int, str] = {number: name for name, number in _KINDS.items()}
+_BACKEND_NAMES: dict[int, str] = {number: name for name, number in _BACKENDS.items()}
+
+
+def _invalid(found: list[FieldViolation], what: str = "invalid job spec") -> InvalidArgument:
+    names = ", ".join(f"{v.field} ({v.description})" for v in found[:5])
+    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+    return InvalidArgument(f"{what}: {names}{more}", reason=R.ERROR_REASON_INVALID_JOB_SPEC, violations=found)
+
+
+# -- the public API -----------------------------------------------------------------------------------------
+
+
+def load_yaml(path: Path) -> JobSpec:
+    """Parse the job file at `path`; an online_rl task's `config_file` is read relative to its folder."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InvalidArgument(
+            f"cannot read the job file {path.name}: {exc.strerror}", reason=R.ERROR_REASON_INVALID_JOB_SPEC
+        ) from None
+    return parse_yaml(text, base_dir=path.parent)
+
+
+def parse_yaml(text: str, *, base_dir: Path | None = None) -> JobSpec:
+    """A YAML job group -> a checked JobSpec; InvalidArgument / INVALID_JOB_SPEC naming every bad key.
+
+    `base_dir` is where `online_rl.config_file` paths are read from (the job file's folder); without it a
+    `config_file` is refused, so a server never reads files a spec names."""
+    try:
+        documents = [d for d in yaml.load_all(text, Loader=_StrictLoader) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise _invalid(
+            [FieldViolation("(yaml)", f"{where}{problem}")], "the job file is not valid YAML"
+        ) from None
+    reader = _Reader(base_dir)
+    spec = reader.job(documents)
+    if reader.found:
+        raise _invalid(reader.found)
+    found = spec_violations(spec)
+    if found:
+        raise _invalid([FieldViolation(reader.yaml_path(v.field), v.description) for v in found])
+    return spec
+
+
+def check_spec(spec: JobSpec) -> None:
+    """The checks `parse_yaml` runs, for a spec that arrived as a proto; InvalidArgument / INVALID_JOB_SPEC."""
+    found = spec_violations(spec)
+    if found:
+        raise _invalid(found)
+
+
+def spec_violations(spec: JobSpec) -> list[FieldViolation]:
+    """Every broken rule of `spec`, with proto field paths: the contract's rules, then those across fields."""
+    found = violations(spec)
+    found.extend(_job_rules(spec))
+    for index, task in enumerate(spec.tasks):
+        found.extend(_task_rules(task, f"tasks[{index}]"))
+    return found
+
+
+def check_placement(spec: JobSpec) -> None:
+    """Refuse online_rl tasks whose GPUs cannot be split as asked: the trainer would refuse the flags the
+    scheduler launches it with (`expand.trainer_args`). FailedPrecondition / PLACEMENT_INVALID. Run after
+    `check_spec`; a `config_path` config is read at launch, so only the split itself is checked for it."""
+    found: list[FieldViolation] = []
+    for index, task in enumerate(spec.tasks):
+        if task.kind == TaskSpec.KIND_ONLINE_RL:
+            found.extend(_placement(task, f"tasks[{index}]"))
+    if found:
+        names = ", ".join(f"{v.field} ({v.description})" for v in found[:5])
+        raise FailedPrecondition(
+            f"the GPU placement cannot be satisfied: {names}",
+            reason=R.ERROR_REASON_PLACEMENT_INVALID,
+            violations=found,
+        )
+
+
+def check_fits(spec: JobSpec, nodes: Sequence[NodeInventory]) -> None:
+    """Refuse a group that no set of `nodes` could run even when all of them are idle: a task asking more
+    GPUs, CPUs or memory per node than any node has, a GPU type no node has, more nodes than fit, or a
+    group asking more GPUs at once than the nodes hold together. Capacity counts, not what is free now, and
+    down or draining nodes count too (they come back). A node reporting 0 CPUs or 0 GiB did not report
+    them, so they constrain nothing; an empty inventory checks nothing. FailedPrecondition /
+    RESOURCES_UNSATISFIABLE naming each field."""
+    if not nodes:
+        return
+    found: list[FieldViolation] = []
+    for index, task in enumerate(spec.tasks):
+        found.extend(_fits(task, f"tasks[{index}]", nodes))
+    if not found:
+        total = sum(n.gpus for n in nodes)
+        asked = sum(resources_of(t).gpus * max(t.num_nodes, 1) for t in spec.tasks)
+        if asked > total:
+            found.append(
+                FieldViolation(
+                    "tasks", f"the group needs {asked} GPUs at once; the nodes have {total} in all"
+                )
+            )
+    if found:
+        names = ", ".join(f"{v.field} ({v.description})" for v in found[:5])
+        raise FailedPrecondition(
+            f"no node can run this job: {names}",
+            reason=R.ERROR_REASON_RESOURCES_UNSATISFIABLE,
+            violations=found,
+        )
+
+
+def resources_of(task: TaskSpec) -> Resources:
+    """What one node of the task needs; the spec must have passed `check_spec` (gpus well formed)."""
+    count, gpu_type = parse_gpus(task.resources.gpus)
+    return Resources(
+        gpus=count, gpu_type=gpu_type, cpus=task.resources.cpus, memory_gib=task.resources.memory_gib
+    )
+
+
+def parse_gpus(text: str) -> tuple[int, str]:
+    """`"H100:8"` -> (8, "H100"); `"8"` -> (8, ""); `""` -> (0, ""). ValueError for anything else."""
+    text = text.strip()
+    if not text:
+        return 0, ""
+    match = _GPUS.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not TYPE:COUNT or COUNT (e.g. H100:8 or 8)")
+    count, gpu_type = int(match["count"]), (match["type"] or "").strip()
+    if match["type"] is not None and not _GPU_TYPE.fullmatch(gpu_type):
+        raise ValueError(f"{gpu_type!r} is not a GPU type (letters, digits, '_', '.', '-'; at most 64)")
+    if not 1 <= count <= MAX_GPUS_PER_NODE:
+        raise ValueError(f"the count must be 1 to {MAX_GPUS_PER_NODE} per node, not {count}")
+    return count, gpu_type
+
+
+def gpu_type_matches(wanted: str, node_type: str) -> bool:
+    """True when a node's GPU model is the requested one: case-insensitive, and the request's words appear
+    in order in the node's (`H100` matches `NVIDIA-H100-80GB-HBM3`; `H100-80GB` matches it too)."""
+    if not wanted:
+        return True
+    want, have = _words(wanted), _words(node_type)
+    return any(have[i : i + len(want)] == want for i in range(len(have) - len(want) + 1))
+
+
+def secret_env_name(binding: js.SecretBinding) -> str:
+    """The variable a secret lands in: `env`, else the id upper-cased with hyphens as underscores."""
+    return binding.env or binding.secret.upper().replace("-", "_")
+
+
+def secret_names(spec: JobSpec) -> list[str]:
+    """Every vault secret id the spec names (task secrets, Task App keys), sorted: what CreateJob must find
+    in the organization's vault (NOT_FOUND / SECRET_NOT_FOUND otherwise)."""
+    names = {b.secret for t in spec.tasks for b in t.secrets}
+    names.update(
+        t.service.register_task_app.api_key_secret
+        for t in spec.tasks
+        if t.WhichOneof("kind_options") == "service" and t.service.register_task_app.api_key_secret
+    )
+    return sorted(names)
+
+
+def trainer_config(task: TaskSpec) -> config_pb2.TrainerConfig | None:
+    """An online_rl task's inline trainer config, parsed and validated; None for `config_path` or other kinds."""
+    if (
+        task.WhichOneof("kind_options") != "online_rl"
+        or task.online_rl.WhichOneof("trainer_config") != "config_toml"
+    ):
+        return None
+    return parse_job(tomllib.loads(task.online_rl.config_toml))
+
+
+def seconds(duration: duration_pb2.Duration) -> float:
+    return duration.seconds + duration.nanos / 1e9
+
+
+def restart_delay_s(policy: js.RecoveryPolicy, restart: int) -> float:
+    """The wait before restart number `restart` (from 1): `initial_backoff` doubled per further restart, at
+    most `max_backoff`, with the contract's defaults for unset fields."""
+    initial = (
+        seconds(policy.initial_backoff) if policy.HasField("initial_backoff") else DEFAULT_INITIAL_BACKOFF_S
+    )
+    ceiling = _max_backoff_s(policy)
+    return float(min(initial * 2 ** max(restart - 1, 0), ceiling))
+
+
+def readiness_timeout_s(options: js.ServiceOptions) -> float:
+    if options.HasField("readiness_timeout"):
+        return seconds(options.readiness_timeout)
+    return DEFAULT_READINESS_TIMEOUT_S
+
+
+# -- rules across fields (proto paths) ----------------------------------------------------------------------
+
+
+def _job_rules(spec: JobSpec) -> list[FieldViolation]:
+    found: list[FieldViolation] = []
+    if spec.tasks and not any(t.role != TaskSpec.ROLE_AUXILIARY for t in spec.tasks):
+        found.append(FieldViolation("tasks", "needs at least one primary task (the job ends when they end)"))
+    first: dict[str, int] = {}
+    for index, task in enumerate(spec.tasks):
+        if task.name in first:
+            found.append(
+                FieldViolation(f"tasks[{index}].name", f"{task.name!r} is also tasks[{first[task.name]}]")
+            )
+        first.setdefault(task.name, index)
+    apps: dict[str, int] = {}
+    for index, task in enumerate(spec.tasks):
+        app = task.service.register_task_app.app_id if task.WhichOneof("kind_options") == "service" else ""
+        if app and app in apps:
+            found.append(
+                FieldViolation(
+                    f"tasks[{index}].service.register_task_app.app_id",
+                    f"{app!r} is also tasks[{apps[app]}]'s",
+                )
+            )
+        apps.setdefault(app, index)
+    options = spec.WhichOneof("backend_options")
+    wanted = {"slurm": js.BACKEND_SLURM, "kubernetes": js.BACKEND_KUBERNETES}
+    if options is not None and spec.backend != wanted[options]:
+        current = _BACKEND_NAMES.get(spec.backend, "the default")
+        found.append(FieldViolation(options, f"is for backend {options}, and the backend is {current}"))
+    if options == "kubernetes":
+        for key, value in spec.kubernetes.node_selector.items():
+            if not _LABEL_KEY.fullmatch(key):
+                found.append(
+                    FieldViolation(f"kubernetes.node_selector[{key!r}]", "is not a Kubernetes label key")
+                )
+            elif not _LABEL_VALUE.fullmatch(value):
+                found.append(
+                    FieldViolation(f"kubernetes.node_selector[{key!r}]", f"{value!r} is not a label value")
+                )
+    if spec.HasField("max_duration"):
+        found.extend(_duration(spec.max_duration, "max_duration", low=0.001, high=math.inf))
+    if spec.HasField("recovery"):
+        found.extend(_recovery(spec.recovery))
+    return found
+
+
+def _max_backoff_s(policy: js.RecoveryPolicy) -> float:
+    if policy.HasField("max_backoff"):
+        return seconds(policy.max_backoff)
+    initial = seconds(policy.initial_backoff) if policy.HasField("initial_backoff") else 0.0
+    return max(DEFAULT_MAX_BACKOFF_S, initial)  # an unset max never undercuts the initial wait
+
+
+def _recovery(policy: js.RecoveryPolicy) -> list[FieldViolation]:
+    found: list[FieldViolation] = []
+    if policy.HasField("initial_backoff"):
+        found.extend(_duration(policy.initial_backoff, "recovery.initial_backoff", low=0.0, high=HOUR_S))
+    if policy.HasField("max_backoff"):
+        bad = _duration(policy.max_backoff, "recovery.max_backoff", low=0.0, high=HOUR_S)
+        found.extend(bad)
+        initial = (
+            seconds(policy.initial_backoff)
+            if policy.HasField("initial_backoff")
+            else DEFAULT_INITIAL_BACKOFF_S
+        )
+        if not bad and seconds(policy.max_backoff) < initial:
+            found.append(
+                FieldViolation(
+                    "recovery.max_backoff",
+                    f"{_show_s(seconds(policy.max_backoff))} is below initial_backoff ({_show_s(initial)})",
+                )
+            )
+    return found
+
+
+def _task_rules(task: TaskSpec, at: str) -> list[FieldViolation]:  # noqa: PLR0912 - one rule per branch
+    found: list[FieldViolation] = []
+    options = task.WhichOneof("kind_options")
+    needs = {TaskSpec.KIND_ONLINE_RL: "online_rl", TaskSpec.KIND_SERVICE: "service"}.get(task.kind)
+    kind = _KIND_NAMES.get(task.kind, "")
+    if kind:
+        if needs is not None and options != needs:
+            found.append(FieldViolation(f"{at}.{needs}", f"is required for {kind} tasks"))
+        if options is not None and options != needs:
+            found.append(FieldViolation(f"{at}.{options}", f"is for {options} tasks; this task is {kind}"))
+    if task.kind in (TaskSpec.KIND_COMMAND, TaskSpec.KIND_SERVICE) and not task.run.strip():
+        found.append(FieldViolation(f"{at}.run", f"is required for {kind} tasks"))
+    if task.HasField("termination_delay"):
+        if task.role != TaskSpec.ROLE_AUXILIARY:
+            found.append(FieldViolation(f"{at}.termination_delay", "is for auxiliary tasks only"))
+        else:
+            found.extend(_duration(task.termination_delay, f"{at}.termination_delay", low=0.0, high=HOUR_S))
+    found.extend(_resources(task.resources, f"{at}.resources"))
+    found.extend(_envs(task, at))
+    found.extend(_mounts(task, at))
+    if options == "online_rl" and task.kind == TaskSpec.KIND_ONLINE_RL:
+        if task.num_nodes > 1:
+            found.append(
+                FieldViolation(f"{at}.num_nodes", "online_rl tasks run on one node (the trainer's launcher)")
+            )
+        found.extend(_online_rl(task.online_rl, f"{at}.online_rl"))
+    if options == "service" and task.kind == TaskSpec.KIND_SERVICE:
+        service = task.service
+        if service.HasField("readiness_timeout"):
+            found.extend(
+                _duration(service.readiness_timeout, f"{at}.service.readiness_timeout", low=1.0, high=HOUR_S)
+            )
+        key = service.register_task_app.api_key_secret
+        if service.HasField("register_task_app"):
+            if task.num_nodes > 1:
+                found.append(FieldViolation(f"{at}.num_nodes", "a registered Task App runs on one node"))
+            if key and key not in {b.secret for b in task.secrets}:
+                found.append(
+                    FieldViolation(
+                        f"{at}.service.register_task_app.api_key_secret",
+                        f"{key!r} must also be in the task's secrets, so the app can check the key the proxy sends",
+                    )
+                )
+    return found
+
+
+def _resources(resources: types_pb2.Resources, at: str) -> list[FieldViolation]:
+    found: list[FieldViolation] = []
+    try:
+        parse_gpus(resources.gpus)
+    except ValueError as exc:
+        found.append(FieldViolation(f"{at}.gpus", str(exc)))
+    for name in ("cpus", "memory_gib"):
+        value = getattr(resources, name)
+        if not math.isfinite(value) or value < 0:
+            found.append(
+                FieldViolation(f"{at}.{name}", f"must be 0 (the backend default) or more, not {value}")
+            )
+    return found
+
+
+def _envs(task: TaskSpec, at: str) -> list[FieldViolation]:
+    found: list[FieldViolation] = []
+    for name, value in sorted(task.envs.items()):
+        where = f"{at}.envs[{name!r}]"
+        if not _ENV_NAME.fullmatch(name):
+            found.append(FieldViolation(where, "is not a variable name ([A-Za-z_][A-Za-z0-9_]*)"))
+        elif name.startswith("TANDEM_") or name in RESERVED_ENVS:
+            found.append(
+                FieldViolation(where, "is set by the scheduler (TANDEM_* and SKYPILOT_NODE_* are reserved)")
+            )
+        if len(value.encode()) > MAX_ENV_VALUE_BYTES:
+            found.append(FieldViolation(where, f"the value is over {MAX_ENV_VALUE_BYTES // 1024} KiB"))
+    seen: dict[str, int] = {}
+    for index, binding in enumerate(task.secrets):
+        env = secret_env_name(binding)
+        where = f"{at}.secrets[{index}]"
+        if env.startswith("TANDEM_") or env in RESERVED_ENVS:
+            found.append(FieldViolation(f"{where}.env", f"{env} is set by the scheduler"))
+        elif env in seen:
+            found.append(
+                FieldViolation(f"{where}.env", f"{env} is also the variable of secrets[{seen[env]}]")
+            )
+        elif env in task.envs:
+            found.append(FieldViolation(f"{where}.env", f"{env} is also set in envs"))
+        seen.setdefault(env, index)
+    return found
+
+
+def _mounts(task: TaskSpec, at: str) -> list[FieldViolation]:
+    found: list[FieldViolation] = []
+    seen: dict[str, int] = {}
+    for index, mount in enumerate(task.file_mounts):
+        where = f"{at}.file_mounts[{index}]"
+        if mount.WhichOneof("source") is None:
+            found.append(FieldViolation(f"{where}.source", "set local_path or volume"))
+        if not mount.path.startswith("/"):
+            continue  # the contract's pattern already says so
+        if ".." in mount.path.split("/"):
+            found.append(FieldViolation(f"{where}.path", "must not contain '..'"))
+        if mount.WhichOneof("source") == "local_path" and ".." in mount.local_path.split("/"):
+            found.append(FieldViolation(f"{where}.local_path", "must not contain '..'"))
+        path = posixpath.normpath(mount.path)
+        if path in seen:
+            found.append(FieldViolation(f"{where}.path", f"{path} is also file_mounts[{seen[path]}]"))
+        seen.setdefault(path, index)
+    return found
+
+
+def _online_rl(options: js.OnlineRlOptions, at: str) -> list[FieldViolation]:
+    which = options.WhichOneof("trainer_config")
+    if which is None:
+        return [FieldViolation(f"{at}.config_toml", "set config_toml or config_path (the trainer config)")]
+    if which != "config_toml":
+        return []
+    try:
+        document = tomllib.loads(options.config_toml)
+    except tomllib.TOMLDecodeError as exc:
+        return [FieldViolation(f"{at}.config_toml", f"is not valid TOML: {exc}")]
+    try:
+        parse_job(document)
+    except InvalidArgument as error:
+        if not error.violations:
+            return [FieldViolation(f"{at}.config_toml", error.message)]
+        return [FieldViolation(f"{at}.config_toml.{v.field}", v.description) for v in error.violations]
+    return []
+
+
+def _placement(task: TaskSpec, at: str) -> list[FieldViolation]:
+    gpus = resources_of(task).gpus
+    placement = task.online_rl.placement
+    reference = _REFERENCE_NAMES.get(placement.reference_placement)
+    overrides: dict[str, Any] = {"gpus": gpus}
+    origin = {"topology.gpus": f"{at}.resources.gpus"}
+    if placement.inference_gpus:
+        overrides["inference_gpus"] = placement.inference_gpus
+        origin["topology.inference_gpus"] = f"{at}.online_rl.placement.inference_gpus"
+    if placement.tensor_parallel_size:
+        overrides["tensor_parallel_size"] = placement.tensor_parallel_size
+        origin["topology.tensor_parallel_size"] = f"{at}.online_rl.placement.tensor_parallel_size"
+    if reference is not None:
+        overrides["reference_placement"] = f"REFERENCE_PLACEMENT_{reference.upper()}"
+        origin["topology.reference_placement"] = f"{at}.online_rl.placement.reference_placement"
+    if task.online_rl.WhichOneof("trainer_config") == "config_toml":
+        document = tomllib.loads(task.online_rl.config_toml)
+        topology = document.setdefault("topology", {})
+        if isinstance(topology, dict):
+            topology.update(overrides)
+        try:
+            job = Job(parse_job(document))
+        except InvalidArgument as error:
+            return [
+                FieldViolation(origin.get(v.field, f"{at}.online_rl.config_toml.{v.field}"), v.description)
+                for v in error.violations
+            ] or [FieldViolation(f"{at}.online_rl", error.message)]
+        reference = job.reference
+    try:
+        plan(
+            gpus, placement.inference_gpus or "auto", placement.tensor_parallel_size or 1, reference or "none"
+        )
+    except InvalidArgument as error:
+        return [FieldViolation(f"{at}.online_rl.placement", error.message)]
+    return []
+
+
+def _fits(task: TaskSpec, at: str, nodes: Sequence[NodeInventory]) -> list[FieldViolation]:
+    want = resources_of(task)
+    typed = [n for n in nodes if gpu_type_matches(want.gpu_type, n.gpu_type)] if want.gpus else list(nodes)
+    if not typed:
+        kinds = sorted({n.gpu_type for n in nodes if n.gpu_type}) or ["none"]
+        return [
+            FieldViolation(
+                f"{at}.resources.gpus", f"no node has {want.gpu_type} GPUs (types: {', '.join(kinds)})"
+            )
+        ]
+    found: list[FieldViolation] = []
+    most = max(n.gpus for n in typed)
+    if want.gpus > most:
+        found.append(
+            FieldViolation(
+                f"{at}.resources.gpus", f"asks {want.gpus} GPUs per node; the largest node has {most}"
+            )
+        )
+    reported = [n.cpus for n in typed if n.cpus > 0]
+    if want.cpus and reported and want.cpus > max(reported):
+        found.append(
+            FieldViolation(
+                f"{at}.resources.cpus", f"asks {want.cpus:g} CPUs; the largest node has {max(reported):g}"
+            )
+        )
+    memory = [n.memory_gib for n in typed if n.memory_gib > 0]
+    if want.memory_gib and memory and want.memory_gib > max(memory):
+        found.append(
+            FieldViolation(
+                f"{at}.resources.memory_gib",
+                f"asks {want.memory_gib:g} GiB; the largest node has {max(memory):g} GiB",
+            )
+        )
+    if found:
+        return found
+    fit = [n for n in typed if _node_fits(want, n)]
+    needed = max(task.num_nodes, 1)
+    if needed > len(fit):
+        found.append(
+            FieldViolation(
+                f"{at}.num_nodes", f"needs {needed} nodes with these resources; {len(fit)} have them"
+            )
+        )
+    return found
+
+
+def _node_fits(want: Resources, node: NodeInventory) -> bool:
+    return (
+        node.gpus >= want.gpus
+        and (not want.cpus or node.cpus <= 0 or node.cpus >= want.cpus)
+        and (not want.memory_gib or node.memory_gib <= 0 or node.memory_gib >= want.memory_gib)
+    )
+
+
+def _words(text: str) -> list[str]:
+    return [w for w in re.split(r"[^a-z0-9]+", text.lower()) if w]
+
+
+def _duration(value: duration_pb2.Duration, at: str, *, low: float, high: float) -> list[FieldViolation]:
+    if abs(value.nanos) >= 1_000_000_000 or (
+        value.seconds and value.nanos and (value.seconds > 0) != (value.nanos > 0)
+    ):
+        return [FieldViolation(at, "is not a valid duration")]
+    total = seconds(value)
+    if total < low or total > high:
+        limit = "no limit" if math.isinf(high) else _show_s(high)
+        return [FieldViolation(at, f"must be {_show_s(low)} to {limit}, not {_show_s(total)}")]
+    return []
+
+
+def _show_s(value: float) -> str:
+    return f"{value:g}s"
+
+
+# -- YAML -> JobSpec ----------------------------------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice in one mapping (PyYAML would keep the last silently)."""
+
+
+def _mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the key {key!r} appears twice in one mapping", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+_JOB_KEYS = (
+    "name",
+    "execution",
+    "priority",
+    "recovery",
+    "backend",
+    "max_duration",
+    "slurm",
+    "kubernetes",
+    "tasks",
+)
+_TASK_KEYS = (
+    "name",
+    "kind",
+    "role",
+    "termination_delay",
+    "resources",
+    "num_nodes",
+    "envs",
+    "secrets",
+    "file_mounts",
+    "setup",
+    "run",
+    "online_rl",
+    "service",
+)
+
+
+class _Stop(Exception):
+    """A value that cannot be read any further; its violation is already recorded."""
+
+
+class _Reader:
+    """Builds a JobSpec from YAML documents, recording each problem with its YAML path and, for keys
+    renamed on the way, which proto path stands for which YAML path (`aliases`)."""
+
+    def __init__(self, base_dir: Path | None) -> None:
+        self.base_dir = base_dir
+        self.found: list[FieldViolation] = []
+        self.aliases: dict[str, str] = {"display_name": "name"}
+
+    def yaml_path(self, proto_path: str) -> str:
+        """The YAML spelling of a proto path, by its longest aliased prefix."""
+        best = ""
+        for prefix in self.aliases:
+            if len(prefix) > len(best) and (
+                proto_path == prefix or proto_path.startswith((prefix + ".", prefix + "["))
+            ):
+                best = prefix
+        return self.aliases[best] + proto_path[len(best) :] if best else proto_path
+
+    def fail(self, at: str, description: str) -> NoReturn:
+        self.found.append(FieldViolation(at, description))
+        raise _Stop
+
+    def job(self, documents: list[Any]) -> JobSpec:
+        spec = JobSpec()
+        if not documents:
+            self.found.append(FieldViolation("tasks", "the job file is empty"))
+            return spec
+        head = documents[0]
+        tasks: Any
+        if len(documents) > 1:  # SkyPilot's form: a header document, then one document per task
+            tasks = documents[1:]
+            if isinstance(head, dict) and "tasks" in head:
+                self.found.append(
+                    FieldViolation("tasks", "write the tasks either as `tasks:` or as documents, not both")
+                )
+        else:
+            tasks = head.get("tasks") if isinstance(head, dict) else None
+        try:
+            document = self.table(head, "", _JOB_KEYS)
+        except _Stop:
+            return spec
+        self.guard(lambda: self.header(spec, document))
+        if tasks is None:
+            self.found.append(FieldViolation("tasks", "is required: a list of tasks"))
+        elif not isinstance(tasks, list):
+            self.found.append(FieldViolation("tasks", "must be a list of tasks"))
+        else:
+            for index, task in enumerate(tasks):
+                self.guard(lambda t=task, i=index: self.task(spec.tasks.add(), t, f"tasks[{i}]"))
+        return spec
+
+    def guard(self, step: Any) -> None:
+        with contextlib.suppress(_Stop):
+            step()
+
+    def header(self, spec: JobSpec, doc: dict[str, Any]) -> None:
+        if "name" in doc:
+            spec.display_name = self.text(doc["name"], "name")
+        if "execution" in doc:
+            self.choice(doc["execution"], "execution", {"parallel": js.JobSpec.EXECUTION_PARALLEL})
+            spec.execution = js.JobSpec.EXECUTION_PARALLEL
+        if "priority" in doc:
+            self.guard(
+                lambda: setattr(
+                    spec, "priority", self.integer(doc["priority"], "priority", -(2**31), 2**31 - 1)
+                )
+            )
+        if "backend" in doc:
+            self.guard(lambda: setattr(spec, "backend", self.choice(doc["backend"], "backend", _BACKENDS)))
+        if "max_duration" in doc:
+            self.guard(lambda: spec.max_duration.CopyFrom(self.duration(doc["max_duration"], "max_duration")))
+        if "recovery" in doc:
+            self.guard(lambda: self.recovery(spec.recovery, doc["recovery"]))
+        if "slurm" in doc:
+            self.guard(lambda: self.slurm(spec.slurm, doc["slurm"]))
+        if "kubernetes" in doc:
+            self.guard(lambda: self.kubernetes(spec.kubernetes, doc["kubernetes"]))
+
+    def recovery(self, policy: js.RecoveryPolicy, value: Any) -> None:
+        doc = self.table(
+            value,
+            "recovery",
+            ("max_restarts_on_errors", "recover_on_exit_codes", "initial_backoff", "max_backoff", "scope"),
+        )
+        policy.SetInParent()
+        if "max_restarts_on_errors" in doc:
+            policy.max_restarts_on_errors = self.integer(
+                doc["max_restarts_on_errors"], "recovery.max_restarts_on_errors", 0, 2**32 - 1
+            )
+        if "recover_on_exit_codes" in doc:
+            codes = doc["recover_on_exit_codes"]
+            if not isinstance(codes, list):
+                self.fail("recovery.recover_on_exit_codes", "must be a list of exit codes")
+            for index, code in enumerate(codes):
+                self.guard(
+                    lambda c=code, i=index: policy.recover_on_exit_codes.append(
+                        self.integer(c, f"recovery.recover_on_exit_codes[{i}]", -(2**31), 2**31 - 1)
+                    )
+                )
+        for key in ("initial_backoff", "max_backoff"):
+            if key in doc:
+                self.guard(lambda k=key: getattr(policy, k).CopyFrom(self.duration(doc[k], f"recovery.{k}")))
+        if "scope" in doc:
+            policy.scope = self.choice(doc["scope"], "recovery.scope", _SCOPES)
+
+    def slurm(self, options: js.SlurmOptions, value: Any) -> None:
+        doc = self.table(value, "slurm", ("partition", "account", "qos"))
+        options.SetInParent()
+        for key, item in doc.items():
+            setattr(options, key, self.text(item, f"slurm.{key}"))
+
+    def kubernetes(self, options: js.KubernetesOptions, value: Any) -> None:
+        doc = self.table(value, "kubernetes", ("namespace", "node_selector", "priority_class_name"))
+        options.SetInParent()
+        for key in ("namespace", "priority_class_name"):
+            if key in doc:
+                setattr(options, key, self.text(doc[key], f"kubernetes.{key}"))
+        if "node_selector" in doc:
+            labels = self.table(doc["node_selector"], "kubernetes.node_selector", None)
+            for key, item in labels.items():
+                options.node_selector[str(key)] = self.scalar_text(item, f"kubernetes.node_selector[{key!r}]")
+
+    def task(self, task: TaskSpec, value: Any, at: str) -> None:
+        doc = self.table(value, at, _TASK_KEYS)
+        if "name" in doc:
+            task.name = self.text(doc["name"], f"{at}.name")
+        self.guard(lambda: setattr(task, "kind", self.kind(doc, at)))
+        if "role" in doc:
+            self.guard(lambda: setattr(task, "role", self.choice(doc["role"], f"{at}.role", _ROLES)))
+        if "termination_delay" in doc:
+            self.guard(
+                lambda: task.termination_delay.CopyFrom(
+                    self.duration(doc["termination_delay"], f"{at}.termination_delay")
+                )
+            )
+        if "resources" in doc:
+            self.guard(lambda: self.resources(task.resources, doc["resources"], f"{at}.resources"))
+        if "num_nodes" in doc:
+            self.guard(
+                lambda: setattr(
+                    task, "num_nodes", self.integer(doc["num_nodes"], f"{at}.num_nodes", 0, 2**32 - 1)
+                )
+            )
+        if "envs" in doc:
+            self.guard(lambda: self.envs(task, doc["envs"], f"{at}.envs"))
+        if "secrets" in doc:
+            self.guard(lambda: self.secrets(task, doc["secrets"], f"{at}.secrets"))
+        if "file_mounts" in doc:
+            self.guard(lambda: self.mounts(task, doc["file_mounts"], f"{at}.file_mounts"))
+        for key in ("setup", "run"):
+            if key in doc:
+                self.guard(lambda k=key: setattr(task, k, self.text(doc[k], f"{at}.{k}")))
+        if "online_rl" in doc:
+            self.guard(lambda: self.online_rl(task.online_rl, doc["online_rl"], f"{at}.online_rl"))
+        if "service" in doc:
+            self.guard(lambda: self.service(task.service, doc["service"], f"{at}.service"))
+
+    def kind(self, doc: dict[str, Any], at: str) -> Any:
+        """The explicit `kind`, else the one the options block implies (SkyPilot tasks have no kind)."""
+        if "kind" in doc:
+            return self.choice(doc["kind"], f"{at}.kind", _KINDS)
+        if "online_rl" in doc:
+            return TaskSpec.KIND_ONLINE_RL
+        return TaskSpec.KIND_SERVICE if "service" in doc else TaskSpec.KIND_COMMAND
+
+    def resources(self, resources: types_pb2.Resources, value: Any, at: str) -> None:
+        doc = self.table(value, at, ("gpus", "cpus", "memory"))
+        resources.SetInParent()
+        if "gpus" in doc:
+            gpus = doc["gpus"]
+            if isinstance(gpus, bool) or not isinstance(gpus, str | int):
+                self.fail(f"{at}.gpus", 'must be "TYPE:COUNT" (e.g. "H100:8") or a count')
+            resources.gpus = str(gpus)
+        if "cpus" in doc:
+            resources.cpus = self.number(doc["cpus"], f"{at}.cpus")
+        if "memory" in doc:
+            self.aliases[f"{at}.memory_gib"] = f"{at}.memory"
+            resources.memory_gib = self.memory(doc["memory"], f"{at}.memory")
+
+    def envs(self, task: TaskSpec, value: Any, at: str) -> None:
+        doc = self.table(value, at, None)
+        for name, item in doc.items():
+            task.envs[str(name)] = self.scalar_text(item, f"{at}[{str(name)!r}]")
+
+    def secrets(self, task: TaskSpec, value: Any, at: str) -> None:
+        if not isinstance(value, list):
+            self.fail(at, "must be a list of secret names or {secret, env} tables")
+        for index, item in enumerate(value):
+            where = f"{at}[{index}]"
+            binding = task.secrets.add()
+            if isinstance(item, str):
+                binding.secret = item
+                self.aliases[f"{where}.secret"] = where
+                continue
+            self.guard(lambda b=binding, i=item, w=where: self.binding(b, i, w))
+
+    def binding(self, binding: js.SecretBinding, value: Any, at: str) -> None:
+        doc = self.table(value, at, ("secret", "env"))
+        if "secret" not in doc:
+            self.fail(f"{at}.secret", "is required")
+        binding.secret = self.text(doc["secret"], f"{at}.secret")
+        if "env" in doc:
+            binding.env = self.text(doc["env"], f"{at}.env")
+
+    def mounts(self, task: TaskSpec, value: Any, at: str) -> None:
+        doc = self.table(value, at, None)
+        for index, (path, source) in enumerate(doc.items()):
+            where = f"{at}[{str(path)!r}]"
+            proto = f"{at}[{index}]"
+            mount = task.file_mounts.add()
+            mount.path = str(path)
+            if not mount.path.startswith("/"):
+                self.found.append(FieldViolation(where, "the path inside the task must be absolute"))
+            self.aliases[f"{proto}.path"] = where
+            self.aliases[proto] = where
+            if isinstance(source, str):
+                mount.local_path = source
+                self.aliases[f"{proto}.local_path"] = where
+                if not source.startswith("/"):
+                    self.found.append(FieldViolation(where, "the local path must be absolute"))
+                continue
+            self.guard(lambda m=mount, s=source, w=where, p=proto: self.mount(m, s, w, p))
+
+    def mount(self, mount: js.FileMount, value: Any, at: str, proto: str) -> None:
+        doc = self.table(value, at, ("volume", "source", "read_only"))
+        if ("volume" in doc) == ("source" in doc):
+            self.fail(at, "set exactly one of volume and source")
+        if "volume" in doc:
+            mount.volume = self.text(doc["volume"], f"{at}.volume")
+        else:
+            mount.local_path = self.text(doc["source"], f"{at}.source")
+            self.aliases[f"{proto}.local_path"] = f"{at}.source"
+            if not mount.local_path.startswith("/"):
+                self.fail(f"{at}.source", "the local path must be absolute")
+        if "read_only" in doc:
+            mount.read_only = self.boolean(doc["read_only"], f"{at}.read_only")
+
+    def online_rl(self, options: js.OnlineRlOptions, value: Any, at: str) -> None:
+        doc = self.table(value, at, ("config", "config_file", "config_path", "placement"))
+        options.SetInParent()
+        given = [k for k in ("config", "config_file", "config_path") if k in doc]
+        if len(given) > 1:
+            self.fail(at, f"set one of config, config_file and config_path, not {' and '.join(given)}")
+        if "config" in doc:
+            options.config_toml = self.text(doc["config"], f"{at}.config")
+            self.aliases[f"{at}.config_toml"] = f"{at}.config"
+        elif "config_file" in doc:
+            options.config_toml = self.config_file(doc["config_file"], f"{at}.config_file")
+            self.aliases[f"{at}.config_toml"] = f"{at}.config_file"
+        elif "config_path" in doc:
+            options.config_path = self.text(doc["config_path"], f"{at}.config_path")
+        if "placement" in doc:
+            placement = self.table(
+                doc["placement"],
+                f"{at}.placement",
+                ("inference_gpus", "tensor_parallel_size", "reference_placement"),
+            )
+            options.placement.SetInParent()
+            for key in ("inference_gpus", "tensor_parallel_size"):
+                if key in placement:
+                    setattr(
+                        options.placement,
+                        key,
+                        self.integer(placement[key], f"{at}.placement.{key}", 0, 2**32 - 1),
+                    )
+            if "reference_placement" in placement:
+                options.placement.reference_placement = self.choice(
+                    placement["reference_placement"], f"{at}.placement.reference_placement", _REFERENCES
+                )
+
+    def config_file(self, value: Any, at: str) -> str:
+        name = self.text(value, at)
+        if self.base_dir is None:
+            self.fail(at, "is read only from a job file on disk; inline the TOML as `config` instead")
+        path = self.base_dir / name
+        try:
+            return path.read_text()
+        except OSError as exc:
+            self.fail(at, f"cannot read {name}: {exc.strerror}")
+
+    def service(self, options: js.ServiceOptions, value: Any, at: str) -> None:
+        doc = self.table(value, at, ("port", "health_path", "readiness_timeout", "register_task_app"))
+        options.SetInParent()
+        if "port" in doc:
+            options.port = self.integer(doc["port"], f"{at}.port", 0, 2**32 - 1)
+        if "health_path" in doc:
+            options.health_path = self.text(doc["health_path"], f"{at}.health_path")
+        if "readiness_timeout" in doc:
+            options.readiness_timeout.CopyFrom(
+                self.duration(doc["readiness_timeout"], f"{at}.readiness_timeout")
+            )
+        if "register_task_app" in doc:
+            register = self.table(
+                doc["register_task_app"], f"{at}.register_task_app", ("app_id", "api_key_secret")
+            )
+            options.register_task_app.SetInParent()
+            for key, item in register.items():
+                setattr(options.register_task_app, key, self.text(item, f"{at}.register_task_app.{key}"))
+
+    # -- values
+
+    def table(self, value: Any, at: str, keys: Iterable[str] | None) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            self.fail(at or "(document)", "must be a table of keys")
+        out: dict[str, Any] = {}
+        allowed = None if keys is None else tuple(keys)
+        for key, item in value.items():
+            if not isinstance(key, str):
+                self.found.append(FieldViolation(_join(at, str(key)), "keys must be strings"))
+            elif allowed is not None and key not in allowed:
+                self.found.append(
+                    FieldViolation(_join(at, key), f"is not a known key (known: {', '.join(allowed)})")
+                )
+            else:
+                out[key] = item
+        return out
+
+    def text(self, value: Any, at: str) -> str:
+        if not isinstance(value, str):
+            self.fail(at, f"must be a string, not {_type(value)}")
+        return value
+
+    def scalar_text(self, value: Any, at: str) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, str | int | float):
+            return str(value)
+        self.fail(at, f"must be a string or a number, not {_type(value)}")
+
+    def integer(self, value: Any, at: str, low: int, high: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(at, f"must be an integer, not {_type(value)}")
+        if not low <= value <= high:
+            self.fail(at, f"{value} is out of range")
+        return value
+
+    def number(self, value: Any, at: str) -> float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                self.fail(at, f"{value!r} is not a number")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            self.fail(at, f"must be a number, not {_type(value)}")
+        return float(value)
+
+    def boolean(self, value: Any, at: str) -> bool:
+        if not isinstance(value, bool):
+            self.fail(at, f"must be true or false, not {_type(value)}")
+        return value
+
+    def choice(self, value: Any, at: str, choices: Mapping[str, int]) -> Any:
+        if not isinstance(value, str) or value.lower() not in choices:
+            self.fail(at, f"must be one of {', '.join(choices)}, not {value!r}")
+        return choices[value.lower()]
+
+    def duration(self, value: Any, at: str) -> duration_pb2.Duration:
+        total: float
+        if isinstance(value, bool):
+            self.fail(at, "must be a duration such as 10s, 5m or 1h30m")
+        if isinstance(value, int | float):
+            total = float(value)
+        elif isinstance(value, str) and re.fullmatch(rf"(?:{_DURATION_PART.pattern})+", value.strip()):
+            total = sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION_PART.findall(value.strip()))
+        else:
+            self.fail(at, f"{value!r} is not a duration such as 10s, 5m or 1h30m")
+        if not math.isfinite(total) or total < 0 or total > 10 * 365 * 86400:
+            self.fail(at, f"{value!r} is out of range")
+        out = duration_pb2.Duration()
+        out.seconds = int(total)
+        out.nanos = round((total - int(total)) * 1e9)
+        return out
+
+    def memory(self, value: Any, at: str) -> float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        match = _MEMORY.fullmatch(value.strip()) if isinstance(value, str) else None
+        if match is None or match[2].lower() not in _MEMORY_UNITS:
+            self.fail(at, f"{value!r} is not an amount of memory such as 64Gi, 32GB or 512Mi")
+        return float(match[1]) * _MEMORY_UNITS[match[2].lower()]
+
+
+def _join(at: str, key: str) -> str:
+    return f"{at}.{key}" if at else key
+
+
+def _type(value: Any) -> str:
+    return {dict: "a table", list: "a list", type(None): "nothing"}.get(type(value), type(value).__name__)
