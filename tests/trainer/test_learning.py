@@ -32,9 +32,9 @@ def test_the_demo_job_learns_from_random_initialisation(tmp_path: Path) -> None:
     output = tmp_path / "runs" / "latest"
     rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     rewards = [row["reward/mean"] for row in rows]
-    assert len(rewards) == 60
+    assert len(rewards) == 80
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < CHANCE, rewards[:5]
     assert last >= 2 * CHANCE, rewards
     assert (output / "checkpoints" / "reward.png").stat().st_size > 0
-    assert (output / "checkpoints" / "step-000060" / "model.safetensors").is_file()
+    assert (output / "checkpoints" / "step-000080" / "model.safetensors").is_file()
