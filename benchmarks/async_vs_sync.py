@@ -49,9 +49,7 @@ class Run:
     reached: bool = False
     tokens: float = 0.0
     wall_s: float = 0.0
-    counts: dict[str, float] = field(
-        default_factory=lambda: {"used": 0, "importance_corrected": 0, "dropped": 0}
-    )
+    counts: dict[str, float] = field(default_factory=lambda: {"on_policy": 0, "corrected": 0, "dropped": 0})
     rewards: list[float] = field(default_factory=list)
 
 
