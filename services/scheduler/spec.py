@@ -18,6 +18,7 @@ module loads no torch), so the trainer and the scheduler share one set of config
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import posixpath
 import re
@@ -323,11 +324,13 @@ def _job_rules(spec: JobSpec) -> list[FieldViolation]:
         for key, value in spec.kubernetes.node_selector.items():
             if not _LABEL_KEY.fullmatch(key):
                 found.append(
-                    FieldViolation(f"kubernetes.node_selector[{key!r}]", "is not a Kubernetes label key")
+                    FieldViolation(f"kubernetes.node_selector[{_key(key)}]", "is not a Kubernetes label key")
                 )
             elif not _LABEL_VALUE.fullmatch(value):
                 found.append(
-                    FieldViolation(f"kubernetes.node_selector[{key!r}]", f"{value!r} is not a label value")
+                    FieldViolation(
+                        f"kubernetes.node_selector[{_key(key)}]", f"{value!r} is not a label value"
+                    )
                 )
     if spec.HasField("max_duration"):
         found.extend(_duration(spec.max_duration, "max_duration", low=0.001, high=math.inf))
@@ -429,12 +432,14 @@ def _resources(resources: types_pb2.Resources, at: str) -> list[FieldViolation]:
 def _envs(task: TaskSpec, at: str) -> list[FieldViolation]:
     found: list[FieldViolation] = []
     for name, value in sorted(task.envs.items()):
-        where = f"{at}.envs[{name!r}]"
+        where = f"{at}.envs[{_key(name)}]"
         if not _ENV_NAME.fullmatch(name):
             found.append(FieldViolation(where, "is not a variable name ([A-Za-z_][A-Za-z0-9_]*)"))
         elif name.startswith("TANDEM_") or name in RESERVED_ENVS:
             found.append(
-                FieldViolation(where, "is set by the scheduler (TANDEM_* and SKYPILOT_NODE_* are reserved)")
+                FieldViolation(
+                    where, "is set by the scheduler (TANDEM_* and SKYPILOT_NUM_NODES, _NODE_RANK, _NODE_IPS)"
+                )
             )
         if len(value.encode()) > MAX_ENV_VALUE_BYTES:
             found.append(FieldViolation(where, f"the value is over {MAX_ENV_VALUE_BYTES // 1024} KiB"))
@@ -477,7 +482,7 @@ def _mounts(task: TaskSpec, at: str) -> list[FieldViolation]:
 def _online_rl(options: js.OnlineRlOptions, at: str) -> list[FieldViolation]:
     which = options.WhichOneof("trainer_config")
     if which is None:
-        return [FieldViolation(f"{at}.config_toml", "set config_toml or config_path (the trainer config)")]
+        return [FieldViolation(f"{at}.config_toml", "is required: the trainer config, inline TOML or a path")]
     if which != "config_toml":
         return []
     try:
@@ -778,7 +783,9 @@ class _Reader:
         if "node_selector" in doc:
             labels = self.table(doc["node_selector"], "kubernetes.node_selector", None)
             for key, item in labels.items():
-                options.node_selector[str(key)] = self.scalar_text(item, f"kubernetes.node_selector[{key!r}]")
+                options.node_selector[str(key)] = self.scalar_text(
+                    item, f"kubernetes.node_selector[{_key(key)}]"
+                )
 
     def task(self, task: TaskSpec, value: Any, at: str) -> None:
         doc = self.table(value, at, _TASK_KEYS)
@@ -840,7 +847,7 @@ class _Reader:
     def envs(self, task: TaskSpec, value: Any, at: str) -> None:
         doc = self.table(value, at, None)
         for name, item in doc.items():
-            task.envs[str(name)] = self.scalar_text(item, f"{at}[{str(name)!r}]")
+            task.envs[str(name)] = self.scalar_text(item, f"{at}[{_key(name)}]")
 
     def secrets(self, task: TaskSpec, value: Any, at: str) -> None:
         if not isinstance(value, list):
@@ -865,7 +872,7 @@ class _Reader:
     def mounts(self, task: TaskSpec, value: Any, at: str) -> None:
         doc = self.table(value, at, None)
         for index, (path, source) in enumerate(doc.items()):
-            where = f"{at}[{str(path)!r}]"
+            where = f"{at}[{_key(path)}]"
             proto = f"{at}[{index}]"
             mount = task.file_mounts.add()
             mount.path = str(path)
@@ -901,9 +908,9 @@ class _Reader:
         given = [k for k in ("config", "config_file", "config_path") if k in doc]
         if len(given) > 1:
             self.fail(at, f"set one of config, config_file and config_path, not {' and '.join(given)}")
+        self.aliases[f"{at}.config_toml"] = f"{at}.config"
         if "config" in doc:
             options.config_toml = self.text(doc["config"], f"{at}.config")
-            self.aliases[f"{at}.config_toml"] = f"{at}.config"
         elif "config_file" in doc:
             options.config_toml = self.config_file(doc["config_file"], f"{at}.config_file")
             self.aliases[f"{at}.config_toml"] = f"{at}.config_file"
@@ -1038,6 +1045,11 @@ class _Reader:
         if match is None or match[2].lower() not in _MEMORY_UNITS:
             self.fail(at, f"{value!r} is not an amount of memory such as 64Gi, 32GB or 512Mi")
         return float(match[1]) * _MEMORY_UNITS[match[2].lower()]
+
+
+def _key(key: object) -> str:
+    """A map key in a field path, quoted as JSON: `envs["HF_HOME"]`, `file_mounts["/ckpt"]`."""
+    return json.dumps(str(key))
 
 
 def _join(at: str, key: str) -> str:
