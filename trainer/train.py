@@ -7,8 +7,10 @@ new weights back to the workers. Read `Trainer.run` top to bottom; everything el
                  versions old; a producer task plays the next batches while this one trains
         train  = GRPO on the batch: group advantages, the clipped objective against the sampler's
                  log-probs, the KL term when configured; skipped when the loss is not finite
-        sync   = the new weights to every worker (`WeightPublisher`), version = step + 1
-        report = a `train.step` event with the step's metrics; a checkpoint every N steps
+        sync   = the new weights to every worker (`WeightPublisher`), version = the step's number
+        eval   = with an eval split, one episode per eval seed every `eval_interval` steps and at the end
+        report = a `train.step` event with the step's metrics, a line of metrics.jsonl, the reward plot;
+                 a checkpoint every N steps, when TrainerService asks, and at the end
 
 Several trainer ranks (trainer/ranks.py): this process is rank 0, the only one that talks to the mesh;
 each update runs on every rank at once (DDP, each on its shard of the batch) on a worker thread.
