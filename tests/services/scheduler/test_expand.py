@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+import signal
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -219,3 +222,52 @@ def test_every_example_task_expands(path: Path) -> None:
         )
         assert script.startswith(f"# tandem: job {JOB}, task {task.name}\n")
         assert subprocess.run(["bash", "-n", "-c", script], check=False, timeout=30).returncode == 0
+
+
+def test_the_eval_watcher_reports_each_checkpoint_once_and_stops_on_sigterm(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+
+    def checkpoint(step: int, reward: float) -> None:
+        folder = root / f"step-{step:06d}"
+        folder.mkdir(parents=True)
+        meta = {
+            "step": step,
+            "weight_version": step,
+            "trigger": "interval",
+            "metrics": {"reward/mean": reward},
+        }
+        (folder / "tandem.json").write_text(json.dumps({**meta, "create_time": 0}))
+
+    checkpoint(20, 0.25)
+    (root / "step-000040.partial").mkdir()  # still being written: never reported
+    script = ROOT / "examples" / "jobs" / "eval_watcher.py"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(script),
+            str(root),
+            "--interval",
+            "0.05",
+            "--log",
+            str(tmp_path / "evals.jsonl"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline()) == {"watching": str(root), "interval_s": 0.05}
+        first = json.loads(proc.stdout.readline())
+        assert (first["checkpoint"], first["step"], first["reward_mean"]) == ("step-000020", 20, 0.25)
+        checkpoint(40, 0.5)
+        second = json.loads(proc.stdout.readline())
+        assert (second["step"], second["trigger"]) == (40, "interval")
+        proc.send_signal(signal.SIGTERM)
+        rest = [json.loads(line) for line in proc.stdout]
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rest == [{"stopped": True, "checkpoints": 2}]
+    logged = [json.loads(line)["step"] for line in (tmp_path / "evals.jsonl").read_text().splitlines()]
+    assert logged == [20, 40]
