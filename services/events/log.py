@@ -23,6 +23,7 @@ from typing import Any
 
 from google.protobuf import timestamp_pb2
 from tandem.events.v1 import event_pb2, job_stream_pb2, metric_pb2
+from tandem.scheduler.v1 import job_pb2
 
 from mesh.errors import FailedPrecondition, InvalidArgument, NotFound, R, Unavailable
 from mesh.store import Database, Execute, ExecuteMany, Fetch, Program, Row
@@ -45,7 +46,9 @@ NOTIFY_CHANNEL = "tandem_events"
 SERIALIZED_CACHE_SIZE = 256  # serialized Subscribe responses shared by subscribers at one cursor
 GATHER_TURNS = 8  # event-loop turns the writer waits while its queue still grows
 PRODUCER_CACHE_JOBS = 4096  # jobs whose producers' highest producer_seq the writer remembers
-TERMINAL_STATES = frozenset({5, 6, 7})  # tandem.scheduler.v1.Job.State SUCCEEDED, FAILED, CANCELLED
+TERMINAL_STATES = frozenset(
+    {job_pb2.Job.STATE_SUCCEEDED, job_pb2.Job.STATE_FAILED, job_pb2.Job.STATE_CANCELLED}
+)
 
 
 def org_of(job: str) -> str:
