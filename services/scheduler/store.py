@@ -49,7 +49,18 @@ _TABLES = """
         id {serial} PRIMARY KEY, job TEXT NOT NULL, closes INTEGER NOT NULL, payload {blob} NOT NULL)
 """
 
-MIGRATIONS = [Migration.portable(1, "jobs, tasks, attempts, request ids, event outbox", _TABLES)]
+_OUTBOX_SQLITE = """
+    DROP TABLE sched_outbox;
+    CREATE TABLE sched_outbox (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, closes INTEGER NOT NULL, payload BLOB NOT NULL)
+"""
+
+MIGRATIONS = [
+    Migration.portable(1, "jobs, tasks, attempts, request ids, event outbox", _TABLES),
+    # Outbox ids are the events' producer sequence: SQLite must never reuse the id of a sent (deleted)
+    # row, or the events service would take a new event for a duplicate. PostgreSQL sequences never do.
+    Migration(2, "outbox ids never reused", dialect_sql={"sqlite": _OUTBOX_SQLITE, "postgres": ""}),
+]
 
 
 @dataclass
