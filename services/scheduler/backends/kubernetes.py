@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pydantic
 import urllib3
 from kubernetes import client as k8s
 
@@ -211,6 +212,7 @@ class KubernetesBackend:
         self._priority_classes_ready: set[str] = set()
         self._log_refreshed: dict[tuple[str, int], float] = {}
         self._log_tasks: set[asyncio.Task[None]] = set()
+        self._log_locks: dict[str, asyncio.Lock] = {}
 
     # -- the objects ---------------------------------------------------------------------------------------
 
@@ -573,8 +575,10 @@ class KubernetesBackend:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # no loop to refresh on; the next poll or logs() call from the scheduler's loop will
+        if any(not task.done() and task.get_name() == repr(slot) for task in self._log_tasks):
+            return  # one refresh of a file at a time; the next call starts another
         self._log_refreshed[slot] = now
-        task = loop.create_task(self._refresh_logs(handle, None, only_rank=node_rank))
+        task = loop.create_task(self._refresh_logs(handle, None, only_rank=node_rank), name=repr(slot))
         self._log_tasks.add(task)
         task.add_done_callback(self._log_tasks.discard)
 
@@ -582,6 +586,13 @@ class KubernetesBackend:
         self, handle: Handle, pods: list[Json] | None, only_rank: int | None = None
     ) -> None:
         """Append what is new in each rank's pod log to `<log_dir>/rank-<r>.log`."""
+        lock = self._log_locks.setdefault(str(handle["job"]), asyncio.Lock())
+        async with lock:  # two refreshes of one file at once would both append the same tail
+            await self._refresh_logs_locked(handle, pods, only_rank)
+
+    async def _refresh_logs_locked(
+        self, handle: Handle, pods: list[Json] | None, only_rank: int | None
+    ) -> None:
         log_dir = Path(str(handle["log_dir"]))
         try:
             if pods is None:
@@ -640,6 +651,10 @@ class KubernetesBackend:
             if refusal:
                 raise LaunchRefused(f"Kubernetes API refused ({status}): {message}") from None
             raise BackendUnavailable(f"Kubernetes API answered {status}: {message}") from None
+        except pydantic.ValidationError as error:  # the client checks bodies against its models first
+            if refusal:
+                raise LaunchRefused(f"the Kubernetes client refused the object: {error}") from None
+            raise
         except (urllib3.exceptions.HTTPError, OSError) as error:
             raise BackendUnavailable(f"Kubernetes API unreachable: {error}") from None
 

@@ -1,0 +1,413 @@
+"""The Kubernetes backend against a stand-in API server (`tests/support/kube_api.py`): no cluster runs here,
+so (a) every object the backend generates is checked against the Kubernetes OpenAPI schemas and (b) the
+backend's real client calls go over HTTP to an in-memory implementation of the endpoints it uses.
+
+Run: .venv/bin/python -m pytest tests/services/scheduler/test_kubernetes.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client as k8s
+
+from services.scheduler.backends.base import (
+    Backend,
+    BackendUnavailable,
+    LaunchRefused,
+    LaunchSpec,
+    Observed,
+    Phase,
+    Resources,
+)
+from services.scheduler.backends.kubernetes import (
+    PRIORITY_BANDS,
+    KubernetesBackend,
+    label_value,
+    object_name,
+    priority_band,
+    priority_class,
+)
+from services.scheduler.backends.task_secrets import format_secrets, parse_secrets
+from tests.support.kube_api import (
+    FakeKubeApi,
+    kubernetes_backend,
+    make_backend,
+    matches_labels,
+    running_kube_api,
+    validate,
+)
+
+NS = "tandem-jobs"
+
+
+def spec(tmp_path: Path, **overrides: object) -> LaunchSpec:
+    values: dict[str, object] = {
+        "key": "orgs-acme-jobs-j1.trainer.0",
+        "job": "orgs/acme/jobs/j1",
+        "task": "trainer",
+        "attempt": 0,
+        "command": "echo hello from $TANDEM_NODE_RANK",
+        "env": {"TANDEM_JOB": "orgs/acme/jobs/j1", "TANDEM_JOB_TOKEN": "tdm1.claims.sig", "LR": "0.001"},
+        "log_dir": tmp_path / "logs",
+    }
+    values.update(overrides)
+    return LaunchSpec(**values)  # type: ignore[arg-type]
+
+
+def env_of(job: dict[str, object]) -> dict[str, object]:
+    container = job["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+    return {item["name"]: item.get("value", item.get("valueFrom")) for item in container["env"]}
+
+
+@pytest.fixture
+def kube_api() -> Iterator[FakeKubeApi]:
+    with running_kube_api() as api:
+        yield api
+
+
+@pytest.fixture
+def backend(kube_api: FakeKubeApi) -> KubernetesBackend:
+    return make_backend(kube_api)
+
+
+# -- (a) the objects against the OpenAPI schemas ---------------------------------------------------------
+
+
+def test_every_generated_object_matches_the_kubernetes_schema(tmp_path: Path) -> None:
+    backend = KubernetesBackend(
+        image="tandem-trainer:1", namespace=NS, service_account="tandem-jobs", image_pull_secrets=["regcred"],
+        node_selector={"pool": "gpu"}, configuration=k8s.Configuration(host="http://127.0.0.1:1"),
+    )  # fmt: skip
+    variants = [
+        spec(tmp_path),
+        spec(
+            tmp_path,
+            key="orgs/acme/jobs/a-very-long-job-name-that-goes-on-and-on/tasks/trainer/attempts/12",
+            num_nodes=4,
+            resources=Resources(gpus=8, gpu_type="NVIDIA-H100-80GB-HBM3", cpus=31.5, memory_gib=240),
+            secret_env={"OPENAI_API_KEY": "orgs/acme/secrets/openai", "HF_TOKEN": "orgs/acme/secrets/hf"},
+            file_mounts=[("/data", "datasets", True), ("/scratch", "/mnt/scratch", False)],
+            workdir=Path("/work"),
+            time_limit_s=3600.5,
+            priority=900,
+        ),
+    ]
+    for variant in variants:
+        validate(backend.job_object(variant))
+        validate(backend.service_object(variant, owner_uid="0b9f7c1e-0000-4000-8000-000000000001"))
+    for band in PRIORITY_BANDS:
+        validate(priority_class(band))
+
+
+def test_names_and_label_values_are_valid_and_stable() -> None:
+    keys = ["orgs-acme-jobs-j1.trainer.0", "orgs/acme/jobs/" + "x" * 200 + "/trainer/3", "UPPER_case.key"]
+    for key in keys:
+        name = object_name(key)
+        assert name == object_name(key) and len(name) <= 55 and name[0].isalpha()
+        assert len(label_value(key)) <= 63
+    assert label_value("orgs-acme-jobs-j1.trainer.0") == "orgs-acme-jobs-j1.trainer.0"
+    assert object_name(keys[1]) != object_name(keys[1] + "4")
+    assert [priority_band(p).name for p in (0, 249, 250, 500, 749, 750, 1000)] == [
+        "tandem-low", "tandem-low", "tandem-normal", "tandem-high", "tandem-high", "tandem-critical",
+        "tandem-critical",
+    ]  # fmt: skip
+    assert all(priority_class(band)["preemptionPolicy"] == "Never" for band in PRIORITY_BANDS)
+
+
+def test_the_stand_in_refuses_what_the_schema_refuses() -> None:
+    with pytest.raises(Exception, match="notAField"):
+        validate(
+            {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"}, "spec": {"notAField": 1}}
+        )
+    assert matches_labels({"a": "1", "b": "2"}, "a=1,b in (2,3),!c")
+    assert not matches_labels({"a": "1"}, "a!=1")
+
+
+# -- (b) the backend against the stand-in API server ----------------------------------------------------
+
+
+def test_the_backend_satisfies_the_interface(backend: KubernetesBackend) -> None:
+    assert isinstance(backend, Backend)
+    assert backend.name == "kubernetes"
+
+
+async def test_launch_creates_an_indexed_job_and_a_headless_service(
+    backend: KubernetesBackend,
+    kube_api: FakeKubeApi,
+    tmp_path: Path,
+) -> None:
+    task = spec(
+        tmp_path,
+        num_nodes=2,
+        resources=Resources(gpus=4, cpus=16, memory_gib=64.5),
+        secret_env={"OPENAI_API_KEY": "orgs/acme/secrets/openai"},
+        priority=600,
+    )
+    handle = await backend.launch(task)
+    json.dumps(handle)  # the engine stores it
+    name = object_name(task.key)
+    assert handle["job"] == name and handle["service"] == name and handle["num_nodes"] == 2
+
+    job = kube_api.job(NS, name)
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
+    assert job["spec"]["backoffLimit"] == 0
+    labels = job["metadata"]["labels"]
+    assert labels == {
+        "app.kubernetes.io/managed-by": "tandem",
+        "tandem.dev/job": label_value("orgs/acme/jobs/j1"),
+        "tandem.dev/task": "trainer",
+        "tandem.dev/attempt": "0",
+        "tandem.dev/key": "orgs-acme-jobs-j1.trainer.0",
+    }
+    assert job["spec"]["template"]["metadata"]["labels"] == labels
+    assert job["metadata"]["annotations"]["tandem.dev/job"] == "orgs/acme/jobs/j1"
+    pod_spec = job["spec"]["template"]["spec"]
+    assert pod_spec["subdomain"] == name and pod_spec["restartPolicy"] == "Never"
+    assert pod_spec["priorityClassName"] == "tandem-high"
+    container = pod_spec["containers"][0]
+    assert container["image"] == "tandem-trainer:test"
+    assert container["resources"] == {
+        "requests": {"cpu": "16000m", "memory": "66048Mi"},
+        "limits": {"nvidia.com/gpu": "4"},
+    }
+    assert container["command"][:3] == ["python", "-m", "services.scheduler.backends.task_secrets"]
+    assert container["command"][3:] == ["bash", "-euo", "pipefail", "-c", task.command]
+
+    env = env_of(job)
+    rank_ref = {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    assert env["TANDEM_NODE_RANK"] == env["SKYPILOT_NODE_RANK"] == rank_ref
+    hosts = f"{name}-0.{name}\n{name}-1.{name}"
+    assert env["TANDEM_NODE_IPS"] == env["SKYPILOT_NODE_IPS"] == hosts
+    assert env["TANDEM_NUM_NODES"] == "2" and env["LR"] == "0.001" and env["TANDEM_RESTART_COUNT"] == "0"
+    assert env["TANDEM_JOB_TOKEN"] == "tdm1.claims.sig"
+    assert env["TANDEM_SECRETS"] == "OPENAI_API_KEY=orgs/acme/secrets/openai"
+    assert "OPENAI_API_KEY" not in env  # the name travels, never a value
+    assert not [obj for obj in kube_api.created if obj["kind"] == "Secret"]
+
+    service = kube_api.objects[("services", NS, name)]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"]["tandem.dev/key"] == labels["tandem.dev/key"]
+    assert service["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    assert ("priorityclasses", "", "tandem-high") in kube_api.objects
+    pods = kube_api.pods(NS, name)
+    assert sorted(pods) == [0, 1]  # what the Job controller makes from it: one pod per index
+    assert all(p["spec"]["hostname"] == f"{name}-{r}" for r, p in pods.items())
+
+
+async def test_a_single_node_task_gets_no_service_and_its_pod_ip(
+    backend: KubernetesBackend,
+    kube_api: FakeKubeApi,
+    tmp_path: Path,
+) -> None:
+    handle = await backend.launch(spec(tmp_path))
+    assert handle["service"] == ""
+    assert not [key for key in kube_api.objects if key[0] == "services"]
+    job = kube_api.job(NS, handle["job"])
+    assert env_of(job)["TANDEM_NODE_IPS"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert "subdomain" not in job["spec"]["template"]["spec"]
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"][0] == "bash"
+    assert "limits" not in job["spec"]["template"]["spec"]["containers"][0]["resources"]
+
+
+async def test_find_by_key_and_relaunch_returns_the_existing_handle(
+    backend: KubernetesBackend,
+    kube_api: FakeKubeApi,
+    tmp_path: Path,
+) -> None:
+    task = spec(tmp_path, num_nodes=2)
+    assert await backend.find(task.key) is None
+    handle = await backend.launch(task)
+    found = await backend.find(task.key)
+    assert found is not None
+    assert {k: v for k, v in found.items()} == {k: v for k, v in handle.items() if k != "log_dir"}
+    again = await backend.launch(task)
+    assert again == handle
+    assert len([obj for obj in kube_api.created if obj["kind"] == "Job"]) == 1
+    assert await backend.find("orgs-acme-jobs-j1.trainer.1") is None
+
+
+async def test_a_scheduler_that_died_after_creating_the_job_gets_its_service_on_relaunch(
+    backend: KubernetesBackend,
+    kube_api: FakeKubeApi,
+    tmp_path: Path,
+) -> None:
+    task = spec(tmp_path, num_nodes=2)
+    handle = await backend.launch(task)
+    del kube_api.objects[("services", NS, handle["service"])]
+    assert await backend.launch(task) == handle
+    assert ("services", NS, handle["service"]) in kube_api.objects
+
+
+async def test_poll_follows_the_job_from_queued_to_success(
+    backend: KubernetesBackend,
+    kube_api: FakeKubeApi,
+    tmp_path: Path,
+) -> None:
+    handle = await backend.launch(spec(tmp_path, num_nodes=2))
+    assert (await backend.poll(handle)).phase is Phase.QUEUED
+    kube_api.start_job(NS, handle["job"], node="gpu-node-3")
+    running = await backend.poll(handle)
+    assert running.phase is Phase.RUNNING
+    assert [(n.rank, n.node, n.address) for n in running.nodes] == [
+        (0, "gpu-node-3", "10.1.0.10"),
+        (1, "gpu-node-3", "10.1.0.11"),
+    ]
+    kube_api.finish_job(NS, handle["job"])
+    assert await backend.poll(handle) == Observed(Phase.EXITED, exit_code=0, nodes=running.nodes)
+
+
+async def test_a_failed_rank_reports_its_exit_code(
+    backend: KubernetesBackend,
+    kube_api: FakeKubeApi,
+    tmp_path: Path,
+) -> None:
+    handle = await backend.launch(spec(tmp_path, num_nodes=2))
+    kube_api.start_job(NS, handle["job"])
+    kube_api.finish_job(NS, handle["job"], {1: 3})
+    observed = await backend.poll(handle)
+    assert observed.phase is Phase.EXITED and observed.exit_code == 3 and not observed.preempted
+    assert "rank 1 exited with 3" in observed.message
+
+
+@pytest.mark.parametrize("reason", ["Evicted", "Preempting"])
+async def test_an_evicted_or_preempted_pod_is_a_preemption(
+    backend: KubernetesBackend,
+    kube_api: FakeKubeApi,
+    tmp_path: Path,
+    reason: str,
+) -> None:
+    handle = await backend.launch(spec(tmp_path, num_nodes=2))
+    kube_api.start_job(NS, handle["job"])
+    kube_api.evict_pod(NS, handle["job"], rank=1, reason=reason)
+    observed = await backend.poll(handle)
+    assert observed.phase is Phase.EXITED and observed.preempted
+    assert observed.message.startswith(f"rank 1: {reason}")
+
+
+async def test_a_deleted_job_is_lost(
+    backend: KubernetesBackend,
+    kube_api: FakeKubeApi,
+    tmp_path: Path,
+) -> None:
+    handle = await backend.launch(spec(tmp_path))
+    kube_api.start_job(NS, handle["job"])
+    kube_api.remove_job(NS, handle["job"])
+    observed = await backend.poll(handle)
+    assert observed.phase is Phase.LOST and "no longer exists" in observed.message
+
+
+async def test_cancel_deletes_the_job_in_the_foreground_and_its_pods_with_the_grace(
+    backend: KubernetesBackend,
+    kube_api: FakeKubeApi,
+    tmp_path: Path,
+) -> None:
+    handle = await backend.launch(spec(tmp_path, num_nodes=2))
+    kube_api.start_job(NS, handle["job"])
+    await backend.cancel(handle, grace_s=7)
+    assert (
+        "jobs",
+        handle["job"],
+        {"propagationPolicy": "Foreground", "gracePeriodSeconds": 7},
+    ) in kube_api.deletions
+    assert not [key for key in kube_api.objects if key[0] in ("jobs", "pods", "services")]
+    await backend.cancel(handle, grace_s=7)  # idempotent
+    assert (await backend.poll(handle)).phase is Phase.LOST
+
+
+async def test_logs_are_a_file_refreshed_from_the_pod_logs(
+    backend: KubernetesBackend,
+    kube_api: FakeKubeApi,
+    tmp_path: Path,
+) -> None:
+    handle = await backend.launch(spec(tmp_path, num_nodes=2))
+    assert backend.logs(handle, 1) is None  # nothing yet; a refresh is under way
+    kube_api.start_job(NS, handle["job"])
+    kube_api.set_log(NS, handle["job"], 1, "step 1\n")
+    while (path := backend.logs(handle, 1)) is None or path.read_text() != "step 1\n":  # noqa: ASYNC110
+        await asyncio.sleep(0.05)  # logs() refreshes in the background; the file is what the engine reads
+    assert path == tmp_path / "logs" / "rank-1.log"
+    kube_api.set_log(NS, handle["job"], 1, "step 1\nstep 2\n")
+    kube_api.finish_job(NS, handle["job"])
+    await backend.poll(handle)  # the end of the attempt captures the last lines
+    assert path.read_text() == "step 1\nstep 2\n"  # appended: earlier byte offsets still hold
+    assert (tmp_path / "logs" / "rank-0.log").read_text() == ""
+
+
+async def test_an_unreachable_api_server_is_backend_unavailable(
+    backend: KubernetesBackend,
+    kube_api: FakeKubeApi,
+    tmp_path: Path,
+) -> None:
+    handle = await backend.launch(spec(tmp_path))
+    kube_api.stop()
+    with pytest.raises(BackendUnavailable, match="unreachable"):
+        await backend.poll(handle)
+    with pytest.raises(BackendUnavailable):
+        await backend.launch(spec(tmp_path, key="orgs-acme-jobs-j2.trainer.0"))
+    with pytest.raises(BackendUnavailable):
+        await backend.find(handle["key"])
+    with pytest.raises(BackendUnavailable):
+        await backend.cancel(handle)
+    with pytest.raises(BackendUnavailable):
+        await backend.inventory()
+
+
+async def test_a_refused_object_is_launch_refused_with_the_api_message(
+    backend: KubernetesBackend,
+    kube_api: FakeKubeApi,
+    tmp_path: Path,
+) -> None:
+    await backend.launch(spec(tmp_path, key="warm-up.0"))  # the PriorityClass exists now
+    kube_api.refuse_next_create('admission webhook "policy.acme" denied the request: no hostPath')
+    with pytest.raises(LaunchRefused, match=r"\(422\).*no hostPath"):
+        await backend.launch(spec(tmp_path))
+    bad = make_backend(kube_api, termination_grace_s="30s")  # not an integer: refused before it is sent
+    with pytest.raises(LaunchRefused, match="client refused"):
+        await bad.launch(spec(tmp_path, key="orgs-acme-jobs-j3.trainer.0"))
+
+
+async def test_inventory_reports_nodes_and_what_is_free(
+    backend: KubernetesBackend,
+    kube_api: FakeKubeApi,
+    tmp_path: Path,
+) -> None:
+    kube_api.add_node("gpu-a", gpus=8, cpus=64, memory_gib=512, labels={"nvidia.com/gpu.product": "H100"})
+    kube_api.add_node("cpu-b", cpus=16, memory_gib=64, ready=False)
+    handle = await backend.launch(spec(tmp_path, resources=Resources(gpus=2, cpus=8, memory_gib=32)))
+    kube_api.start_job(NS, handle["job"], node="gpu-a")
+    nodes = {node.name: node for node in await backend.inventory()}
+    gpu = nodes["gpu-a"]
+    assert (gpu.gpus, gpu.gpus_free, gpu.gpu_type, gpu.cpus, gpu.cpus_free) == (8, 6, "H100", 64, 56)
+    assert gpu.memory_free_gib == 480 and gpu.up
+    assert not nodes["cpu-b"].up and nodes["cpu-b"].gpus == 0
+
+
+async def test_commands_run_to_their_exit_code_with_the_stand_in_kubelet(tmp_path: Path) -> None:
+    task = spec(
+        tmp_path,
+        num_nodes=2,
+        command='echo "rank $TANDEM_NODE_RANK of $TANDEM_NUM_NODES"; exit $((TANDEM_NODE_RANK * 3))',
+    )
+    async with kubernetes_backend() as (backend, _api):
+        handle = await backend.launch(task)
+        observed = await backend.poll(handle)
+        while observed.phase is not Phase.EXITED:
+            await asyncio.sleep(0.05)
+            observed = await backend.poll(handle)
+    assert observed.exit_code == 3
+    assert (tmp_path / "logs" / "rank-1.log").read_text() == "rank 1 of 2\n"
+
+
+def test_secret_names_round_trip() -> None:
+    mapping = {"B_KEY": "orgs/acme/secrets/b", "A_KEY": "orgs/acme/secrets/a"}
+    assert format_secrets(mapping) == "A_KEY=orgs/acme/secrets/a,B_KEY=orgs/acme/secrets/b"
+    assert parse_secrets(format_secrets(mapping)) == mapping
+    assert parse_secrets("") == {}
+    with pytest.raises(ValueError, match="ENV=secret-name"):
+        parse_secrets("NOVALUE")
