@@ -171,6 +171,7 @@ class KubernetesBackend:
         ttl_after_finished_s: int | None = 86400,
         request_timeout_s: float = 30.0,
         log_refresh_s: float = 2.0,
+        run_as_user: int | None = None,
     ) -> None:
         """
         image: the container image every task runs in (Tandem installed for secrets and the trainer).
@@ -190,6 +191,9 @@ class KubernetesBackend:
         ttl_after_finished_s: finished Jobs are removed this long after they end; None keeps them.
         request_timeout_s: the deadline of every API call.
         log_refresh_s: the shortest interval between two log refreshes of one node rank.
+        run_as_user: a uid the task containers run as (with runAsNonRoot); None keeps the image's user.
+            Either way the pods get the RuntimeDefault seccomp profile, no privilege escalation and no
+            added capabilities.
         """
         if configuration is None:
             configuration = _load_configuration()
@@ -205,6 +209,7 @@ class KubernetesBackend:
         self.ttl_after_finished_s = ttl_after_finished_s
         self.request_timeout_s = request_timeout_s
         self.log_refresh_s = log_refresh_s
+        self.run_as_user = run_as_user
         self._api_client = k8s.ApiClient(configuration)
         self._batch = k8s.BatchV1Api(self._api_client)
         self._core = k8s.CoreV1Api(self._api_client)
@@ -231,9 +236,13 @@ class KubernetesBackend:
         nodes = max(1, spec.num_nodes)
         labels = self.labels(spec)
         annotations = {ANNOTATION_KEY: spec.key, ANNOTATION_JOB: spec.job}
+        security: Json = {"seccompProfile": {"type": "RuntimeDefault"}}
+        if self.run_as_user is not None:
+            security.update(runAsNonRoot=True, runAsUser=self.run_as_user)
         pod_spec: Json = {
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": self.termination_grace_s,
+            "securityContext": security,
             "containers": [self._container(spec, name, nodes)],
         }
         if nodes > 1:
@@ -353,6 +362,7 @@ class KubernetesBackend:
             "command": script,
             "env": env,
             "resources": resources,
+            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         }
         if spec.workdir is not None:
             container["workingDir"] = str(spec.workdir)

@@ -81,7 +81,7 @@ def backend(kube_api: FakeKubeApi) -> KubernetesBackend:
 def test_every_generated_object_matches_the_kubernetes_schema(tmp_path: Path) -> None:
     backend = KubernetesBackend(
         image="tandem-trainer:1", namespace=NS, service_account="tandem-jobs", image_pull_secrets=["regcred"],
-        node_selector={"pool": "gpu"}, configuration=k8s.Configuration(host="http://127.0.0.1:1"),
+        node_selector={"pool": "gpu"}, run_as_user=10001, configuration=k8s.Configuration(host="http://127.0.0.1:1"),
     )  # fmt: skip
     variants = [
         spec(tmp_path),
