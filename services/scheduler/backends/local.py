@@ -1,0 +1,549 @@
+"""The `local` backend: each node rank of an attempt is a process group on the scheduler's own machine.
+
+One attempt lives in `<root>/<key>/` (the attempt folder): `launch.json`, the marker `find` reads, written
+atomically **before** any process starts and rewritten with the processes once they run. Each node rank runs
+
+    bash -c <wrapper> tandem-rank <command> <exit file>
+
+in its own session (`start_new_session=True`, so its pid is its process group id), with stdout and stderr
+appended to `<log_dir>/rank-<r>.log`. The wrapper runs the command with `bash -euo pipefail -c` and writes the
+command's exit code to `<log_dir>/rank-<r>.exit` (through a rename, so a reader never sees half of it), then
+exits with that code. A scheduler that restarted is not the parent of the processes any more and cannot wait
+for them, so it reads their exit code from that file.
+
+The handle names each rank's pid, pgid and start time (field 22 of /proc/<pid>/stat, in clock ticks since
+boot) and the boot id: a process counts as the attempt's only when all three match, so a pid the kernel
+reused for something else is never mistaken for the task.
+
+A rank that ended without an exit file was killed by a signal the wrapper could not outlive (SIGKILL): after
+`cancel` that is reported as 128 + 9, otherwise the attempt is LOST. When one rank of a multi-node attempt
+fails, the others are sent SIGTERM (SIGKILL after `failure_grace_s`) and the attempt is EXITED with the failed
+rank's code once every rank has ended.
+
+Processes that leave their process group on purpose (`setsid`, daemons) escape `cancel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.scheduler.backends.base import (
+    Handle,
+    LaunchRefused,
+    LaunchSpec,
+    NodeAssignment,
+    NodeInventory,
+    Observed,
+    Phase,
+)
+
+KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+MARKER = "launch.json"
+KEY_ENV = "TANDEM_ATTEMPT_KEY"  # in every rank's environment, so find can recognise its processes
+CANCELLED = "cancelled"  # a file in the attempt folder: cancel was asked for
+FAILED_AT = "failed_at"  # a file in the attempt folder: when a rank was first seen failing
+
+# The variables a task inherits from the scheduler's own environment; everything else comes from the spec,
+# so nothing of the scheduler's (its mesh key, its credentials) leaks into a task.
+INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TZ", "TMPDIR")
+
+_WRAPPER = """\
+trap 'tandem_signalled=1' TERM INT HUP
+bash -euo pipefail -c "$1"
+code=$?
+printf '%s\\n' "$code" > "$2.tmp" && mv -f "$2.tmp" "$2"
+exit "$code"
+"""
+
+
+def check_key(key: str) -> None:
+    """Keys name folders and Slurm jobs: letters, digits, `.`, `_`, `-`, not starting with `.` or `-`."""
+    if not KEY_PATTERN.fullmatch(key):
+        raise LaunchRefused(f"attempt key {key!r} must match {KEY_PATTERN.pattern}")
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_start_time(pid: int, *, zombie: bool = False) -> int | None:
+    """Field 22 of /proc/<pid>/stat (start time in clock ticks since boot); None for a gone pid, and for a
+    zombie unless `zombie`."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
+    if fields[0] in ("Z", "X") and not zombie:
+        return None
+    return int(fields[19])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _first_failure(attempt_dir: Path) -> tuple[float, int] | None:
+    """(when, rank) of the first rank seen failing, as recorded in the attempt folder."""
+    try:
+        data = json.loads((attempt_dir / FAILED_AT).read_text())
+        return float(data["time"]), int(data["rank"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _mark_cancelled(attempt_dir: Path) -> None:
+    if attempt_dir.is_dir():
+        _write_atomic(attempt_dir / CANCELLED, f"{time.time()}\n")
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def detect_gpus() -> tuple[int, str]:
+    """(count, model) from `nvidia-smi`; (0, "") where there is none."""
+    if not shutil.which("nvidia-smi"):
+        return 0, ""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0, ""
+    names = [line.split(",", 1)[1].strip() for line in out.splitlines() if "," in line]
+    return len(names), (names[0].removeprefix("NVIDIA ") if names else "")
+
+
+def _memory_gib() -> float:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / (1024 * 1024)
+    return 0.0
+
+
+def _processes_with_key(key: str, log_dir: Path) -> list[dict[str, Any]]:
+    """The rank wrappers (session leaders) whose environment holds `TANDEM_ATTEMPT_KEY=<key>`."""
+    wanted = f"{KEY_ENV}={key}".encode()
+    found: list[dict[str, Any]] = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        pid = int(proc.name)
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            if wanted not in environ or os.getsid(pid) != pid:
+                continue
+        except (OSError, ProcessLookupError):
+            continue
+        start = process_start_time(pid)
+        rank = next((e.split(b"=", 1)[1] for e in environ if e.startswith(b"TANDEM_NODE_RANK=")), b"0")
+        if start is None:
+            continue
+        r = int(rank)
+        found.append(
+            {
+                "rank": r,
+                "pid": pid,
+                "pgid": pid,
+                "start_time": start,
+                "exit_file": str(log_dir / f"rank-{r}.exit"),
+                "log": str(log_dir / f"rank-{r}.log"),
+            }
+        )
+    return sorted(found, key=lambda r: int(r["rank"]))
+
+
+@dataclass
+class _Rank:
+    rank: int
+    pid: int
+    pgid: int
+    start_time: int
+    exit_file: Path
+    log: Path
+
+
+class LocalBackend:
+    """Runs attempts as process groups on this machine. `root` holds one folder per attempt key; GPU, CPU
+    and memory counts left as None are read from the machine (`nvidia-smi`, the CPUs this process may use,
+    /proc/meminfo)."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        gpus: int | None = None,
+        gpu_type: str | None = None,
+        cpus: float | None = None,
+        memory_gib: float | None = None,
+        node_name: str = "",
+        address: str = "127.0.0.1",
+        inherit_env: Sequence[str] = INHERITED_ENV,
+        failure_grace_s: float = 10.0,
+    ) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        if gpus is None:
+            detected, model = detect_gpus()
+            gpus, gpu_type = detected, gpu_type if gpu_type is not None else model
+        self.gpus = gpus
+        self.gpu_type = gpu_type or ""
+        self.cpus = cpus if cpus is not None else float(len(os.sched_getaffinity(0)))
+        self.memory_gib = memory_gib if memory_gib is not None else _memory_gib()
+        self.node_name = node_name or socket.gethostname()
+        self.address = address
+        self.inherit_env = tuple(inherit_env)
+        self.failure_grace_s = failure_grace_s
+        self._boot_id = boot_id()
+        self._children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> the processes this object started
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- the Backend interface ---------------------------------------------------------------------------
+
+    async def inventory(self) -> list[NodeInventory]:
+        """One node: this machine. What is free is the capacity less what running attempts reserved."""
+        gpus_held: set[int] = set()
+        gpus_unindexed = 0
+        cpus_held = 0.0
+        memory_held = 0.0
+        for marker in self.root.glob(f"*/{MARKER}"):
+            handle = self._read_marker(marker)
+            if handle is None or not self._alive_ranks(handle):
+                continue
+            res = handle.get("resources", {})
+            for node in handle.get("nodes", []):
+                gpus_held.update(node.get("gpu_indices", []))
+            if not any(node.get("gpu_indices") for node in handle.get("nodes", [])):
+                gpus_unindexed += int(res.get("gpus", 0)) * int(handle.get("num_nodes", 1))
+            cpus_held += float(res.get("cpus", 0.0)) * int(handle.get("num_nodes", 1))
+            memory_held += float(res.get("memory_gib", 0.0)) * int(handle.get("num_nodes", 1))
+        return [
+            NodeInventory(
+                name=self.node_name,
+                address=self.address,
+                gpus=self.gpus,
+                gpus_free=max(0, self.gpus - len(gpus_held) - gpus_unindexed),
+                gpu_type=self.gpu_type,
+                cpus=self.cpus,
+                cpus_free=max(0.0, self.cpus - cpus_held),
+                memory_gib=self.memory_gib,
+                memory_free_gib=max(0.0, self.memory_gib - memory_held),
+            )
+        ]
+
+    async def launch(self, spec: LaunchSpec) -> Handle:
+        check_key(spec.key)
+        if spec.num_nodes < 1:
+            raise LaunchRefused(f"num_nodes must be at least 1, not {spec.num_nodes}")
+        if spec.nodes and len(spec.nodes) != spec.num_nodes:
+            raise LaunchRefused(f"{len(spec.nodes)} node assignments for {spec.num_nodes} nodes")
+        async with self._locks.setdefault(spec.key, asyncio.Lock()):
+            existing = await self.find(spec.key)
+            if existing is not None:
+                return existing
+            return await asyncio.to_thread(self._launch, spec)
+
+    async def find(self, key: str) -> Handle | None:
+        """The handle in `<root>/<key>/launch.json`. A marker without processes (the scheduler died between
+        writing it and recording them) is completed from the processes that carry `TANDEM_ATTEMPT_KEY=<key>`
+        in their environment; when there are none, nothing was launched."""
+        if not KEY_PATTERN.fullmatch(key):
+            return None
+        marker = self.root / key / MARKER
+        handle = self._read_marker(marker)
+        if handle is None:
+            return None
+        if handle.get("ranks"):
+            return handle
+        ranks = await asyncio.to_thread(_processes_with_key, key, Path(handle["log_dir"]))
+        if not ranks:
+            return None
+        handle["ranks"] = ranks
+        handle["pid"], handle["pgid"] = ranks[0]["pid"], ranks[0]["pgid"]
+        _write_atomic(marker, json.dumps(handle))
+        return handle
+
+    async def poll(self, handle: Handle) -> Observed:
+        ranks = self._ranks(handle)
+        nodes = self._nodes(handle)
+        if not ranks:
+            return Observed(Phase.LOST, message="the attempt's processes were never started", nodes=nodes)
+        attempt_dir = Path(handle["dir"])
+        cancelled = (attempt_dir / CANCELLED).exists()
+        running: list[_Rank] = []
+        codes: dict[int, int | None] = {}
+        for rank in ranks:
+            code = self._rank_exit(rank)
+            if code is None and self._is_alive(rank):
+                running.append(rank)
+            else:
+                codes[rank.rank] = code
+        failed = {r: c for r, c in codes.items() if c != 0}
+        if running:
+            if failed and not cancelled:
+                first, code = min(failed.items())
+                self._stop_after_failure(attempt_dir, first, running)
+                why = f"rank {first} exited {code}" if code is not None else f"rank {first} vanished"
+                return Observed(Phase.RUNNING, message=f"{why}; stopping the other ranks", nodes=nodes)
+            return Observed(Phase.RUNNING, nodes=nodes)
+        if not failed:
+            return Observed(Phase.EXITED, exit_code=0, nodes=nodes)
+        recorded = _first_failure(attempt_dir)
+        first, code = min(failed.items(), key=lambda item: (item[1] is None, item[0]))
+        if recorded is not None and recorded[1] in failed:
+            first, code = recorded[1], failed[recorded[1]]
+        if code is None:
+            if cancelled:
+                return Observed(
+                    Phase.EXITED, exit_code=128 + signal.SIGKILL, message="cancelled", nodes=nodes
+                )
+            return Observed(
+                Phase.LOST,
+                message=f"rank {first} ended without an exit status (killed from outside?)",
+                nodes=nodes,
+            )
+        message = "cancelled" if cancelled else (f"rank {first} exited {code}" if len(ranks) > 1 else "")
+        return Observed(Phase.EXITED, exit_code=code, message=message, nodes=nodes)
+
+    async def cancel(self, handle: Handle, grace_s: float = 10.0) -> None:
+        """SIGTERM to every rank's process group, SIGKILL to what is left after `grace_s`; returns when every
+        rank has ended (at most about `grace_s` plus the kill)."""
+        ranks = self._ranks(handle)
+        attempt_dir = Path(handle["dir"])
+        _mark_cancelled(attempt_dir)
+        alive = [r for r in ranks if self._is_alive(r)]
+        for rank in alive:
+            _signal_group(rank.pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            alive = [r for r in alive if self._is_alive(r)]
+        for rank in ranks:  # the whole tree: the wrapper may be gone while a child of it lingers
+            _signal_group(rank.pgid, signal.SIGKILL)
+        while alive:
+            await asyncio.sleep(0.02)
+            alive = [r for r in alive if self._is_alive(r)]
+
+    def logs(self, handle: Handle, node_rank: int = 0) -> Path | None:
+        path = Path(handle["log_dir"]) / f"rank-{node_rank}.log"
+        return path if path.exists() else None
+
+    async def close(self) -> None:
+        """Forgets the processes it started; they keep running and a new backend object reattaches."""
+        self._children.clear()
+
+    # -- launching ---------------------------------------------------------------------------------------
+
+    def _launch(self, spec: LaunchSpec) -> Handle:
+        attempt_dir = self.root / spec.key
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        log_dir = Path(spec.log_dir) if str(spec.log_dir) not in ("", ".") else attempt_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        cwd = Path(spec.workdir) if spec.workdir is not None else attempt_dir
+        if not cwd.is_dir():
+            raise LaunchRefused(f"workdir {cwd} is not a folder")
+        self._mount(spec, cwd)
+        nodes = self._assign(spec)
+        handle: Handle = {
+            "backend": self.name,
+            "key": spec.key,
+            "dir": str(attempt_dir),
+            "log_dir": str(log_dir),
+            "num_nodes": spec.num_nodes,
+            "boot_id": self._boot_id,
+            "resources": {
+                "gpus": spec.resources.gpus,
+                "cpus": spec.resources.cpus,
+                "memory_gib": spec.resources.memory_gib,
+            },
+            "nodes": [
+                {"rank": n.rank, "node": n.node, "address": n.address, "gpu_indices": list(n.gpu_indices)}
+                for n in nodes
+            ],
+            "ranks": [],
+        }
+        for rank in range(spec.num_nodes):  # a relaunch after a crash before any process started
+            (log_dir / f"rank-{rank}.exit").unlink(missing_ok=True)
+        _write_atomic(attempt_dir / MARKER, json.dumps(handle))
+        ranks: list[dict[str, Any]] = []
+        try:
+            for node in nodes:
+                ranks.append(self._start_rank(spec, node, nodes, log_dir, cwd))
+        except OSError as exc:
+            for started in ranks:
+                _signal_group(started["pgid"], signal.SIGKILL)
+            (attempt_dir / MARKER).unlink(missing_ok=True)
+            raise LaunchRefused(f"cannot start the task: {exc}") from exc
+        handle["ranks"] = ranks
+        handle["pid"], handle["pgid"] = ranks[0]["pid"], ranks[0]["pgid"]
+        _write_atomic(attempt_dir / MARKER, json.dumps(handle))
+        return handle
+
+    def _assign(self, spec: LaunchSpec) -> list[NodeAssignment]:
+        if spec.nodes:
+            return sorted(spec.nodes, key=lambda n: n.rank)
+        return [
+            NodeAssignment(rank=r, node=self.node_name, address=self.address) for r in range(spec.num_nodes)
+        ]
+
+    def _mount(self, spec: LaunchSpec, cwd: Path) -> None:
+        """Local processes see the machine's files: a mount is a symlink in the workdir for a relative
+        path, nothing for an absolute path naming its own source, refused otherwise."""
+        for path, source, _read_only in spec.file_mounts:
+            target = Path(path)
+            if target.is_absolute():
+                if target != Path(source):
+                    raise LaunchRefused(f"the local backend cannot mount {source} at {path}")
+                continue
+            link = cwd / target
+            if not link.exists() and not link.is_symlink():
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(Path(source).resolve())
+
+    def _env(self, spec: LaunchSpec, node: NodeAssignment, nodes: Sequence[NodeAssignment]) -> dict[str, str]:
+        env = {name: os.environ[name] for name in self.inherit_env if name in os.environ}
+        env.update(spec.env)
+        ips = "\n".join(n.address or self.address for n in nodes)
+        env.setdefault("TANDEM_NUM_NODES", str(spec.num_nodes))
+        env.setdefault("SKYPILOT_NUM_NODES", str(spec.num_nodes))
+        env.setdefault("TANDEM_NODE_IPS", ips)
+        env.setdefault("SKYPILOT_NODE_IPS", ips)
+        env.setdefault("TANDEM_RESTART_COUNT", str(spec.attempt))
+        env["TANDEM_NODE_RANK"] = env["SKYPILOT_NODE_RANK"] = str(node.rank)
+        env[KEY_ENV] = spec.key
+        if node.gpu_indices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in node.gpu_indices)
+        return env
+
+    def _start_rank(
+        self,
+        spec: LaunchSpec,
+        node: NodeAssignment,
+        nodes: Sequence[NodeAssignment],
+        log_dir: Path,
+        cwd: Path,
+    ) -> dict[str, Any]:
+        log = log_dir / f"rank-{node.rank}.log"
+        exit_file = log_dir / f"rank-{node.rank}.exit"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                ["bash", "-c", _WRAPPER, "tandem-rank", spec.command, str(exit_file)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                env=self._env(spec, node, nodes),
+                start_new_session=True,
+            )
+        self._children[proc.pid] = proc
+        start = process_start_time(proc.pid, zombie=True)
+        return {
+            "rank": node.rank,
+            "pid": proc.pid,
+            "pgid": proc.pid,  # a new session leader leads its own process group
+            "start_time": start if start is not None else -1,
+            "exit_file": str(exit_file),
+            "log": str(log),
+        }
+
+    # -- watching ----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _read_marker(path: Path) -> Handle | None:
+        try:
+            data: Handle = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data
+
+    def _ranks(self, handle: Handle) -> list[_Rank]:
+        """The handle's ranks; after a reboot no pid is the attempt's any more (pid -1), but the exit files
+        still say how the ranks that finished ended."""
+        same_boot = handle.get("boot_id", "") == self._boot_id
+        return [
+            _Rank(
+                rank=int(r["rank"]),
+                pid=int(r["pid"]) if same_boot else -1,
+                pgid=int(r["pgid"]) if same_boot else -1,
+                start_time=int(r["start_time"]),
+                exit_file=Path(r["exit_file"]),
+                log=Path(r["log"]),
+            )
+            for r in handle.get("ranks", [])
+        ]
+
+    def _is_alive(self, rank: _Rank) -> bool:
+        if rank.pid <= 0:
+            return False
+        child = self._children.get(rank.pid)
+        if child is not None:  # our own unreaped child: its pid cannot have been reused
+            return child.poll() is None
+        return process_start_time(rank.pid) == rank.start_time
+
+    def _alive_ranks(self, handle: Handle) -> list[_Rank]:
+        return [r for r in self._ranks(handle) if self._is_alive(r)]
+
+    def _rank_exit(self, rank: _Rank) -> int | None:
+        """The rank's exit code once it ended: the wrapper's exit file, else the status of our own child."""
+        try:
+            return int(rank.exit_file.read_text().strip())
+        except (OSError, ValueError):
+            pass
+        child = self._children.get(rank.pid)
+        if child is not None and child.poll() is not None:
+            return _exit_code(child.returncode)
+        return None
+
+    def _stop_after_failure(self, attempt_dir: Path, rank: int, running: Sequence[_Rank]) -> None:
+        """SIGTERM to the ranks still running once a rank failed, SIGKILL after `failure_grace_s`; the first
+        failed rank is recorded so the attempt reports its code, not the code of the ranks stopped after."""
+        first = _first_failure(attempt_dir)
+        if first is None:
+            first = (time.time(), rank)
+            _write_atomic(attempt_dir / FAILED_AT, json.dumps({"time": first[0], "rank": rank}))
+        sig = signal.SIGKILL if time.time() - first[0] > self.failure_grace_s else signal.SIGTERM
+        for r in running:
+            _signal_group(r.pgid, sig)
+
+    @staticmethod
+    def _nodes(handle: Handle) -> list[NodeAssignment]:
+        return [
+            NodeAssignment(
+                rank=int(n["rank"]),
+                node=str(n.get("node", "")),
+                address=str(n.get("address", "")),
+                gpu_indices=tuple(int(i) for i in n.get("gpu_indices", [])),
+            )
+            for n in handle.get("nodes", [])
+        ]

@@ -1,0 +1,439 @@
+"""The backend conformance suite: the same tests against every job backend, on real processes and a real
+one-node Slurm cluster (tests/support/slurm.py).
+
+To add a backend, write a factory `(request, tmp_path) -> Case` and add it to `FACTORIES` and to the `case`
+fixture's params; tests that need something a backend cannot do check the `Case` flags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.scheduler.backends.base import (
+    Backend,
+    BackendUnavailable,
+    Handle,
+    LaunchRefused,
+    LaunchSpec,
+    NodeAssignment,
+    Observed,
+    Phase,
+    Resources,
+)
+from services.scheduler.backends.local import LocalBackend
+from services.scheduler.backends.slurm import SlurmBackend, nice_for, observe
+from tests.support.slurm import SlurmCluster, slurm_cluster
+
+__all__ = ["slurm_cluster"]  # the session fixture, imported so pytest finds it
+
+WAIT_S = 60.0  # a bound so a broken backend fails the test instead of hanging it; never a timing claim
+
+
+@dataclass
+class Case:
+    """One backend under test, and how to build what the tests hand it."""
+
+    kind: str
+    backend: Backend
+    fresh: Callable[[], Backend]  # a new backend object, as a restarted scheduler builds it
+    root: Path
+    multi_node: bool = True  # can run a task on several nodes here
+    process_tree: bool = False  # the test can see the task's processes (same machine, same pid space)
+    requeue: Callable[[Handle], None] | None = None  # make the backend itself requeue a running attempt
+    release: Callable[[Handle], None] = lambda _: None  # let a requeued attempt start again now
+    _count: list[int] = field(default_factory=lambda: [0])
+
+    def spec(self, command: str, **kwargs: Any) -> LaunchSpec:
+        self._count[0] += 1
+        # unique across the session: the Slurm cluster outlives a test and remembers finished jobs' names
+        key = kwargs.pop("key", f"orgs-acme-jobs-j{self._count[0]}-{uuid.uuid4().hex[:8]}.main.0")
+        return LaunchSpec(
+            key=key,
+            job=f"orgs/acme/jobs/j{self._count[0]}",
+            task="main",
+            attempt=0,
+            command=command,
+            env=kwargs.pop("env", {"TANDEM_JOB": f"orgs/acme/jobs/j{self._count[0]}"}),
+            log_dir=self.root / key,
+            **kwargs,
+        )
+
+
+def _local(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
+    root = tmp_path / "local"
+
+    def make() -> Backend:
+        return LocalBackend(root / "attempts", gpus=0, failure_grace_s=2.0)
+
+    yield Case("local", make(), make, root / "logs", process_tree=True)
+
+
+def _slurm(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
+    cluster: SlurmCluster = request.getfixturevalue("slurm_cluster")
+
+    def requeue(handle: Handle) -> None:
+        cluster.run("scontrol", "requeue", str(handle["job_id"]))
+
+    def release(handle: Handle) -> None:  # Slurm holds a requeued job back for a while (BeginTime)
+        cluster.run("scontrol", "update", f"jobid={handle['job_id']}", "StartTime=now")
+
+    def make() -> Backend:
+        return SlurmBackend(env=cluster.env)
+
+    yield Case("slurm", make(), make, tmp_path / "slurm", multi_node=False, requeue=requeue, release=release)
+
+
+FACTORIES = {"local": _local, "slurm": _slurm}
+
+
+@pytest.fixture(params=["local", pytest.param("slurm", marks=pytest.mark.slow)])
+async def case(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    factory = FACTORIES[request.param]
+    gen = factory(request, tmp_path)
+    c = next(gen)
+    yield c
+    await c.backend.close()
+    for _ in gen:
+        pass
+
+
+async def wait_until(
+    backend: Backend, handle: Handle, done: Callable[[Observed], bool], timeout_s: float = WAIT_S
+) -> Observed:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        observed = await backend.poll(handle)
+        if done(observed) or time.monotonic() > deadline:
+            return observed
+        await asyncio.sleep(0.1)
+
+
+def ended(o: Observed) -> bool:
+    return o.phase in (Phase.EXITED, Phase.LOST)
+
+
+def running(o: Observed) -> bool:
+    return o.phase is Phase.RUNNING or ended(o)
+
+
+async def run_to_end(case: Case, spec: LaunchSpec) -> tuple[Handle, Observed]:
+    handle = await case.backend.launch(spec)
+    return handle, await wait_until(case.backend, handle, ended)
+
+
+def log_text(case: Case, handle: Handle, rank: int = 0) -> str:
+    path = case.backend.logs(handle, rank)
+    return path.read_text() if path else ""
+
+
+# -- the conformance suite -------------------------------------------------------------------------------
+
+
+async def test_exit_zero_and_logs(case: Case) -> None:
+    handle, observed = await run_to_end(case, case.spec("echo out-line; echo err-line >&2"))
+    assert observed.phase is Phase.EXITED and observed.exit_code == 0, observed
+    json.dumps(handle)  # the engine stores it as JSON
+    log = log_text(case, handle)
+    assert "out-line" in log and "err-line" in log
+
+
+async def test_exit_code_is_reported(case: Case) -> None:
+    _, observed = await run_to_end(case, case.spec("echo before; exit 3"))
+    assert observed.phase is Phase.EXITED and observed.exit_code == 3, observed
+
+
+async def test_failing_command_stops_the_script(case: Case) -> None:
+    """bash -euo pipefail: a failing step (even inside a pipe) ends the script with its code."""
+    handle, observed = await run_to_end(case, case.spec("false | cat; echo not-reached"))
+    assert observed.phase is Phase.EXITED and observed.exit_code == 1, observed
+    assert "not-reached" not in log_text(case, handle)
+
+
+async def test_environment(case: Case) -> None:
+    command = 'echo "rank=$TANDEM_NODE_RANK sky=$SKYPILOT_NODE_RANK foo=$FOO n=$TANDEM_NUM_NODES ips=$TANDEM_NODE_IPS"'
+    spec = case.spec(command, env={"FOO": "two words", "TANDEM_JOB": "orgs/acme/jobs/x"})
+    handle, observed = await run_to_end(case, spec)
+    assert observed.exit_code == 0, observed
+    log = log_text(case, handle)
+    assert "rank=0 sky=0 foo=two words n=1 ips=" in log
+    assert "ips=\n" not in log  # the node's address is there
+
+
+async def test_scheduler_environment_does_not_leak(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_MESH_KEY", "not-for-tasks")
+    handle, observed = await run_to_end(case, case.spec('echo "key=${TANDEM_MESH_KEY:-unset}"'))
+    assert observed.exit_code == 0
+    assert "key=unset" in log_text(case, handle)
+
+
+@pytest.mark.slow
+async def test_cancel_ends_a_sleeping_task(case: Case) -> None:
+    pids = case.root / "pids"
+    command = f"sleep 30 & echo $! >> {pids}; sleep 30 & echo $! >> {pids}; echo started; wait"
+    handle = await case.backend.launch(case.spec(command))
+    assert (await wait_until(case.backend, handle, running)).phase is Phase.RUNNING
+    await wait_until(case.backend, handle, lambda o: pids.exists() and len(pids.read_text().split()) == 2)
+    await case.backend.cancel(handle, grace_s=2.0)
+    observed = await wait_until(case.backend, handle, ended)
+    assert observed.phase is Phase.EXITED and observed.exit_code != 0, observed
+    await case.backend.cancel(handle, grace_s=0.5)  # idempotent
+    if case.process_tree:
+        for pid in map(int, pids.read_text().split()):
+            assert not _alive(pid), f"child {pid} of the task survived cancel"
+
+
+@pytest.mark.slow
+async def test_cancel_kills_what_ignores_sigterm(case: Case) -> None:
+    handle = await case.backend.launch(case.spec("trap '' TERM; echo started; sleep 30"))
+    await wait_until(case.backend, handle, lambda o: "started" in log_text(case, handle) or ended(o))
+    await case.backend.cancel(handle, grace_s=0.5)
+    observed = await wait_until(case.backend, handle, ended)
+    assert observed.phase is Phase.EXITED and observed.exit_code != 0, observed
+
+
+async def test_launch_is_idempotent_per_key(case: Case) -> None:
+    runs = case.root / "runs"
+    spec = case.spec(f"echo run >> {runs}; sleep 1")
+    first, second = await asyncio.gather(case.backend.launch(spec), case.backend.launch(spec))
+    third = await case.fresh().launch(spec)  # another scheduler object, same key
+    assert first == second == third
+    await wait_until(case.backend, first, ended)
+    assert runs.read_text().split() == ["run"]
+
+
+async def test_find_after_a_lost_launch(case: Case) -> None:
+    spec = case.spec("sleep 0.5")
+    handle = await case.backend.launch(spec)  # the scheduler "dies" before storing the handle
+    restarted = case.fresh()
+    found = await restarted.find(spec.key)
+    assert found == handle
+    assert (await wait_until(restarted, found, ended)).exit_code == 0
+    assert await restarted.find("orgs-acme-jobs-never.main.0") is None
+
+
+async def test_reattach_after_restart(case: Case) -> None:
+    handle = await case.backend.launch(case.spec("echo hi; sleep 1; exit 5"))
+    assert (await wait_until(case.backend, handle, running)).phase is Phase.RUNNING
+    stored = json.loads(json.dumps(handle))
+    restarted = case.fresh()  # not the parent of the task's processes
+    observed = await restarted.poll(stored)
+    assert observed.phase in (Phase.QUEUED, Phase.RUNNING, Phase.EXITED), observed
+    observed = await wait_until(restarted, stored, ended)
+    assert observed.phase is Phase.EXITED and observed.exit_code == 5, observed
+    assert "hi" in log_text(case, stored)
+
+
+async def test_two_nodes(case: Case) -> None:
+    if not case.multi_node:
+        pytest.skip(f"the {case.kind} test cluster has one node")
+    spec = case.spec('echo "rank=$TANDEM_NODE_RANK sky=$SKYPILOT_NODE_RANK"', num_nodes=2)
+    handle, observed = await run_to_end(case, spec)
+    assert observed.exit_code == 0, observed
+    assert "rank=0 sky=0" in log_text(case, handle, 0)
+    assert "rank=1 sky=1" in log_text(case, handle, 1)
+
+
+@pytest.mark.slow
+async def test_one_failing_node_ends_the_attempt(case: Case) -> None:
+    if not case.multi_node:
+        pytest.skip(f"the {case.kind} test cluster has one node")
+    command = 'if [ "$TANDEM_NODE_RANK" = 1 ]; then exit 3; fi; sleep 30'
+    _, observed = await run_to_end(case, case.spec(command, num_nodes=2))
+    assert observed.phase is Phase.EXITED and observed.exit_code == 3, observed
+
+
+@pytest.mark.slow
+async def test_backend_requeue_shows_as_preempted_then_running(case: Case) -> None:
+    if case.requeue is None:
+        pytest.skip(f"{case.kind} does not requeue by itself")
+    handle = await case.backend.launch(case.spec("echo run; sleep 30", requeue_on_failure=True))
+    assert (await wait_until(case.backend, handle, running)).phase is Phase.RUNNING
+    case.requeue(handle)
+    observed = await wait_until(case.backend, handle, lambda o: o.phase is not Phase.RUNNING)
+    assert observed.phase is Phase.QUEUED and observed.preempted, observed
+    case.release(handle)
+    observed = await wait_until(case.backend, handle, running)
+    assert observed.phase is Phase.RUNNING, observed
+    await case.backend.cancel(handle, grace_s=1.0)
+
+
+async def test_inventory(case: Case) -> None:
+    nodes = await case.backend.inventory()
+    assert nodes and all(n.name and n.cpus > 0 and n.memory_gib > 0 and n.up for n in nodes)
+    assert all(0 <= n.cpus_free <= n.cpus and 0 <= n.gpus_free <= n.gpus for n in nodes)
+
+
+async def test_a_key_that_is_no_name_is_refused(case: Case) -> None:
+    with pytest.raises(LaunchRefused):
+        await case.backend.launch(case.spec("true", key="../escape"))
+
+
+# -- local only --------------------------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+async def test_local_reused_pid_is_not_the_task(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path / "attempts", gpus=0)
+    spec = LaunchSpec(
+        key="k.main.0", job="j", task="main", attempt=0, command="sleep 30", env={}, log_dir=tmp_path
+    )
+    handle = await backend.launch(spec)
+    impostor = json.loads(json.dumps(handle))
+    for rank in impostor["ranks"]:
+        rank["start_time"] += 1  # same pid, another process
+    observed = await LocalBackend(tmp_path / "attempts", gpus=0).poll(impostor)
+    assert observed.phase is Phase.LOST, observed
+    await backend.cancel(handle, grace_s=1.0)
+
+
+async def test_local_gpu_assignment_and_inventory(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path / "attempts", gpus=4, gpu_type="H100", cpus=8, memory_gib=32)
+    spec = LaunchSpec(
+        key="k.main.0",
+        job="j",
+        task="main",
+        attempt=0,
+        command='echo "cuda=$CUDA_VISIBLE_DEVICES"; sleep 30',
+        env={},
+        log_dir=tmp_path / "logs",
+        resources=Resources(gpus=2, cpus=2, memory_gib=4),
+        nodes=[NodeAssignment(rank=0, gpu_indices=(1, 3))],
+    )
+    handle = await backend.launch(spec)
+    [node] = await backend.inventory()
+    assert (node.gpus, node.gpus_free, node.cpus_free, node.memory_free_gib) == (4, 2, 6, 28)
+    await wait_until(backend, handle, lambda o: "cuda=" in (log_text_of(backend, handle)))
+    assert "cuda=1,3" in log_text_of(backend, handle)
+    await backend.cancel(handle, grace_s=1.0)
+    [node] = await backend.inventory()
+    assert node.gpus_free == 4
+
+
+def log_text_of(backend: Backend, handle: Handle) -> str:
+    path = backend.logs(handle, 0)
+    return path.read_text() if path else ""
+
+
+async def test_local_find_completes_a_marker_written_before_the_crash(tmp_path: Path) -> None:
+    """The scheduler died after starting the processes but before recording them in the marker."""
+    backend = LocalBackend(tmp_path / "attempts", gpus=0)
+    spec = LaunchSpec(
+        key="k.main.0", job="j", task="main", attempt=0, command="sleep 30", env={}, log_dir=tmp_path
+    )
+    handle = await backend.launch(spec)
+    marker = tmp_path / "attempts" / "k.main.0" / "launch.json"
+    partial = json.loads(marker.read_text())
+    partial["ranks"] = []
+    marker.write_text(json.dumps(partial))
+    found = await LocalBackend(tmp_path / "attempts", gpus=0).find("k.main.0")
+    assert found is not None and found["pid"] == handle["pid"]
+    await backend.cancel(handle, grace_s=1.0)
+
+
+async def test_local_killed_from_outside_is_lost(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path / "attempts", gpus=0)
+    spec = LaunchSpec(
+        key="k.main.0", job="j", task="main", attempt=0, command="sleep 30", env={}, log_dir=tmp_path
+    )
+    handle = await backend.launch(spec)
+    os.killpg(handle["pgid"], signal.SIGKILL)
+    observed = await wait_until(LocalBackend(tmp_path / "attempts", gpus=0), handle, ended)
+    assert observed.phase is Phase.LOST, observed
+
+
+# -- Slurm only --------------------------------------------------------------------------------------------
+
+
+def test_slurm_state_mapping() -> None:
+    assert observe({"JobState": "PENDING", "Reason": "Resources"}).phase is Phase.QUEUED
+    assert observe({"JobState": "PENDING", "Reason": "BeginTime", "Restarts": "1"}).preempted
+    assert observe({"JobState": "REQUEUED"}).preempted
+    assert observe({"JobState": "COMPLETING"}).phase is Phase.RUNNING
+    assert observe({"JobState": "COMPLETED", "ExitCode": "0:0"}).exit_code == 0
+    assert observe({"JobState": "FAILED", "ExitCode": "3:0"}).exit_code == 3
+    assert observe({"JobState": "CANCELLED", "ExitCode": "0:15"}).exit_code == 143
+    assert observe({"JobState": "TIMEOUT", "ExitCode": "0:0"}).exit_code == 143
+    assert observe({"JobState": "NODE_FAIL"}).phase is Phase.LOST
+    preempted = observe({"JobState": "PREEMPTED"})
+    assert preempted.phase is Phase.LOST and preempted.preempted
+    assert [nice_for(p) for p in (0, 500, 1000, 5000)] == [1000, 500, 0, 0]
+
+
+def test_slurm_submission_arguments(tmp_path: Path) -> None:
+    backend = SlurmBackend(partition="gpu", account="rl", qos="normal", qos_by_priority=[(900, "high")])
+    spec = LaunchSpec(
+        key="k.main.0",
+        job="j",
+        task="main",
+        attempt=0,
+        command="echo hi",
+        env={"A": "it's"},
+        num_nodes=2,
+        resources=Resources(gpus=8, gpu_type="h100", cpus=7.5, memory_gib=1.5),
+        log_dir=tmp_path,
+        priority=950,
+        time_limit_s=90061,
+        requeue_on_failure=True,
+    )
+    args = backend.sbatch_args(spec)
+    for expected in (
+        "--job-name=k.main.0",
+        "--nodes=2",
+        "--gres=gpu:h100:8",
+        "--cpus-per-task=8",
+        "--mem=1536M",
+        "--time=1-01:01:01",
+        "--requeue",
+        "--nice=50",
+        "--partition=gpu",
+        "--account=rl",
+        "--qos=high",
+        f"--output={tmp_path / 'batch.log'}",
+    ):
+        assert expected in args
+    script = backend.batch_script(spec)
+    assert script.startswith("#!/bin/bash\n") and "export A='it'\"'\"'s'" in script and "srun " in script
+
+
+@pytest.mark.slow
+async def test_slurm_refuses_what_it_cannot_run(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    backend = SlurmBackend(env=slurm_cluster.env)
+    spec = LaunchSpec(
+        key="k.gpu.0", job="j", task="gpu", attempt=0, command="true", env={}, log_dir=tmp_path,
+        resources=Resources(gpus=1),
+    )  # fmt: skip
+    with pytest.raises(LaunchRefused, match="gres"):
+        await backend.launch(spec)
+
+
+@pytest.mark.slow
+async def test_slurm_unreachable_is_backend_unavailable(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    conf = tmp_path / "slurm.conf"
+    lines = slurm_cluster.conf.read_text().splitlines()
+    conf.write_text(
+        "\n".join("SlurmctldPort=1" if x.startswith("SlurmctldPort=") else x for x in lines) + "\n"
+    )
+    backend = SlurmBackend(env={"SLURM_CONF": str(conf)})
+    spec = LaunchSpec(
+        key="k.main.0", job="j", task="main", attempt=0, command="true", env={}, log_dir=tmp_path
+    )
+    with pytest.raises(BackendUnavailable, match="contact"):
+        await backend.launch(spec)
