@@ -148,6 +148,7 @@ class FakeKubeApi:
         self.requests: list[tuple[str, str]] = []  # (method, path)
         self.created: list[Json] = []  # every object the client created, as sent
         self._refusals: list[str] = []
+        self._forbidden: set[str] = set()
         self._lock = threading.RLock()
         self._versions = itertools.count(1)
         self._processes: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
@@ -237,12 +238,13 @@ class FakeKubeApi:
                 self._terminate(pod, codes.get(rank, 0))
             self._settle(namespace, name)
 
-    def evict_pod(self, namespace: str, name: str, rank: int, reason: str = "Evicted") -> None:
+    def evict_pod(self, namespace: str, name: str, rank: int, reason: str = "Evicted", by: str = "") -> None:
         """The pod of `rank` is evicted (reason `Evicted`) or preempted (`Preempting`), with the
-        DisruptionTarget condition Kubernetes adds; the Job fails."""
+        DisruptionTarget condition Kubernetes adds (reason `by`, e.g. `DeletionByPodGC` when its node is
+        gone); the Job fails."""
         with self._lock:
             pod = self.pods(namespace, name)[rank]
-            by = "PreemptionByScheduler" if reason == "Preempting" else "TerminationByKubelet"
+            by = by or ("PreemptionByScheduler" if reason == "Preempting" else "TerminationByKubelet")
             pod["status"].update(
                 reason=reason,
                 message=f"The pod was {'preempted' if reason == 'Preempting' else 'evicted'}",
@@ -250,6 +252,21 @@ class FakeKubeApi:
             )
             self._terminate(pod, 137)
             self._settle(namespace, name)
+
+    def fail_job(self, namespace: str, name: str, reason: str, message: str) -> None:
+        """The Job controller fails the Job itself (e.g. `DeadlineExceeded`) and stops its pods."""
+        with self._lock:
+            for pod in self.pods(namespace, name).values():
+                self._terminate(pod, 137)
+            job = self.job(namespace, name)
+            job["status"].update(active=0, failed=len(self.pods(namespace, name)))
+            job["status"]["conditions"] = [
+                {"type": "Failed", "status": "True", "reason": reason, "message": message}
+            ]
+
+    def forbid(self, plural: str) -> None:
+        """Every request on `plural` (e.g. "priorityclasses") answers 403 Forbidden, as RBAC would."""
+        self._forbidden.add(plural)
 
     def set_log(self, namespace: str, job: str, rank: int, text: str) -> None:
         with self._lock:
@@ -306,6 +323,8 @@ class FakeKubeApi:
         if not found or found.group("plural") not in _KINDS:
             return self._reply(request, 404, _status(404, "NotFound", f"no route for {url.path}"))
         plural, name = found.group("plural"), found.group("name")
+        if plural in self._forbidden:
+            return self._reply(request, 403, _status(403, "Forbidden", f"{plural} is forbidden"))
         namespace = found.group("ns") or ""
         with self._lock:
             code, answer = self._route(method, plural, namespace, name, bool(found.group("log")), query, body)

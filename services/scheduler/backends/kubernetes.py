@@ -76,6 +76,7 @@ LABEL_ATTEMPT = "tandem.dev/attempt"
 LABEL_KEY = "tandem.dev/key"
 ANNOTATION_KEY = "tandem.dev/key"
 ANNOTATION_JOB = "tandem.dev/job"
+ANNOTATION_LOG_DIR = "tandem.dev/log-dir"  # the scheduler's folder for the attempt's logs, for `find`
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 CONTAINER = "task"
@@ -265,12 +266,14 @@ class KubernetesBackend:
             "completions": nodes,
             "parallelism": nodes,
             "backoffLimit": 0,
-            "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec},
+            "template": {"metadata": {"labels": labels, "annotations": dict(annotations)}, "spec": pod_spec},
         }
         if spec.time_limit_s > 0:
             job_spec["activeDeadlineSeconds"] = max(1, round(spec.time_limit_s))
         if self.ttl_after_finished_s is not None:
             job_spec["ttlSecondsAfterFinished"] = self.ttl_after_finished_s
+        if _has_log_dir(spec.log_dir):
+            annotations[ANNOTATION_LOG_DIR] = str(spec.log_dir)
         return {
             "apiVersion": "batch/v1",
             "kind": "Job",
@@ -425,44 +428,45 @@ class KubernetesBackend:
             spec = job.get("spec", {})
             nodes = int(spec.get("completions") or 1)
             pod_spec = spec.get("template", {}).get("spec", {})
+            log_dir = annotations.get(ANNOTATION_LOG_DIR)
             return self._handle(
                 key,
                 str(metadata["name"]),
                 str(metadata.get("uid", "")),
                 nodes,
                 str(pod_spec.get("subdomain", "")),
-                None,
+                Path(log_dir) if log_dir else None,
             )
         return None
 
     async def poll(self, handle: Handle) -> Observed:
-        name = str(handle["job"])
+        name, namespace = str(handle["job"]), _namespace(handle, self.namespace)
         try:
-            job = await self._call(self._batch.read_namespaced_job, name, self.namespace, missing_ok=True)
+            job = await self._call(self._batch.read_namespaced_job, name, namespace, missing_ok=True)
         except _Missing:
             return Observed(Phase.LOST, message=f"Job {name} no longer exists (deleted)")
-        pods = await self._pods(str(handle["key"]))
+        pods = await self._pods(handle)
         observed = _observe(job, pods, int(handle.get("num_nodes", 1)))
         if observed.phase in (Phase.EXITED, Phase.LOST) and handle.get("log_dir"):
             await self._refresh_logs(handle, pods)
         return observed
 
     async def cancel(self, handle: Handle, grace_s: float = 10.0) -> None:
-        name = str(handle["job"])
+        name, namespace = str(handle["job"]), _namespace(handle, self.namespace)
         grace = max(0, round(grace_s))
-        if handle.get("log_dir"):
+        if handle.get("log_dir"):  # the pods' logs go with the pods: keep what they wrote so far
             with contextlib.suppress(BackendUnavailable):
-                await self._refresh_logs(handle, await self._pods(str(handle["key"])))
+                await self._refresh_logs(handle, await self._pods(handle))
         options = {"propagationPolicy": "Foreground", "gracePeriodSeconds": grace}
         with contextlib.suppress(_Missing):
             await self._call(
-                self._batch.delete_namespaced_job, name, self.namespace, body=options, missing_ok=True
+                self._batch.delete_namespaced_job, name, namespace, body=options, missing_ok=True
             )
         # The garbage collector would stop the pods with their own terminationGracePeriodSeconds; deleting
         # them here applies this call's grace (SIGTERM now, SIGKILL after grace_s).
         await self._call(
             self._core.delete_collection_namespaced_pod,
-            self.namespace,
+            namespace,
             label_selector=self._selector(str(handle["key"])),
             grace_period_seconds=grace,
         )
@@ -547,7 +551,7 @@ class KubernetesBackend:
             "num_nodes": nodes,
             "service": service,
         }
-        if log_dir is not None and str(log_dir) not in ("", "."):
+        if log_dir is not None and _has_log_dir(log_dir):
             handle["log_dir"] = str(log_dir)
         return handle
 
@@ -555,7 +559,9 @@ class KubernetesBackend:
         if band.name in self._priority_classes_ready:
             return
         try:
-            await self._call(self._scheduling.read_priority_class, band.name, missing_ok=True)
+            await self._call(
+                self._scheduling.read_priority_class, band.name, missing_ok=True, forbidden_ok=True
+            )
         except _Missing:
             with contextlib.suppress(_Conflict):
                 await self._call(
@@ -564,16 +570,17 @@ class KubernetesBackend:
                     refusal=True,
                     conflict_ok=True,
                 )
+        except _Forbidden:  # no cluster-wide rights: the deployment is expected to have created them
+            log.warning("kubernetes: may not read PriorityClass %s; assuming it exists", band.name)
         self._priority_classes_ready.add(band.name)
 
     @staticmethod
     def _selector(key: str) -> str:
         return f"{MANAGED_BY}=tandem,{LABEL_KEY}={label_value(key)}"
 
-    async def _pods(self, key: str) -> list[Json]:
-        listed = await self._call(
-            self._core.list_namespaced_pod, self.namespace, label_selector=self._selector(key)
-        )
+    async def _pods(self, handle: Handle) -> list[Json]:
+        namespace, selector = _namespace(handle, self.namespace), self._selector(str(handle["key"]))
+        listed = await self._call(self._core.list_namespaced_pod, namespace, label_selector=selector)
         return list(listed.get("items", []))
 
     def _schedule_log_refresh(self, handle: Handle, node_rank: int) -> None:
@@ -606,7 +613,7 @@ class KubernetesBackend:
         log_dir = Path(str(handle["log_dir"]))
         try:
             if pods is None:
-                pods = await self._pods(str(handle["key"]))
+                pods = await self._pods(handle)
             for rank, item in _latest_pod_per_rank(pods).items():
                 if only_rank is not None and rank != only_rank:
                     continue
@@ -615,7 +622,7 @@ class KubernetesBackend:
                     text = await self._call(
                         self._core.read_namespaced_pod_log,
                         pod_name,
-                        self.namespace,
+                        _namespace(handle, self.namespace),
                         container=CONTAINER,
                         raw=True,
                         missing_ok=True,
@@ -633,6 +640,7 @@ class KubernetesBackend:
         refusal: bool = False,
         conflict_ok: bool = False,
         missing_ok: bool = False,
+        forbidden_ok: bool = False,
         raw: bool = False,
         **kwargs: Any,
     ) -> Any:
@@ -656,6 +664,8 @@ class KubernetesBackend:
                 raise _Missing(message) from None
             if status == 409 and conflict_ok:
                 raise _Conflict(message) from None
+            if status == 403 and forbidden_ok:
+                raise _Forbidden(message) from None
             if status in {0, 429} or status >= 500:
                 raise BackendUnavailable(f"Kubernetes API: {message}") from None
             if refusal:
@@ -669,12 +679,24 @@ class KubernetesBackend:
             raise BackendUnavailable(f"Kubernetes API unreachable: {error}") from None
 
 
+def _namespace(handle: Handle, default: str) -> str:
+    return str(handle.get("namespace") or default)
+
+
 class _Missing(Exception):
     pass
 
 
 class _Conflict(Exception):
     pass
+
+
+class _Forbidden(Exception):
+    pass
+
+
+def _has_log_dir(log_dir: Path) -> bool:
+    return str(log_dir) not in ("", ".")
 
 
 def _load_configuration() -> k8s.Configuration:
@@ -752,18 +774,24 @@ def _terminated(pod: Json) -> Json | None:
     return None
 
 
-def _disruption(pod: Json) -> str:
-    """Why Kubernetes itself took the pod away (eviction, preemption, node drain), or ""."""
+_NODE_GONE = {"DeletionByTaintManager", "DeletionByPodGC", "NodeLost"}
+
+
+def _disruption(pod: Json) -> tuple[str, str]:
+    """How Kubernetes itself took the pod away: ("preempted", why) for a preemption, an eviction or a node
+    shutdown; ("node", why) when its node is gone; ("", "") when it did not."""
     status = pod.get("status", {})
     reason = str(status.get("reason") or "")
+    if reason in _NODE_GONE:
+        return "node", f"{reason}: {status.get('message') or 'the node is gone'}"
     if reason in ("Evicted", "Preempting", "Preempted", "Shutdown", "Terminated", "NodeShutdown"):
-        return f"{reason}: {status.get('message') or 'the pod was stopped by Kubernetes'}"
+        return "preempted", f"{reason}: {status.get('message') or 'the pod was stopped by Kubernetes'}"
     for condition in status.get("conditions") or []:
         if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
-            return (
-                f"{condition.get('reason') or 'DisruptionTarget'}: {condition.get('message') or 'disrupted'}"
-            )
-    return ""
+            why = str(condition.get("reason") or "DisruptionTarget")
+            text = f"{why}: {condition.get('message') or 'disrupted'}"
+            return ("node" if why in _NODE_GONE else "preempted"), text
+    return "", ""
 
 
 def _condition(job: Json, kind: str) -> Json | None:
@@ -774,7 +802,9 @@ def _condition(job: Json, kind: str) -> Json | None:
 
 
 def _observe(job: Json, pods: list[Json], num_nodes: int) -> Observed:
-    """Map a Job and its pods to what the scheduler sees."""
+    """Map a Job and its pods to what the scheduler sees. The verdict waits for the Job's own terminal
+    condition (Complete or Failed, set once its pods have stopped), so an attempt never reads as ended while
+    some of its ranks still hold their GPUs."""
     per_rank = _latest_pod_per_rank(pods)
     nodes = tuple(
         NodeAssignment(
@@ -784,45 +814,50 @@ def _observe(job: Json, pods: list[Json], num_nodes: int) -> Observed:
         )
         for rank, pod in sorted(per_rank.items())
     )
-    disrupted = [(rank, reason) for rank, pod in sorted(per_rank.items()) if (reason := _disruption(pod))]
-    failed = _condition(job, "Failed") or _condition(job, "FailureTarget")
-    if _condition(job, "Complete") or _condition(job, "SuccessCriteriaMet"):
+    if _condition(job, "Complete"):
         return Observed(Phase.EXITED, exit_code=0, nodes=nodes)
-    if disrupted and (
-        failed or any(_pod_phase(per_rank[rank]) in ("Failed", "Unknown") for rank, _ in disrupted)
-    ):
-        rank, reason = disrupted[0]
-        code = int((_terminated(per_rank[rank]) or {}).get("exitCode", 137))
-        return Observed(
-            Phase.EXITED, exit_code=code, message=f"rank {rank}: {reason}", nodes=nodes, preempted=True
-        )
+    failed = _condition(job, "Failed")
     if failed:
-        for rank, pod in sorted(per_rank.items()):
-            ended = _terminated(pod)
-            if ended and int(ended.get("exitCode", 0)) != 0:
-                code = int(ended["exitCode"])
-                detail = ended.get("reason") or ""
-                message = f"rank {rank} exited with {code}" + (f" ({detail})" if detail else "")
-                if failed.get("reason") and failed["reason"] != "BackoffLimitExceeded":
-                    message += f"; Job {failed['reason']}: {failed.get('message', '')}"
-                return Observed(Phase.EXITED, exit_code=code, message=message, nodes=nodes)
-        reason = f"{failed.get('reason', 'Failed')}: {failed.get('message', '')}".strip(": ")
-        return Observed(
-            Phase.EXITED,
-            exit_code=137 if failed.get("reason") == "DeadlineExceeded" else 1,
-            message=reason,
-            nodes=nodes,
-        )
-    if any(_pod_phase(pod) == "Unknown" for pod in per_rank.values()):
-        return Observed(Phase.LOST, message="a pod's node stopped reporting (phase Unknown)", nodes=nodes)
+        return _failure(failed, per_rank, nodes)
     if job.get("spec", {}).get("suspend"):
         return Observed(Phase.QUEUED, message="the Job is suspended (queued by a quota manager)", nodes=nodes)
-    running = sum(1 for pod in per_rank.values() if _pod_phase(pod) in ("Running", "Succeeded"))
-    if running >= num_nodes or (running and not any(_pod_phase(p) == "Pending" for p in per_rank.values())):
-        return Observed(Phase.RUNNING, nodes=nodes)
+    phases = [_pod_phase(pod) for pod in per_rank.values()]
+    if "Unknown" in phases:
+        return Observed(Phase.RUNNING, message="a pod's node stopped reporting (phase Unknown)", nodes=nodes)
+    running = sum(phase in ("Running", "Succeeded", "Failed") for phase in phases)
+    if running and (running >= num_nodes or "Pending" not in phases):
+        message = "the Job is failing" if _condition(job, "FailureTarget") else ""
+        return Observed(Phase.RUNNING, message=message, nodes=nodes)
     if job.get("metadata", {}).get("deletionTimestamp"):
-        return Observed(Phase.RUNNING, message="the Job is being deleted", nodes=nodes)
+        return Observed(Phase.QUEUED, message="the Job is being deleted", nodes=nodes)
     return Observed(Phase.QUEUED, message=_pending_reason(per_rank), nodes=nodes)
+
+
+def _failure(failed: Json, per_rank: Mapping[int, Json], nodes: tuple[NodeAssignment, ...]) -> Observed:
+    """A Failed Job: preempted, its node gone, over its deadline, or a rank's own exit code."""
+    job_reason = str(failed.get("reason") or "Failed")
+    job_message = f"Job {job_reason}: {failed.get('message') or ''}".rstrip(": ")
+    if job_reason == "DeadlineExceeded":  # activeDeadlineSeconds: the time limit, the task's own doing
+        return Observed(Phase.EXITED, exit_code=137, message=job_message, nodes=nodes)
+    for rank, pod in sorted(per_rank.items()):
+        kind, why = _disruption(pod)
+        if kind == "node":
+            return Observed(Phase.LOST, message=f"rank {rank}: {why}", nodes=nodes)
+        if kind == "preempted":
+            code = int((_terminated(pod) or {}).get("exitCode", 137))
+            return Observed(
+                Phase.EXITED, exit_code=code, message=f"rank {rank}: {why}", nodes=nodes, preempted=True
+            )
+    for rank, pod in sorted(per_rank.items()):
+        ended = _terminated(pod)
+        if ended and int(ended.get("exitCode", 0)) != 0:
+            code = int(ended["exitCode"])
+            detail = f" ({ended['reason']})" if ended.get("reason") else ""
+            return Observed(
+                Phase.EXITED, exit_code=code, message=f"rank {rank} exited with {code}{detail}", nodes=nodes
+            )
+    # Failed with no failed container to read (the pods were removed): report the Job's own reason.
+    return Observed(Phase.EXITED, exit_code=1, message=job_message, nodes=nodes)
 
 
 def _pod_phase(pod: Json) -> str:

@@ -225,7 +225,7 @@ async def test_find_by_key_and_relaunch_returns_the_existing_handle(
     handle = await backend.launch(task)
     found = await backend.find(task.key)
     assert found is not None
-    assert {k: v for k, v in found.items()} == {k: v for k, v in handle.items() if k != "log_dir"}
+    assert found == handle  # the log folder too, from the Job's annotation
     again = await backend.launch(task)
     assert again == handle
     assert len([obj for obj in kube_api.created if obj["kind"] == "Job"]) == 1
@@ -288,6 +288,36 @@ async def test_an_evicted_or_preempted_pod_is_a_preemption(
     observed = await backend.poll(handle)
     assert observed.phase is Phase.EXITED and observed.preempted
     assert observed.message.startswith(f"rank 1: {reason}")
+
+
+async def test_a_pod_whose_node_is_gone_is_lost(
+    backend: KubernetesBackend, kube_api: FakeKubeApi, tmp_path: Path
+) -> None:
+    handle = await backend.launch(spec(tmp_path, num_nodes=2))
+    kube_api.start_job(NS, handle["job"])
+    kube_api.evict_pod(NS, handle["job"], rank=0, reason="NodeLost", by="DeletionByPodGC")
+    observed = await backend.poll(handle)
+    assert observed.phase is Phase.LOST and observed.message.startswith("rank 0: NodeLost")
+
+
+async def test_a_job_over_its_time_limit_fails_without_preemption(
+    backend: KubernetesBackend, kube_api: FakeKubeApi, tmp_path: Path
+) -> None:
+    handle = await backend.launch(spec(tmp_path, time_limit_s=60))
+    assert kube_api.job(NS, handle["job"])["spec"]["activeDeadlineSeconds"] == 60
+    kube_api.start_job(NS, handle["job"])
+    kube_api.fail_job(NS, handle["job"], "DeadlineExceeded", "Job was active longer than specified deadline")
+    observed = await backend.poll(handle)
+    assert (observed.phase, observed.exit_code, observed.preempted) == (Phase.EXITED, 137, False)
+    assert "DeadlineExceeded" in observed.message
+
+
+async def test_without_rights_on_priority_classes_it_assumes_the_deployed_ones(
+    backend: KubernetesBackend, kube_api: FakeKubeApi, tmp_path: Path
+) -> None:
+    kube_api.forbid("priorityclasses")
+    handle = await backend.launch(spec(tmp_path))
+    assert kube_api.job(NS, handle["job"])["spec"]["template"]["spec"]["priorityClassName"] == "tandem-low"
 
 
 async def test_a_deleted_job_is_lost(
