@@ -8,7 +8,7 @@ NPM_STAMP := node_modules/.installed
 HAND_WRITTEN := $(wildcard mesh services gateway trainer tandem_taskapp examples scripts benchmarks tests)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast up demo bench-events bench-vault bench-weights bench-async clean
+.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast up demo bench-events bench-vault bench-weights bench-async bench-scheduler clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -83,6 +83,9 @@ bench-weights: setup  ## weight sync: packed gloo broadcast of 10M-500M models a
 
 bench-async: setup  ## async RL (max_staleness 2) against on-policy on the demo task: time to mean reward 0.8
 	$(PY) benchmarks/async_vs_sync.py
+
+bench-scheduler: setup  ## scheduler: submit-to-running latency against a direct spawn, one admission pass over 10,000 jobs against a sort
+	$(PY) benchmarks/scheduler.py
 
 clean:  ## remove the virtual environment, Node tools and local state
 	rm -rf $(VENV) node_modules .tandem .pytest_cache .mypy_cache .ruff_cache

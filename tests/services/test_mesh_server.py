@@ -18,7 +18,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from tandem.gateway.v1 import gateway_service_pb2, gateway_service_pb2_grpc, server_info_pb2
-from tandem.scheduler.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
 from tandem.vault.v1 import vault_service_pb2, vault_service_pb2_grpc
 
 from mesh.clients import ClientFactory, open_channel
@@ -131,10 +130,10 @@ async def test_unknown_method_is_unimplemented(mesh: Mesh) -> None:
 
 async def test_method_not_written_yet_answers_unimplemented_with_reason(mesh: Mesh) -> None:
     token = signer_of(mesh).issue("service", "test")
-    async with open_channel(mesh.address("scheduler"), mesh.settings, token=token) as channel:
-        stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
+    async with open_channel(mesh.address("gateway"), mesh.settings, token=token) as channel:
+        stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
         with pytest.raises(RpcError) as info:
-            await stub.ListJobs(scheduler_service_pb2.ListJobsRequest(parent="orgs/acme"))
+            await stub.GetOrg(gateway_service_pb2.GetOrgRequest(name="orgs/acme"))
     assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
     assert info.value.reason == "NOT_IMPLEMENTED"
 

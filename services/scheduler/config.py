@@ -1,0 +1,84 @@
+"""Settings of the scheduler alone (`TANDEM_SCHEDULER_*`), beside the shared `mesh.settings.Settings`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+BackendName = Literal["local", "slurm", "kubernetes"]
+
+
+class LocalSettings(BaseModel):
+    """The local backend: processes on the scheduler's machine. Unset counts are read from the machine."""
+
+    gpus: int | None = Field(None, ge=0, description="GPUs to hand out (CUDA_VISIBLE_DEVICES indices).")
+    gpu_type: str | None = Field(None, description="The GPU model reported; unset: what nvidia-smi says.")
+    cpus: float | None = Field(None, ge=0, description="CPU cores to hand out.")
+    memory_gib: float | None = Field(None, ge=0, description="Memory to hand out, in GiB.")
+
+
+class SlurmSettings(BaseModel):
+    """The Slurm backend (`sbatch`, `squeue`, `sacct`, `scancel` on the scheduler's PATH)."""
+
+    enabled: bool = Field(False, description="Run jobs on Slurm too (adds `slurm` to `backends`).")
+    partition: str = Field("", description="Default `--partition`; a spec's `slurm.partition` wins.")
+    account: str = Field("", description="Default `--account`.")
+    qos: str = Field("", description="Default `--qos`.")
+    cluster: str = Field("", description="`--clusters` for a multi-cluster setup; empty for the default.")
+
+
+class KubernetesSettings(BaseModel):
+    """The Kubernetes backend (kubeconfig or in-cluster credentials)."""
+
+    enabled: bool = Field(False, description="Run jobs on Kubernetes too (adds `kubernetes` to `backends`).")
+    image: str = Field("", description="The container image tasks run in (Tandem installed).")
+    namespace: str = Field("default", description="Namespace for the Jobs the scheduler creates.")
+    service_account: str = Field("", description="Service account of the task pods; empty for the default.")
+
+
+class SchedulerSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_SCHEDULER_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    backends: list[BackendName] = Field(
+        default_factory=lambda: list[BackendName](["local"]),
+        description="The backends jobs may run on. `slurm` needs the Slurm settings of its backend; "
+        "`kubernetes` a kubeconfig or in-cluster credentials.",
+    )
+    local: LocalSettings = Field(default_factory=LocalSettings)
+    slurm: SlurmSettings = Field(default_factory=SlurmSettings)
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
+    default_backend: BackendName = Field("local", description="Where a spec without `backend` runs.")
+    work_dir: Path | None = Field(
+        None,
+        description="Folder for task logs, trainer configs and outputs (on storage the nodes share for "
+        "Slurm). Default state_dir/scheduler.",
+    )
+    pass_interval_s: float = Field(0.2, gt=0, description="Seconds between reconcile passes.")
+    cancel_grace_s: float = Field(10.0, ge=0, description="SIGTERM to SIGKILL when a job is cancelled.")
+    aux_stop_grace_s: float = Field(30.0, ge=0, description="SIGTERM to SIGKILL when an auxiliary stops.")
+    token_ttl_s: float = Field(
+        3600.0, gt=0, description="Lifetime of a job token; RefreshJobToken extends it."
+    )
+    aging_s_per_point: float = Field(
+        30.0, ge=0, description="A queued job gains one priority point per this many seconds; 0 disables."
+    )
+    preemption: bool = Field(
+        False,
+        description="Let a higher-priority job that does not fit preempt lower-priority running jobs (they "
+        "are requeued as PREEMPTED and resume from their checkpoints). Off by default: the v1 contract "
+        "says priority never preempts a running job.",
+    )
+    health_timeout_s: float = Field(2.0, gt=0, description="Deadline of one SERVICE health check.")
+
+    def enabled_backends(self) -> list[BackendName]:
+        names: list[BackendName] = list(dict.fromkeys(self.backends))
+        if self.slurm.enabled and "slurm" not in names:
+            names.append("slurm")
+        if self.kubernetes.enabled and "kubernetes" not in names:
+            names.append("kubernetes")
+        return names

@@ -1,0 +1,1138 @@
+"""The reconcile loop: one asyncio task that makes the backends do what the stored jobs say.
+
+Each pass (every `pass_interval_s`, and at once when CreateJob or CancelJob wakes it):
+
+1. observe: poll every launched attempt (`backend.poll`); an attempt stored without a handle (the scheduler
+   died during `launch`) is looked up with `backend.find` and launched again when the backend never saw
+   it (`launch` is idempotent per attempt key, so this never starts a second copy);
+2. decide, per job with the pure rules of `lifecycle`: a task that exited 0, a failure the recovery policy
+   restarts (RECOVERING, after the backoff) or not (the job FAILS once its other tasks are stopped),
+   auxiliaries stopped `termination_delay` after the primaries ended, `max_duration`, cancellation
+   (CANCELLING until every attempt ended, then CANCELLED);
+3. admit: the queued groups (PENDING, and RECOVERING whose backoff is over) in queue order, each whole
+   when it fits the backend's inventory less what this scheduler's live attempts hold (gang admission),
+   with preemption of lower-priority jobs when enabled; then launch each admitted task's attempt.
+
+Every change is stored before it is acted on (attempt row before `launch`, handle right after), together
+with the events that report it in the outbox (`store.py`); `EventOutbox` publishes them and retries while
+the events service is unreachable. A backend that raises `BackendUnavailable` leaves its jobs as they are
+with a message saying so, and the next pass tries again; it never counts as a task failure.
+
+Assumes one scheduler replica drives a store at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shlex
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import duration_pb2, timestamp_pb2
+from tandem.events.v1 import event_pb2, events_service_pb2
+from tandem.scheduler.v1 import job_pb2, job_spec_pb2
+
+from mesh.errors import R
+from mesh.identity import TokenSigner
+from services.scheduler import expand
+from services.scheduler import lifecycle as lc
+from services.scheduler.backends.base import (
+    Backend,
+    BackendUnavailable,
+    LaunchRefused,
+    LaunchSpec,
+    NodeAssignment,
+    NodeInventory,
+    Observed,
+    Phase,
+    Resources,
+)
+from services.scheduler.expand import SETUP_FAILED_EXIT
+from services.scheduler.lifecycle import FailureClass, JobState, TaskState
+from services.scheduler.spec import resources_of
+from services.scheduler.store import AttemptRow, FailureInfo, JobRecord, JobRow, JobStore, TaskRow
+
+log = logging.getLogger("tandem.scheduler")
+JobSpec = job_spec_pb2.JobSpec
+TaskSpec = job_spec_pb2.TaskSpec
+PRODUCER_ID = "scheduler"
+MAX_MESSAGE = 4000
+
+
+def _seconds(duration: duration_pb2.Duration) -> float:
+    return duration.seconds + duration.nanos / 1e9
+
+
+def recovery_policy(spec: JobSpec) -> lc.RecoveryPolicy:
+    policy = spec.recovery
+    initial = _seconds(policy.initial_backoff) if policy.HasField("initial_backoff") else 10.0
+    ceiling = _seconds(policy.max_backoff) if policy.HasField("max_backoff") else 300.0
+    return lc.RecoveryPolicy(
+        max_restarts_on_errors=policy.max_restarts_on_errors,
+        recover_on_exit_codes=frozenset(policy.recover_on_exit_codes),
+        initial_backoff_s=initial,
+        max_backoff_s=max(ceiling, initial),
+        group_scope=policy.scope != job_spec_pb2.RecoveryPolicy.SCOPE_TASK,
+    )
+
+
+def task_resources(task: TaskSpec) -> Resources:
+    return resources_of(task)
+
+
+def demands_of(spec: JobSpec) -> tuple[lc.Demand, ...]:
+    demands = []
+    for task in spec.tasks:
+        res = task_resources(task)
+        demands.append(
+            lc.Demand(task.name, max(task.num_nodes, 1), res.gpus, res.cpus, res.memory_gib, res.gpu_type)
+        )
+    return tuple(demands)
+
+
+def attempt_key(job: str, task: str, attempt: int) -> str:
+    return f"{job.replace('/', '-')}.{task}.{attempt}"
+
+
+def is_primary(task: TaskSpec) -> bool:
+    return task.role != TaskSpec.ROLE_AUXILIARY
+
+
+def _stamp(seconds: float | None) -> timestamp_pb2.Timestamp | None:
+    if seconds is None:
+        return None
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def failure_proto(failure: FailureInfo | None) -> job_pb2.Failure | None:
+    if failure is None:
+        return None
+    proto = job_pb2.Failure(
+        failure_class=int(failure.failure_class),  # type: ignore[arg-type]
+        message=failure.message[:MAX_MESSAGE],
+        task=failure.task,
+        time=_stamp(failure.time),
+    )
+    if failure.exit_code is not None:
+        proto.exit_code = failure.exit_code
+    return proto
+
+
+def _tail(path: Path | None, lines: int = 10) -> str:
+    if path is None or not path.exists():
+        return ""
+    with path.open("rb") as handle:
+        handle.seek(0, 2)
+        size = handle.tell()
+        handle.seek(max(0, size - 2048))
+        text = handle.read().decode("utf-8", "replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# ---- events -------------------------------------------------------------------------------------------
+
+Publish = Callable[[events_service_pb2.PublishRequest], Awaitable[Any]]
+Close = Callable[[events_service_pb2.CloseJobStreamRequest], Awaitable[Any]]
+
+
+def job_event(job: JobRow, previous: JobState | None) -> tuple[str, bool, bytes]:
+    """The outbox entry for a job state change: a Publish, or the CloseJobStream of a terminal state."""
+    change = event_pb2.JobStateChanged(
+        state=int(job.state),  # type: ignore[arg-type]
+        previous_state=int(previous) if previous else 0,  # type: ignore[arg-type]
+        failure=failure_proto(job.failure) if job.state in (JobState.FAILED, JobState.RECOVERING) else None,
+        restart_count=job.restart_count,
+    )
+    message = f"job {job.state.name}"
+    if job.state is JobState.CANCELLED and job.cancel_reason:
+        message += f": {job.cancel_reason}"
+    elif job.failure and job.state in (JobState.FAILED, JobState.RECOVERING):
+        message += f": {job.failure.message}"
+    message = message[:MAX_MESSAGE]
+    if job.state in lc.JOB_TERMINAL:
+        close = events_service_pb2.CloseJobStreamRequest(job=job.name, state_changed=change, message=message)
+        return job.name, True, close.SerializeToString()
+    event = event_pb2.Event(type="job.state_changed", message=message, job_state_changed=change)
+    event.time.FromNanoseconds(time.time_ns())
+    return job.name, False, event.SerializeToString()
+
+
+def task_event(task: TaskRow, previous: TaskState | None) -> tuple[str, bool, bytes]:
+    change = event_pb2.TaskStateChanged(
+        task=task.task,
+        state=int(task.state),  # type: ignore[arg-type]
+        previous_state=int(previous) if previous else 0,  # type: ignore[arg-type]
+        attempt=max(task.attempt, 0),
+        failure=failure_proto(task.failure)
+        if task.state in (TaskState.FAILED, TaskState.RECOVERING)
+        else None,
+    )
+    event = event_pb2.Event(
+        type="task.state_changed", message=f"task {task.task} {task.state.name}", task_state_changed=change
+    )
+    event.time.FromNanoseconds(time.time_ns())
+    return task.job, False, event.SerializeToString()
+
+
+_TRANSIENT = frozenset(
+    {"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "INTERNAL", "UNKNOWN", "ABORTED", "CANCELLED"}
+)
+
+
+class EventOutbox:
+    """Publishes the stored outbox in order, job by job, and retries while the events service is down.
+    Each event's producer sequence is its outbox id, so a resend after a crash is appended once."""
+
+    def __init__(
+        self, store: JobStore, publish: Publish | None, close: Close | None, interval_s: float = 0.2
+    ):
+        self._store = store
+        self._publish = publish
+        self._close = close
+        self._interval = interval_s
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._warned = -1e9
+
+    def start(self) -> None:
+        if self._publish is not None:
+            self._task = asyncio.create_task(self._loop(), name="scheduler-event-outbox")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def flush(self, job: str = "") -> bool:
+        """Send what is queued (for one job, or all); True when nothing is left."""
+        if self._publish is None or self._close is None:
+            return True
+        async with self._lock:
+            pending = await self._store.outbox(job=job)
+            if not pending:
+                return True
+            blocked: set[str] = set()
+            for entry in pending:
+                if entry.job in blocked:
+                    continue
+                try:
+                    await self._send(entry.id, entry.job, entry.closes, entry.payload)
+                except Exception as error:  # the client's RpcError, or a transport failure
+                    code = getattr(getattr(error, "code", None), "name", "UNAVAILABLE")
+                    if code in _TRANSIENT:
+                        if time.monotonic() - self._warned > 30:
+                            log.warning("events unavailable (%s); retrying later", code)
+                            self._warned = time.monotonic()
+                        blocked.add(entry.job)  # keep this job's order: try again later
+                        continue
+                    log.warning("dropping an event the events service refused: %s", error)
+                await self._store.sent([entry.id])
+            return not blocked
+
+    async def _send(self, outbox_id: int, job: str, closes: bool, payload: bytes) -> None:
+        assert self._publish is not None and self._close is not None
+        if closes:
+            close = events_service_pb2.CloseJobStreamRequest.FromString(payload)
+            close.request_id = f"close-{outbox_id}"
+            await self._close(close)
+            return
+        event = event_pb2.Event.FromString(payload)
+        event.producer_id, event.producer_seq = PRODUCER_ID, outbox_id
+        await self._publish(events_service_pb2.PublishRequest(job=job, events=[event]))
+
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._interval)
+            self._wake.clear()
+            try:
+                await self.flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("event outbox pass failed")
+
+
+# ---- the engine ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineConfig:
+    work_dir: Path
+    default_backend: str = "local"
+    pass_interval_s: float = 0.2
+    cancel_grace_s: float = 10.0
+    aux_stop_grace_s: float = 30.0
+    token_ttl_s: float = 3600.0
+    aging_s_per_point: float = 30.0
+    preemption: bool = False
+    health_timeout_s: float = 2.0
+    targets: Callable[[], Mapping[str, str]] = dict  # service -> host:port, given to tasks at launch
+
+
+TaskAppHook = Callable[[JobRecord, TaskSpec, str], Awaitable[None]]  # (job, task, endpoint)
+
+
+@dataclass
+class _Live:
+    """What the engine remembers in memory beside the store for one active job."""
+
+    record: JobRecord
+    spec: JobSpec
+    demands: tuple[lc.Demand, ...]
+    cancel_sent: set[str] = field(default_factory=set)  # attempt keys already asked to stop
+    overrun: bool = False  # ran over max_duration: being stopped, then FAILED
+
+
+class Engine:
+    def __init__(
+        self,
+        store: JobStore,
+        backends: Mapping[str, Backend],
+        signer: TokenSigner,
+        config: EngineConfig,
+        outbox: EventOutbox,
+        register_task_app: TaskAppHook | None = None,
+        delete_task_app: TaskAppHook | None = None,
+    ) -> None:
+        self.store = store
+        self.backends = dict(backends)
+        self.signer = signer
+        self.config = config
+        self.outbox = outbox
+        self._register = register_task_app
+        self._deregister = delete_task_app
+        self._jobs: dict[str, _Live] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self.unavailable: dict[str, str] = {}  # backend -> why, while it lasts
+        self.inventories: dict[str, list[NodeInventory]] = {}
+
+    # ---- life -------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for record in await self.store.active():
+            self._adopt(record)
+        self.outbox.start()
+        self._task = asyncio.create_task(self._loop(), name="scheduler-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.outbox.stop()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _adopt(self, record: JobRecord) -> _Live:
+        spec = JobSpec.FromString(record.job.spec)
+        live = _Live(record, spec, demands_of(spec))
+        self._jobs[record.job.name] = live
+        return live
+
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.pass_interval_s)
+            self._wake.clear()
+            try:
+                await self.run_pass()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("scheduler pass failed; the next one retries")
+
+    # ---- the API the servicer calls -----------------------------------------------------------------
+
+    async def submitted(self, record: JobRecord) -> None:
+        """A job CreateJob stored: take it into the loop and send its first event."""
+        async with self._lock:
+            if record.job.name not in self._jobs and record.job.state not in lc.JOB_TERMINAL:
+                self._adopt(record)
+        self.wake()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.outbox.flush(record.job.name), 5.0)
+
+    def snapshot(self, name: str) -> JobRecord | None:
+        live = self._jobs.get(name)
+        return live.record if live else None
+
+    async def cancel(self, name: str, reason: str) -> JobRecord:
+        async with self._lock:
+            live = self._jobs.get(name)
+            record = live.record if live else await self.store.get(name)
+            job = record.job
+            if job.state in (JobState.CANCELLING, JobState.CANCELLED):
+                return record
+            if job.state in (JobState.SUCCEEDED, JobState.FAILED):
+                from mesh.errors import FailedPrecondition  # noqa: PLC0415
+
+                raise FailedPrecondition(
+                    f"{name} already {job.state.name}", reason=R.ERROR_REASON_JOB_STATE_CONFLICT
+                )
+            job.cancel_requested, job.cancel_reason = True, reason
+            if not any(self._live_attempts(record)) and job.state in (JobState.PENDING, JobState.RECOVERING):
+                await self._finish(record, JobState.CANCELLED)
+            else:
+                await self._set_job(record, JobState.CANCELLING)
+        self.wake()
+        return record
+
+    # ---- one pass ---------------------------------------------------------------------------------
+
+    async def run_pass(self) -> None:
+        async with self._lock:
+            now = time.time()
+            await self._refresh_inventories()
+            lives = list(self._jobs.values())
+            await asyncio.gather(*(self._observe(live) for live in lives))
+            for live in lives:
+                await self._advance(live, time.time())
+            await self._admit(now)
+            for name in [n for n, live in self._jobs.items() if live.record.job.state in lc.JOB_TERMINAL]:
+                del self._jobs[name]
+        self.outbox.wake()
+
+    async def _refresh_inventories(self) -> None:
+        for name, backend in self.backends.items():
+            try:
+                self.inventories[name] = await backend.inventory()
+                self.unavailable.pop(name, None)
+            except BackendUnavailable as error:
+                self.unavailable[name] = str(error) or "unreachable"
+
+    def _backend(self, name: str) -> Backend:
+        return self.backends[name]
+
+    @staticmethod
+    def _live_attempts(record: JobRecord) -> list[AttemptRow]:
+        return [a for attempts in record.attempts.values() for a in attempts if not a.ended]
+
+    # ---- observing attempts -----------------------------------------------------------------------
+
+    async def _observe(self, live: _Live) -> None:
+        for attempt in self._live_attempts(live.record):
+            backend = self.backends.get(attempt.backend)
+            if backend is None:
+                continue
+            try:
+                if attempt.handle is None:
+                    await self._reattach(live, attempt, backend)
+                    continue
+                observed = await backend.poll(attempt.handle)
+            except BackendUnavailable as error:
+                await self._note(live, f"backend {attempt.backend} unavailable: {error}; retrying")
+                continue
+            await self._apply(live, attempt, observed, backend)
+
+    async def _reattach(self, live: _Live, attempt: AttemptRow, backend: Backend) -> None:
+        """An attempt stored before a launch that never reported back: find it, else launch it now."""
+        handle = await backend.find(attempt.key)
+        if handle is None:
+            task = next(t for t in live.spec.tasks if t.name == attempt.task)
+            slots = [
+                NodeAssignment(n["rank"], n["node"], n["address"], tuple(n["gpu_indices"]))
+                for n in attempt.nodes
+            ]
+            await self._launch(live, task, attempt, slots)
+            return
+        attempt.handle = handle
+        await self.store.save(attempts=[attempt])
+
+    async def _apply(self, live: _Live, attempt: AttemptRow, observed: Observed, backend: Backend) -> None:
+        record = live.record
+        task = record.task(attempt.task)
+        spec_task = next(t for t in live.spec.tasks if t.name == attempt.task)
+        now = time.time()
+        if observed.nodes and not attempt.nodes:
+            attempt.nodes = [
+                {"rank": n.rank, "node": n.node, "address": n.address, "gpu_indices": list(n.gpu_indices)}
+                for n in observed.nodes
+            ]
+        if observed.phase is Phase.QUEUED:
+            return
+        if observed.phase is Phase.RUNNING:
+            if attempt.state is TaskState.STARTING:
+                if spec_task.kind == TaskSpec.KIND_SERVICE and not await self._healthy(
+                    live, spec_task, attempt, now
+                ):
+                    return
+                attempt.state, attempt.start_time = TaskState.RUNNING, now
+                if task.state is TaskState.STARTING:
+                    task.start_time = now
+                    await self._set_task(record, task, TaskState.RUNNING, attempts=[attempt])
+                    if spec_task.kind == TaskSpec.KIND_SERVICE:
+                        await self._service_ready(live, spec_task, task)
+                else:
+                    await self.store.save(attempts=[attempt])
+            return
+        # EXITED or LOST: the attempt is over.
+        attempt.ended, attempt.end_time, attempt.exit_code = True, now, observed.exit_code
+        if (
+            attempt.state is TaskState.STARTING
+            and observed.phase is Phase.EXITED
+            and task.state is TaskState.STARTING
+        ):
+            await self._set_task(record, task, TaskState.RUNNING)  # it ran, however briefly
+        attempt.state = TaskState.SUCCEEDED if observed.exit_code == 0 else TaskState.FAILED
+        if spec_task.kind == TaskSpec.KIND_SERVICE and self._deregister and task.endpoint:
+            with contextlib.suppress(Exception):
+                await self._deregister(record, spec_task, task.endpoint)
+        await self._attempt_ended(live, task, spec_task, attempt, observed, backend)
+
+    async def _attempt_ended(
+        self,
+        live: _Live,
+        task: TaskRow,
+        spec_task: TaskSpec,
+        attempt: AttemptRow,
+        observed: Observed,
+        backend: Backend,
+    ) -> None:
+        record, job, now = live.record, live.record.job, time.time()
+        if task.attempt != attempt.attempt or task.state in lc.TASK_TERMINAL:
+            await self.store.save(attempts=[attempt])  # a superseded attempt
+            return
+        if job.cancel_requested:
+            task.end_time = now
+            await self._set_task(record, task, TaskState.CANCELLED, attempts=[attempt])
+            return
+        if job.state is JobState.RECOVERING or (job.failure is not None and self._failing(live)):
+            # Stopped by the engine for a group restart or because the group failed.
+            new = TaskState.RECOVERING if job.state is JobState.RECOVERING else self._stopped_state(spec_task)
+            if new in lc.TASK_TERMINAL:
+                task.end_time = now
+            await self._set_task(record, task, new, attempts=[attempt])
+            return
+        if task.stop_at is not None and now >= task.stop_at:
+            task.end_time = now
+            await self._set_task(record, task, TaskState.STOPPED, attempts=[attempt])
+            return
+        if observed.phase is Phase.EXITED and observed.exit_code == 0:
+            task.end_time = now
+            await self._set_task(record, task, TaskState.SUCCEEDED, attempts=[attempt])
+            return
+        lost = observed.phase is Phase.LOST
+        failure_class = lc.classify_exit(observed.exit_code, lost=lost, preempted=observed.preempted)
+        if observed.exit_code == SETUP_FAILED_EXIT and not observed.preempted:
+            failure_class = FailureClass.PRECHECK
+        if lost and not observed.preempted:
+            message = (
+                f"attempt {attempt.attempt} lost: {observed.message or 'the backend no longer knows it'}"
+            )
+        else:
+            message = f"exited with code {observed.exit_code}"
+            if observed.message:
+                message += f" ({observed.message})"
+            tail = _tail(backend.logs(attempt.handle, 0) if attempt.handle else None)
+            if tail:
+                message += "\n" + tail
+        failure = FailureInfo(failure_class, message[-MAX_MESSAGE:], observed.exit_code, task.task, now)
+        attempt.failure = failure
+        await self._task_failed(live, task, spec_task, failure, attempt)
+
+    async def _task_failed(
+        self,
+        live: _Live,
+        task: TaskRow,
+        spec_task: TaskSpec,
+        failure: FailureInfo,
+        attempt: AttemptRow | None,
+    ) -> None:
+        record, job, now = live.record, live.record.job, time.time()
+        task.failure = failure
+        attempts = [attempt] if attempt else []
+        verdict_tasks = [
+            lc.TaskView(t.task, TaskState.FAILED if t.task == task.task else t.state, is_primary(s))
+            for t, s in zip(record.tasks, live.spec.tasks, strict=True)
+        ]
+        counts = (
+            lc.group_verdict(verdict_tasks) is lc.GroupVerdict.FAILED
+            or failure.failure_class is FailureClass.PREEMPTED
+        )
+        if not counts:  # an auxiliary failing after the primaries ended: not the job's failure
+            task.end_time = now
+            await self._set_task(record, task, TaskState.FAILED, attempts=attempts)
+            return
+        policy = recovery_policy(live.spec)
+        decision = lc.decide_restart(
+            policy, failure.failure_class, failure.exit_code, job.budget_used, job.restart_count
+        )
+        if not decision.restart:
+            failure.message = f"{failure.message}\n[tandem] not restarted: {decision.why}"[-MAX_MESSAGE:]
+            task.end_time = now
+            job.failure = failure
+            await self._set_task(record, task, TaskState.FAILED, attempts=attempts)
+            return
+        job.restart_count += 1
+        job.budget_used += int(decision.counts_against_budget)
+        job.failure = failure
+        job.next_restart_time = now + decision.delay_s
+        await self._set_task(record, task, TaskState.RECOVERING, attempts=attempts)
+        if policy.group_scope or failure.failure_class is FailureClass.PREEMPTED:
+            await self._set_job(record, JobState.RECOVERING)
+        else:
+            task.stop_at = None
+            await self._set_job(record, JobState.RECOVERING)
+
+    def _failing(self, live: _Live) -> bool:
+        views = [
+            lc.TaskView(t.task, t.state, is_primary(s))
+            for t, s in zip(live.record.tasks, live.spec.tasks, strict=True)
+        ]
+        return lc.group_verdict(views) is lc.GroupVerdict.FAILED
+
+    @staticmethod
+    def _stopped_state(spec_task: TaskSpec) -> TaskState:
+        return TaskState.CANCELLED if is_primary(spec_task) else TaskState.STOPPED
+
+    # ---- SERVICE tasks ----------------------------------------------------------------------------
+
+    async def _healthy(self, live: _Live, spec_task: TaskSpec, attempt: AttemptRow, now: float) -> bool:
+        options = spec_task.service
+        host = (
+            attempt.nodes[0]["address"] if attempt.nodes and attempt.nodes[0].get("address") else "127.0.0.1"
+        )
+        timeout = _seconds(options.readiness_timeout) if options.HasField("readiness_timeout") else 600.0
+        ok = await _check_health(host, options.port, options.health_path, self.config.health_timeout_s)
+        if ok:
+            return True
+        if now - attempt.create_time > timeout:
+            failure = FailureInfo(
+                FailureClass.PRECHECK,
+                f"the service did not become ready within {timeout:.0f} s",
+                None,
+                spec_task.name,
+                now,
+            )
+            attempt.failure = failure
+            if attempt.handle:
+                with contextlib.suppress(BackendUnavailable):
+                    await self._backend(attempt.backend).cancel(attempt.handle, self.config.cancel_grace_s)
+                    live.cancel_sent.add(attempt.key)
+            await self._task_failed(live, live.record.task(spec_task.name), spec_task, failure, None)
+        return False
+
+    async def _service_ready(self, live: _Live, spec_task: TaskSpec, task: TaskRow) -> None:
+        attempt = live.record.current(task.task)
+        host = (
+            attempt.nodes[0]["address"]
+            if attempt and attempt.nodes and attempt.nodes[0].get("address")
+            else "127.0.0.1"
+        )
+        task.endpoint = f"http://{host}:{spec_task.service.port}"
+        await self.store.save(tasks=[task])
+        if spec_task.service.HasField("register_task_app") and self._register is not None:
+            try:
+                await self._register(live.record, spec_task, task.endpoint)
+            except Exception as error:  # the proxy refused it (checks failed) or is unreachable
+                failure = FailureInfo(
+                    FailureClass.PRECHECK,
+                    f"Task App registration failed: {getattr(error, 'message', error)}",
+                    None,
+                    task.task,
+                    time.time(),
+                )
+                if attempt and attempt.handle:
+                    with contextlib.suppress(BackendUnavailable):
+                        await self._backend(attempt.backend).cancel(
+                            attempt.handle, self.config.cancel_grace_s
+                        )
+                        live.cancel_sent.add(attempt.key)
+                await self._task_failed(live, task, spec_task, failure, None)
+
+    # ---- deciding per job -------------------------------------------------------------------------
+
+    async def _advance(self, live: _Live, now: float) -> None:
+        job = live.record.job
+        if job.state in lc.JOB_TERMINAL:
+            return
+        if job.cancel_requested:
+            await self._advance_cancelling(live, now)
+        elif job.state is JobState.RECOVERING:
+            await self._advance_recovering(live, now)
+        elif job.state in (JobState.STARTING, JobState.RUNNING):
+            await self._advance_live(live, now)
+
+    async def _advance_cancelling(self, live: _Live, now: float) -> None:
+        record = live.record
+        running = self._live_attempts(record)
+        await self._stop_all(live, running, self.config.cancel_grace_s)
+        if running:
+            return
+        for task in record.tasks:
+            if task.state not in lc.TASK_TERMINAL:
+                task.end_time = now
+                await self._set_task(record, task, TaskState.CANCELLED)
+        await self._finish(record, JobState.CANCELLED)
+
+    async def _advance_recovering(self, live: _Live, now: float) -> None:
+        record, job = live.record, live.record.job
+        preempted = job.failure is not None and job.failure.failure_class is FailureClass.PREEMPTED
+        if not (recovery_policy(live.spec).group_scope or preempted):
+            await self._restart_tasks_in_place(live, now)
+            return
+        running = self._live_attempts(record)
+        await self._stop_all(live, running, self.config.cancel_grace_s)
+        if running:
+            return
+        for task in record.tasks:
+            if task.state is not TaskState.RECOVERING:
+                await self._set_task(record, task, TaskState.RECOVERING)
+
+    async def _advance_live(self, live: _Live, now: float) -> None:
+        record, job, spec = live.record, live.record.job, live.spec
+        running = self._live_attempts(record)
+        limit = _seconds(spec.max_duration) if spec.HasField("max_duration") else 0.0
+        if limit and job.start_time and now - job.start_time > limit and not live.overrun:
+            live.overrun = True
+            job.failure = FailureInfo(
+                FailureClass.USER, f"the job ran over max_duration ({limit:.0f} s)", None, "", now
+            )
+            await self.store.save(job)
+        views = [
+            lc.TaskView(t.task, t.state, is_primary(s)) for t, s in zip(record.tasks, spec.tasks, strict=True)
+        ]
+        verdict = lc.group_verdict(views)
+        if verdict is lc.GroupVerdict.FAILED or live.overrun:
+            await self._stop_all(live, running, self.config.cancel_grace_s)
+            if running:
+                return
+            for task, spec_task in zip(record.tasks, spec.tasks, strict=True):
+                if task.state not in lc.TASK_TERMINAL:
+                    task.end_time = now
+                    await self._set_task(record, task, self._stopped_state(spec_task))
+            await self._finish(record, JobState.FAILED)
+        elif verdict is lc.GroupVerdict.SUCCEEDED and not running:
+            await self._finish(record, JobState.SUCCEEDED)
+        elif verdict is lc.GroupVerdict.STOP_AUXILIARIES:
+            await self._stop_auxiliaries(live, now)
+        elif (
+            job.state is JobState.STARTING
+            and lc.job_state_for_tasks(t.state for t in record.tasks) is JobState.RUNNING
+        ):
+            job.start_time = job.start_time or now
+            await self._set_job(record, JobState.RUNNING)
+
+    async def _stop_all(self, live: _Live, running: Sequence[AttemptRow], grace_s: float) -> None:
+        for attempt in running:
+            if attempt.key in live.cancel_sent:
+                continue
+            if attempt.handle is None:
+                backend = self.backends.get(attempt.backend)
+                if backend is None:
+                    continue
+                try:
+                    attempt.handle = await backend.find(attempt.key)
+                except BackendUnavailable:
+                    continue
+                if attempt.handle is None:  # never launched: nothing to stop
+                    attempt.ended, attempt.end_time = True, time.time()
+                    await self._attempt_never_ran(live, attempt)
+                    continue
+                await self.store.save(attempts=[attempt])
+            try:
+                await self._backend(attempt.backend).cancel(attempt.handle, grace_s)
+                live.cancel_sent.add(attempt.key)
+            except BackendUnavailable as error:
+                await self._note(live, f"backend {attempt.backend} unavailable: {error}; retrying")
+
+    async def _attempt_never_ran(self, live: _Live, attempt: AttemptRow) -> None:
+        record = live.record
+        task = record.task(attempt.task)
+        spec_task = next(t for t in live.spec.tasks if t.name == attempt.task)
+        if record.job.cancel_requested:
+            new = TaskState.CANCELLED
+        elif record.job.state is JobState.RECOVERING:
+            new = TaskState.RECOVERING
+        else:
+            new = self._stopped_state(spec_task)
+        if task.state is new or task.state in lc.TASK_TERMINAL:
+            await self.store.save(attempts=[attempt])
+            return
+        await self._set_task(record, task, new, attempts=[attempt])
+
+    async def _stop_auxiliaries(self, live: _Live, now: float) -> None:
+        for task, spec_task in zip(live.record.tasks, live.spec.tasks, strict=True):
+            if is_primary(spec_task) or task.state in lc.TASK_TERMINAL:
+                continue
+            if task.stop_at is None:
+                task.stop_at = now + _seconds(spec_task.termination_delay)
+                await self.store.save(tasks=[task])
+            if now >= task.stop_at:
+                attempts = [a for a in live.record.attempts.get(task.task, []) if not a.ended]
+                if not attempts and task.state in (TaskState.PENDING, TaskState.RECOVERING):
+                    task.end_time = now
+                    await self._set_task(live.record, task, TaskState.STOPPED)
+                await self._stop_all(live, attempts, self.config.aux_stop_grace_s)
+
+    async def _restart_tasks_in_place(self, live: _Live, now: float) -> None:
+        """SCOPE_TASK: relaunch each RECOVERING task on its previous nodes once the backoff is over."""
+        record, job = live.record, live.record.job
+        if job.next_restart_time is not None and now < job.next_restart_time:
+            return
+        for task, spec_task in zip(record.tasks, live.spec.tasks, strict=True):
+            if task.state is not TaskState.RECOVERING:
+                continue
+            previous = record.current(task.task)
+            slots = (
+                [
+                    NodeAssignment(n["rank"], n["node"], n["address"], tuple(n["gpu_indices"]))
+                    for n in previous.nodes
+                ]
+                if previous
+                else []
+            )
+            await self._start_attempt(live, spec_task, task, slots, restart=True)
+        if all(t.state is not TaskState.RECOVERING for t in record.tasks):
+            job.next_restart_time = None
+            await self._set_job(record, JobState.STARTING)
+
+    # ---- admission --------------------------------------------------------------------------------
+
+    def _free_nodes(self, backend: str) -> list[lc.NodeFree]:
+        """The backend's nodes less what this scheduler's live attempts hold there (a backend that already
+        subtracts them reports less free, and the smaller count wins)."""
+        held_gpus: dict[str, set[int]] = {}
+        held_cpus: dict[str, float] = {}
+        held_mem: dict[str, float] = {}
+        for live in self._jobs.values():
+            if live.record.job.backend != backend:
+                continue
+            by_task = {d.task: d for d in live.demands}
+            for attempt in self._live_attempts(live.record):
+                demand = by_task.get(attempt.task)
+                for node in attempt.nodes:
+                    held_gpus.setdefault(node["node"], set()).update(node.get("gpu_indices", []))
+                    if demand:
+                        held_cpus[node["node"]] = held_cpus.get(node["node"], 0.0) + demand.cpus
+                        held_mem[node["node"]] = held_mem.get(node["node"], 0.0) + demand.memory_gib
+        nodes = []
+        for inv in self.inventories.get(backend, []):
+            taken = held_gpus.get(inv.name, set())
+            free_indices = [i for i in range(inv.gpus) if i not in taken]
+            if inv.gpus_free < len(free_indices):  # the backend knows of other users' GPUs
+                free_indices = free_indices[: max(inv.gpus_free, 0)] if backend != "local" else free_indices
+            cpus = inv.cpus - held_cpus.get(inv.name, 0.0) if inv.cpus else float("inf")
+            mem = inv.memory_gib - held_mem.get(inv.name, 0.0) if inv.memory_gib else float("inf")
+            nodes.append(lc.NodeFree(inv.name, inv.address, free_indices, cpus, mem, inv.gpu_type, inv.up))
+        return nodes
+
+    def _queued(self, backend: str, now: float) -> list[lc.QueuedGroup]:
+        queue = []
+        for live in self._jobs.values():
+            job = live.record.job
+            if job.backend != backend or job.cancel_requested:
+                continue
+            if job.state is JobState.PENDING or (
+                job.state is JobState.RECOVERING
+                and (job.next_restart_time is None or now >= job.next_restart_time)
+                and not self._live_attempts(live.record)
+                and all(t.state is TaskState.RECOVERING for t in live.record.tasks)
+                and (
+                    recovery_policy(live.spec).group_scope
+                    or job.failure is None
+                    or job.failure.failure_class is FailureClass.PREEMPTED
+                )
+            ):
+                queue.append(lc.QueuedGroup(job.name, job.priority, job.waiting_since, job.seq, live.demands))
+        return queue
+
+    def _running_groups(self, backend: str) -> list[lc.RunningGroup]:
+        groups = []
+        for live in self._jobs.values():
+            job = live.record.job
+            if (
+                job.backend != backend
+                or job.state not in (JobState.STARTING, JobState.RUNNING)
+                or job.cancel_requested
+            ):
+                continue
+            placement: lc.Placement = {}
+            for attempt in self._live_attempts(live.record):
+                placement[attempt.task] = tuple(
+                    lc.Slot(n["rank"], n["node"], n.get("address", ""), tuple(n.get("gpu_indices", [])))
+                    for n in attempt.nodes
+                )
+            if placement:
+                groups.append(
+                    lc.RunningGroup(
+                        job.name, job.priority, job.start_time or job.create_time, placement, live.demands
+                    )
+                )
+        return groups
+
+    async def _admit(self, now: float) -> None:
+        for backend in self.backends:
+            if backend in self.unavailable:
+                for live in self._jobs.values():
+                    if live.record.job.backend == backend and live.record.job.state is JobState.PENDING:
+                        await self._note(
+                            live, f"backend {backend} unavailable: {self.unavailable[backend]}; waiting"
+                        )
+                continue
+            queue = self._queued(backend, now)
+            if not queue:
+                continue
+            nodes = self._free_nodes(backend)
+            result = lc.admit(queue, nodes, now, self.config.aging_s_per_point)
+            for group, placement in result.admitted:
+                await self._start_group(self._jobs[group.job], placement)
+            if result.blocked is not None and self.config.preemption:
+                victims = lc.choose_preemption(result.blocked, nodes, self._running_groups(backend))
+                for victim in victims or []:
+                    await self._preempt(self._jobs[victim.job], result.blocked.job)
+
+    async def _preempt(self, live: _Live, by: str) -> None:
+        now = time.time()
+        record, job = live.record, live.record.job
+        failure = FailureInfo(
+            FailureClass.PREEMPTED, f"preempted by {by}, a higher-priority job", None, "", now
+        )
+        job.failure = failure
+        job.restart_count += 1
+        job.next_restart_time = now
+        job.waiting_since = job.create_time  # requeued in its original place
+        await self._set_job(record, JobState.RECOVERING)
+        await self._stop_all(live, self._live_attempts(record), self.config.cancel_grace_s)
+        log.info("preempting", extra={"job": job.name, "by": by})
+
+    async def _start_group(self, live: _Live, placement: lc.Placement) -> None:
+        record, job = live.record, live.record.job
+        restart = job.state is JobState.RECOVERING
+        job.next_restart_time = None
+        job.message = ""
+        await self._set_job(record, JobState.STARTING)
+        for task, spec_task in zip(record.tasks, live.spec.tasks, strict=True):
+            slots = [
+                NodeAssignment(s.rank, s.node, s.address, s.gpu_indices) for s in placement.get(task.task, ())
+            ]
+            await self._start_attempt(live, spec_task, task, slots, restart=restart)
+
+    async def _start_attempt(
+        self, live: _Live, spec_task: TaskSpec, task: TaskRow, slots: Sequence[NodeAssignment], restart: bool
+    ) -> None:
+        record = live.record
+        if restart and task.attempt >= 0:
+            task.restart_count += 1
+        number = task.attempt + 1
+        attempt = AttemptRow(
+            record.job.name,
+            task.task,
+            number,
+            attempt_key(record.job.name, task.task, number),
+            record.job.backend,
+            create_time=time.time(),
+            nodes=[
+                {"rank": s.rank, "node": s.node, "address": s.address, "gpu_indices": list(s.gpu_indices)}
+                for s in slots
+            ],
+        )
+        record.attempts.setdefault(task.task, []).append(attempt)
+        task.attempt = number
+        task.stop_at = None
+        task.end_time = None
+        task.endpoint = ""
+        await self._set_task(record, task, TaskState.STARTING, attempts=[attempt])  # stored before launch
+        await self._launch(live, spec_task, attempt, slots)
+
+    async def _launch(
+        self, live: _Live, spec_task: TaskSpec, attempt: AttemptRow, slots: Sequence[NodeAssignment]
+    ) -> None:
+        backend = self._backend(attempt.backend)
+        try:
+            spec = self.launch_spec(live, spec_task, attempt, slots)
+            attempt.handle = await backend.launch(spec)
+        except BackendUnavailable as error:
+            await self._note(live, f"backend {attempt.backend} unavailable: {error}; retrying the launch")
+            return
+        except (LaunchRefused, OSError, ValueError) as error:
+            now = time.time()
+            attempt.ended, attempt.end_time = True, now
+            failure = FailureInfo(
+                FailureClass.PRECHECK, f"launch refused: {error}", None, spec_task.name, now
+            )
+            attempt.failure = failure
+            await self._task_failed(live, live.record.task(spec_task.name), spec_task, failure, attempt)
+            return
+        await self.store.save(attempts=[attempt])
+
+    # ---- state changes: the store first, with the events that report them ------------------------
+
+    async def _set_job(self, record: JobRecord, new: JobState) -> None:
+        job = record.job
+        old = job.state
+        if old is new:
+            await self.store.save(job)
+            return
+        lc.check_job_transition(old, new)
+        job.state = new
+        await self.store.save(job, events=[job_event(job, old)])
+
+    async def _set_task(
+        self, record: JobRecord, task: TaskRow, new: TaskState, attempts: Sequence[AttemptRow] = ()
+    ) -> None:
+        old = task.state
+        if old is new:
+            await self.store.save(tasks=[task], attempts=attempts)
+            return
+        lc.check_task_transition(old, new)
+        task.state = new
+        await self.store.save(tasks=[task], attempts=attempts, events=[task_event(task, old)])
+
+    async def _finish(self, record: JobRecord, new: JobState) -> None:
+        job = record.job
+        if job.state is JobState.STARTING and new is JobState.SUCCEEDED:  # every task ran, however briefly
+            job.start_time = job.start_time or time.time()
+            await self._set_job(record, JobState.RUNNING)
+        old = job.state
+        lc.check_job_transition(old, new)
+        job.state, job.end_time, job.message = new, time.time(), ""
+        if new is JobState.SUCCEEDED:
+            job.failure = None
+        await self.store.save(job, events=[job_event(job, old)])
+
+    async def _note(self, live: _Live, message: str) -> None:
+        """A message on the job saying why it is not moving (a backend down), stored once per change."""
+        if live.record.job.message != message:
+            live.record.job.message = message
+            await self.store.save(live.record.job)
+
+    # ---- what a task gets -------------------------------------------------------------------------
+
+    def task_dir(self, job: str, task: str) -> Path:
+        return self.config.work_dir / "jobs" / job.replace("/", "-") / task
+
+    def log_dir(self, job: str, task: str) -> Path:
+        return self.task_dir(job, task) / "logs"
+
+    def mint_token(self, job: str, org: str, task: str, attempt: int, secrets: Sequence[str]) -> str:
+        return self.signer.issue(
+            "job",
+            job,
+            org=org,
+            ttl_s=self.config.token_ttl_s,
+            extra={"task": task, "attempt": attempt, "secrets": list(secrets)},
+        )
+
+    def launch_spec(
+        self, live: _Live, spec_task: TaskSpec, attempt: AttemptRow, slots: Sequence[NodeAssignment]
+    ) -> LaunchSpec:
+        """The backend's view of one attempt: the script, the environment (TANDEM_* and SKYPILOT_*, the
+        job token), the nodes the engine placed it on, and the secrets by name only."""
+        record, job, spec = live.record, live.record.job, live.spec
+        task = record.task(spec_task.name)
+        secret_env = {
+            env: f"orgs/{job.org}/secrets/{secret}" for env, secret in expand.secret_env(spec_task).items()
+        }
+        token = self.mint_token(
+            job.name, job.org, task.task, attempt.attempt, sorted(set(secret_env.values()))
+        )
+        task_dir = self.task_dir(job.name, task.task)
+        log_dir = self.log_dir(job.name, task.task)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        output = Path(expand.output_dir_for(spec_task, str(task_dir / "output")))
+        resume = newest_checkpoint(output) if spec_task.kind == TaskSpec.KIND_ONLINE_RL else None
+        env = expand.task_env(
+            spec_task,
+            job=job.name,
+            attempt=attempt.attempt,
+            node_ips=[s.address for s in slots if s.address],
+            resume_from=str(resume) if resume else "",
+            job_token=token,
+        )
+        if spec_task.kind != TaskSpec.KIND_ONLINE_RL:  # `python -m trainer` runs the mesh services it needs
+            for service, target in self.config.targets().items():
+                env[f"TANDEM_TARGETS__{service.upper()}"] = target
+        config_file = ""
+        if (
+            spec_task.kind == TaskSpec.KIND_ONLINE_RL
+            and spec_task.online_rl.WhichOneof("trainer_config") == "config_toml"
+        ):
+            config_path = task_dir / "trainer.toml"
+            config_path.write_text(spec_task.online_rl.config_toml)
+            config_file = str(config_path)
+        gpus = len(slots[0].gpu_indices) if slots and slots[0].gpu_indices else task_resources(spec_task).gpus
+        command = expand.command_for(
+            spec_task,
+            job=job.name,
+            gpus_granted=gpus,
+            config_file=config_file,
+            output_dir=str(output),
+            python=sys.executable,
+        )
+        if secret_env and attempt.backend == "local":
+            # Local processes open their secrets themselves, by name, with their job token.
+            from services.scheduler.backends.task_secrets import SECRETS_ENV, format_secrets  # noqa: PLC0415
+
+            env[SECRETS_ENV] = format_secrets(secret_env)
+            command = (
+                f"exec {shlex.quote(sys.executable)} -m services.scheduler.backends.task_secrets"
+                f" bash -euo pipefail -c {shlex.quote(command)}"
+            )
+        # Each attempt's part of a task's log begins with a line naming it.
+        command = f"echo '[tandem] attempt {attempt.attempt}'\n{command}"
+        time_limit = _seconds(spec.max_duration) if spec.HasField("max_duration") else 0.0
+        return LaunchSpec(
+            key=attempt.key,
+            job=job.name,
+            task=task.task,
+            attempt=attempt.attempt,
+            command=command,
+            env=env,
+            num_nodes=max(spec_task.num_nodes, 1),
+            resources=task_resources(spec_task),
+            nodes=tuple(slots),
+            log_dir=log_dir,
+            workdir=task_dir,
+            priority=job.priority,
+            time_limit_s=time_limit,
+            secret_env=secret_env,
+            file_mounts=expand.file_mounts(spec_task),
+        )
+
+
+def newest_checkpoint(output: Path) -> Path | None:
+    """The newest complete checkpoint folder under `<output>/checkpoints` (a `.partial` one is not)."""
+    folder = output / "checkpoints"
+    if not folder.is_dir():
+        return None
+    done = sorted(p for p in folder.glob("step-*") if p.is_dir() and not p.name.endswith(".partial"))
+    return done[-1] if done else None
+
+
+async def _check_health(host: str, port: int, path: str, timeout_s: float) -> bool:
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, TimeoutError):
+        return False
+    try:
+        if not path:
+            return True
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+        parts = line.split()
+        return len(parts) >= 2 and parts[1] == b"200"
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
