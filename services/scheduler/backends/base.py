@@ -102,6 +102,8 @@ class LaunchSpec:
     secret_env: Mapping[str, str] = field(default_factory=dict)  # env name -> vault secret name; injected
     # at run time through the vault's runtime path with TANDEM_JOB_TOKEN, never as plaintext on the backend
     file_mounts: Sequence[tuple[str, str, bool]] = ()  # (path in the task, source path or volume, read-only)
+    options: Mapping[str, str] = field(default_factory=dict)  # the spec's options for this backend, which
+    # win over the backend's settings: Slurm `partition`, `account`, `qos`; Kubernetes e.g. `namespace`
 
 
 class Phase(enum.Enum):

@@ -6,10 +6,11 @@ atomically **before** any process starts and rewritten with the processes once t
     bash -c <wrapper> tandem-rank <command> <exit file>
 
 in its own session (`start_new_session=True`, so its pid is its process group id), with stdout and stderr
-appended to `<log_dir>/rank-<r>.log`. The wrapper runs the command with `bash -euo pipefail -c` and writes the
-command's exit code to `<log_dir>/rank-<r>.exit` (through a rename, so a reader never sees half of it), then
-exits with that code. A scheduler that restarted is not the parent of the processes any more and cannot wait
-for them, so it reads their exit code from that file.
+appended to `<log_dir>/rank-<r>.log` (the attempts of one task may share a log folder: each appends). The
+wrapper runs the command with `bash -euo pipefail -c` and writes the command's exit code to
+`<root>/<key>/rank-<r>.exit` (through a rename, so a reader never sees half of it), then exits with that
+code. A scheduler that restarted is not the parent of the processes any more and cannot wait for them, so
+it reads their exit code from that file.
 
 The handle names each rank's pid, pgid and start time (field 22 of /proc/<pid>/stat, in clock ticks since
 boot) and the boot id: a process counts as the attempt's only when all three match, so a pid the kernel
@@ -20,7 +21,8 @@ A rank that ended without an exit file was killed by a signal the wrapper could 
 fails, the others are sent SIGTERM (SIGKILL after `failure_grace_s`) and the attempt is EXITED with the failed
 rank's code once every rank has ended.
 
-Processes that leave their process group on purpose (`setsid`, daemons) escape `cancel`.
+Processes that leave their process group on purpose (`setsid`, daemons) escape `cancel`. There are no
+file mounts: a spec's mount must name a host path at that same path, otherwise launch refuses it.
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ def check_key(key: str) -> None:
     """Keys name folders and Slurm jobs: letters, digits, `.`, `_`, `-`, not starting with `.` or `-`."""
     if not KEY_PATTERN.fullmatch(key):
         raise LaunchRefused(f"attempt key {key!r} must match {KEY_PATTERN.pattern}")
+
+
+def check_mounts(spec: LaunchSpec) -> None:
+    """Processes on a host see its files as they are: a mount can only name a host path at that same path."""
+    for path, source, _read_only in spec.file_mounts:
+        if path != source:
+            raise LaunchRefused(
+                f"the {spec.key} attempt mounts {source} at {path}: this backend has no mounts"
+            )
 
 
 def boot_id() -> str:
@@ -150,7 +161,7 @@ def _memory_gib() -> float:
     return 0.0
 
 
-def _processes_with_key(key: str, log_dir: Path) -> list[dict[str, Any]]:
+def _processes_with_key(key: str, attempt_dir: Path, log_dir: Path) -> list[dict[str, Any]]:
     """The rank wrappers (session leaders) whose environment holds `TANDEM_ATTEMPT_KEY=<key>`."""
     wanted = f"{KEY_ENV}={key}".encode()
     found: list[dict[str, Any]] = []
@@ -175,7 +186,7 @@ def _processes_with_key(key: str, log_dir: Path) -> list[dict[str, Any]]:
                 "pid": pid,
                 "pgid": pid,
                 "start_time": start,
-                "exit_file": str(log_dir / f"rank-{r}.exit"),
+                "exit_file": str(attempt_dir / f"rank-{r}.exit"),
                 "log": str(log_dir / f"rank-{r}.log"),
             }
         )
@@ -264,6 +275,7 @@ class LocalBackend:
 
     async def launch(self, spec: LaunchSpec) -> Handle:
         check_key(spec.key)
+        check_mounts(spec)
         if spec.num_nodes < 1:
             raise LaunchRefused(f"num_nodes must be at least 1, not {spec.num_nodes}")
         if spec.nodes and len(spec.nodes) != spec.num_nodes:
@@ -286,7 +298,9 @@ class LocalBackend:
             return None
         if handle.get("ranks"):
             return handle
-        ranks = await asyncio.to_thread(_processes_with_key, key, Path(handle["log_dir"]))
+        ranks = await asyncio.to_thread(
+            _processes_with_key, key, Path(handle["dir"]), Path(handle["log_dir"])
+        )
         if not ranks:
             return None
         handle["ranks"] = ranks
@@ -373,7 +387,6 @@ class LocalBackend:
         cwd = Path(spec.workdir) if spec.workdir is not None else attempt_dir
         if not cwd.is_dir():
             raise LaunchRefused(f"workdir {cwd} is not a folder")
-        self._mount(spec, cwd)
         nodes = self._assign(spec)
         handle: Handle = {
             "backend": self.name,
@@ -394,12 +407,12 @@ class LocalBackend:
             "ranks": [],
         }
         for rank in range(spec.num_nodes):  # a relaunch after a crash before any process started
-            (log_dir / f"rank-{rank}.exit").unlink(missing_ok=True)
+            (attempt_dir / f"rank-{rank}.exit").unlink(missing_ok=True)
         _write_atomic(attempt_dir / MARKER, json.dumps(handle))
         ranks: list[dict[str, Any]] = []
         try:
             for node in nodes:
-                ranks.append(self._start_rank(spec, node, nodes, log_dir, cwd))
+                ranks.append(self._start_rank(spec, node, nodes, attempt_dir, log_dir, cwd))
         except OSError as exc:
             for started in ranks:
                 _signal_group(started["pgid"], signal.SIGKILL)
@@ -416,20 +429,6 @@ class LocalBackend:
         return [
             NodeAssignment(rank=r, node=self.node_name, address=self.address) for r in range(spec.num_nodes)
         ]
-
-    def _mount(self, spec: LaunchSpec, cwd: Path) -> None:
-        """Local processes see the machine's files: a mount is a symlink in the workdir for a relative
-        path, nothing for an absolute path naming its own source, refused otherwise."""
-        for path, source, _read_only in spec.file_mounts:
-            target = Path(path)
-            if target.is_absolute():
-                if target != Path(source):
-                    raise LaunchRefused(f"the local backend cannot mount {source} at {path}")
-                continue
-            link = cwd / target
-            if not link.exists() and not link.is_symlink():
-                link.parent.mkdir(parents=True, exist_ok=True)
-                link.symlink_to(Path(source).resolve())
 
     def _env(self, spec: LaunchSpec, node: NodeAssignment, nodes: Sequence[NodeAssignment]) -> dict[str, str]:
         env = {name: os.environ[name] for name in self.inherit_env if name in os.environ}
@@ -451,11 +450,12 @@ class LocalBackend:
         spec: LaunchSpec,
         node: NodeAssignment,
         nodes: Sequence[NodeAssignment],
+        attempt_dir: Path,
         log_dir: Path,
         cwd: Path,
     ) -> dict[str, Any]:
         log = log_dir / f"rank-{node.rank}.log"
-        exit_file = log_dir / f"rank-{node.rank}.exit"
+        exit_file = attempt_dir / f"rank-{node.rank}.exit"
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 ["bash", "-c", _WRAPPER, "tandem-rank", spec.command, str(exit_file)],

@@ -55,7 +55,7 @@ from services.scheduler.backends.base import (
     Observed,
     Phase,
 )
-from services.scheduler.backends.local import INHERITED_ENV, check_key
+from services.scheduler.backends.local import INHERITED_ENV, check_key, check_mounts
 
 _UNREACHABLE = (
     "unable to contact slurm controller",
@@ -151,7 +151,8 @@ class SlurmBackend:
     and, where accounting exists, `sacct`. Every command runs with `env` added to this process's environment
     (e.g. `SLURM_CONF`) and is killed after `command_timeout_s`.
 
-    partition, account, qos: passed as `--partition`, `--account`, `--qos` when not empty.
+    partition, account, qos: passed as `--partition`, `--account`, `--qos` when not empty; a spec's own
+      (`LaunchSpec.options`) win.
     qos_by_priority: (minimum priority, QoS) pairs; the highest threshold at or below a spec's priority wins
       over `qos`.
     cluster: a named cluster (`--clusters`) for federations; empty for the default one.
@@ -270,14 +271,14 @@ class SlurmBackend:
 
     async def launch(self, spec: LaunchSpec) -> Handle:
         check_key(spec.key)
+        check_mounts(spec)
         async with self._locks.setdefault(spec.key, asyncio.Lock()):
             existing = await self.find(spec.key)
             if existing is not None:
                 return existing
-            log_dir = Path(spec.log_dir)
-            if not log_dir.is_absolute():
-                raise LaunchRefused(f"the Slurm backend needs an absolute log_dir, not {str(log_dir)!r}")
-            await asyncio.to_thread(log_dir.mkdir, parents=True, exist_ok=True)
+            if str(spec.log_dir) in ("", "."):
+                raise LaunchRefused("the Slurm backend needs a log_dir (on storage the nodes share)")
+            log_dir = await asyncio.to_thread(_make_dir, Path(spec.log_dir))
             rc, out, err = await self._run(*self.sbatch_args(spec), stdin=self.batch_script(spec))
             if rc != 0:
                 raise LaunchRefused(err.strip() or out.strip() or f"sbatch exited {rc}")
@@ -353,7 +354,8 @@ class SlurmBackend:
     # -- the job ---------------------------------------------------------------------------------------
 
     def sbatch_args(self, spec: LaunchSpec) -> list[str]:
-        log_dir = Path(spec.log_dir)
+        log_dir = Path(spec.log_dir).absolute()
+        workdir = Path(spec.workdir).absolute() if spec.workdir else log_dir
         exported = sorted(n for n in {*self.inherit_env, *self.env} if n in os.environ or n in self.env)
         args = [
             "sbatch",
@@ -363,7 +365,7 @@ class SlurmBackend:
             "--ntasks-per-node=1",
             f"--output={log_dir / 'batch.log'}",
             "--open-mode=append",
-            f"--chdir={spec.workdir or log_dir}",
+            f"--chdir={workdir}",
             f"--nice={nice_for(spec.priority)}",
             "--requeue" if spec.requeue_on_failure else "--no-requeue",
             f"--export={','.join(exported) or 'NONE'}",
@@ -377,17 +379,16 @@ class SlurmBackend:
             args.append(f"--mem={math.ceil(res.memory_gib * 1024)}M")
         if spec.time_limit_s > 0:
             args.append(f"--time={_time_limit(spec.time_limit_s)}")
-        if spec.nodes and all(n.node for n in spec.nodes):
-            args.append(f"--nodelist={','.join(n.node for n in spec.nodes)}")
+        placed = list(dict.fromkeys(n.node for n in spec.nodes if n.node))
+        if len(placed) == spec.num_nodes:  # the engine placed it on Slurm's nodes itself
+            args.append(f"--nodelist={','.join(placed)}")
         qos = self.qos
         for threshold, name in self.qos_by_priority:
             if spec.priority >= threshold:
                 qos = name
-        args += [
-            f"--{flag}={value}" for flag, value in (("partition", self.partition), ("account", self.account))
-        ]
-        args += [f"--qos={qos}"] if qos else []
-        args = [a for a in args if not a.endswith("=")]
+        chosen = {"partition": self.partition, "account": self.account, "qos": qos}
+        chosen.update({k: v for k, v in spec.options.items() if k in chosen and v})  # the spec's win
+        args += [f"--{flag}={value}" for flag, value in chosen.items() if value]
         return [*args, *self.extra_sbatch_args]
 
     def batch_script(self, spec: LaunchSpec) -> str:
@@ -420,7 +421,7 @@ class SlurmBackend:
             f"--nodes={spec.num_nodes}",
             f"--ntasks={spec.num_nodes}",
             "--ntasks-per-node=1",
-            f"--output={Path(spec.log_dir) / 'rank-%n.log'}",
+            f"--output={Path(spec.log_dir).absolute() / 'rank-%n.log'}",
             "--open-mode=append",
             "bash",
             "-c",
@@ -454,6 +455,12 @@ class SlurmBackend:
             rc, out, _ = await self._run("scontrol", "show", "hostnames", nodelist)
             self._hostnames[nodelist] = out.split() if rc == 0 else [nodelist]
         return [NodeAssignment(rank=r, node=h, address=h) for r, h in enumerate(self._hostnames[nodelist])]
+
+
+def _make_dir(path: Path) -> Path:
+    path = path.absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _env_name(name: str) -> bool:

@@ -14,7 +14,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,7 @@ class Case:
             attempt=0,
             command=command,
             env=kwargs.pop("env", {"TANDEM_JOB": f"orgs/acme/jobs/j{self._count[0]}"}),
-            log_dir=self.root / key,
+            log_dir=kwargs.pop("log_dir", self.root / key),
             **kwargs,
         )
 
@@ -210,6 +210,19 @@ async def test_launch_is_idempotent_per_key(case: Case) -> None:
     assert first == second == third
     await wait_until(case.backend, first, ended)
     assert runs.read_text().split() == ["run"]
+
+
+async def test_attempts_of_a_task_share_its_log_folder(case: Case) -> None:
+    """The engine gives every attempt of a task the same log folder: each appends, none reads another's
+    exit status."""
+    logs = case.root / "task-logs"
+    _, first = await run_to_end(case, case.spec("echo attempt-0; exit 3", log_dir=logs))
+    assert first.exit_code == 3
+    second = await case.backend.launch(case.spec("sleep 1; echo attempt-1", log_dir=logs))
+    assert (await case.backend.poll(second)).phase in (Phase.QUEUED, Phase.RUNNING)
+    assert (await wait_until(case.backend, second, ended)).exit_code == 0
+    log = log_text(case, second)
+    assert log.index("attempt-0") < log.index("attempt-1")
 
 
 async def test_find_after_a_lost_launch(case: Case) -> None:
@@ -409,6 +422,8 @@ def test_slurm_submission_arguments(tmp_path: Path) -> None:
         f"--output={tmp_path / 'batch.log'}",
     ):
         assert expected in args
+    own = backend.sbatch_args(replace(spec, options={"partition": "big", "qos": "", "account": "ml"}))
+    assert "--partition=big" in own and "--account=ml" in own and "--qos=high" in own
     script = backend.batch_script(spec)
     assert script.startswith("#!/bin/bash\n") and "export A='it'\"'\"'s'" in script and "srun " in script
 
