@@ -254,7 +254,7 @@ def test_the_deployed_priority_classes_are_the_backends_bands() -> None:
     assert all(o["preemptionPolicy"] == "Never" for o in deployed.values())
 
 
-def test_production_scales_the_stateless_services() -> None:
+def test_production_scales_only_the_gateway() -> None:
     deployments = {
         o["metadata"]["name"]: o
         for o in render(KUBE / "overlays" / "production")
@@ -263,8 +263,8 @@ def test_production_scales_the_stateless_services() -> None:
     replicas = {name: o["spec"]["replicas"] for name, o in deployments.items()}
     assert replicas == {
         "tandem-gateway": 3,
-        "tandem-taskapp-proxy": 3,
-        "tandem-vault": 2,
+        "tandem-taskapp-proxy": 1,
+        "tandem-vault": 1,
         "tandem-scheduler": 1,
         "tandem-events": 1,
     }
