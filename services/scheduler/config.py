@@ -28,6 +28,9 @@ class SlurmSettings(BaseModel):
     account: str = Field("", description="Default `--account`.")
     qos: str = Field("", description="Default `--qos`.")
     cluster: str = Field("", description="`--clusters` for a multi-cluster setup; empty for the default.")
+    conf: Path | None = Field(
+        None, description="`SLURM_CONF` for the Slurm commands; unset: Slurm's default."
+    )
 
 
 class KubernetesSettings(BaseModel):

@@ -504,7 +504,11 @@ def make_backends(config: SchedulerSettings, work_dir: Path) -> dict[str, Backen
 
             s = config.slurm
             backends[name] = SlurmBackend(
-                partition=s.partition, account=s.account, qos=s.qos, cluster=s.cluster
+                partition=s.partition,
+                account=s.account,
+                qos=s.qos,
+                cluster=s.cluster,
+                env={"SLURM_CONF": str(s.conf)} if s.conf else None,
             )
         else:
             from services.scheduler.backends.kubernetes import KubernetesBackend  # noqa: PLC0415

@@ -1,0 +1,77 @@
+"""The scheduler driving the Slurm backend on a real one-node cluster (tests/support/slurm.py): a command
+job and the online RL demo job (3 steps) run through CreateJob to SUCCEEDED, the demo leaving a checkpoint."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from tandem.scheduler.v1 import job_pb2, job_spec_pb2
+
+from mesh.identity import TokenSigner, load_signing_key
+from tests.services.scheduler.test_scheduler import TERMINAL, Clients, command, create, log_text, wait_for
+from tests.support.mesh import Mesh, mesh_settings, running_mesh
+from tests.support.slurm import SlurmCluster, slurm_cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+ROOT = Path(__file__).resolve().parents[3]
+__all__ = ["slurm_cluster"]  # the session fixture
+SLURM = job_spec_pb2.BACKEND_SLURM
+
+
+@pytest.fixture
+async def acme(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slurm_cluster: SlurmCluster
+) -> AsyncIterator[Clients]:
+    monkeypatch.setenv("TANDEM_SCHEDULER_SLURM__ENABLED", "true")
+    monkeypatch.setenv("TANDEM_SCHEDULER_SLURM__CONF", str(slurm_cluster.conf))
+    async with running_mesh(
+        mesh_settings(tmp_path), services=["events", "vault", "taskapp_proxy", "scheduler"]
+    ) as mesh:
+        yield await clients_for(mesh)
+
+
+async def clients_for(mesh: Mesh) -> Clients:
+    return Clients(
+        mesh, TokenSigner(load_signing_key("", mesh.settings.state_dir)).issue("user", "alice", org="acme")
+    )
+
+
+async def test_a_command_job_runs_on_slurm(acme: Clients) -> None:
+    job = await create(acme, command('echo "on slurm: $TANDEM_JOB rank $TANDEM_NODE_RANK"'), backend=SLURM)
+    done = await wait_for(acme, job.name, *TERMINAL, within_s=120)
+    assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure.message
+    assert done.backend == SLURM and done.tasks[0].backend_handle.slurm.job_id
+    assert f"on slurm: {job.name} rank 0" in await log_text(acme, job.name)
+    await acme.close()
+
+
+async def test_the_demo_job_runs_on_slurm(acme: Clients, tmp_path: Path) -> None:
+    config = (ROOT / "examples" / "jobs" / "demo.toml").read_text()
+    for key, value in {
+        "steps": "3",
+        "prompts_per_step": "4",
+        "group_size": "4",
+        "checkpoint_interval": "3",
+        "dir": f'"{tmp_path / "model"}"',
+    }.items():
+        config, count = re.subn(rf"^{key} = .*$", f"{key} = {value}", config, count=1, flags=re.MULTILINE)
+        assert count == 1, f"demo.toml has no {key}"
+    task = job_spec_pb2.TaskSpec(
+        name="trainer",
+        kind=job_spec_pb2.TaskSpec.KIND_ONLINE_RL,
+        online_rl=job_spec_pb2.OnlineRlOptions(config_toml=config),
+    )
+    job = await create(acme, task, job_id="demo", backend=SLURM)
+    done = await wait_for(acme, job.name, *TERMINAL, within_s=840)
+    assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, (
+        done.failure.message,
+        await log_text(acme, job.name),
+    )
+    checkpoints = (
+        tmp_path / "scheduler" / "jobs" / "orgs-acme-jobs-demo" / "trainer" / "output" / "checkpoints"
+    )
+    assert [p for p in checkpoints.glob("step-*") if not p.name.endswith(".partial")]
+    await acme.close()
