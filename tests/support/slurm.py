@@ -97,7 +97,7 @@ def _slurm_conf(root: Path, node: str, cpus: int, memory_mb: int, munge_socket: 
     return f"""\
 ClusterName=tandemtest
 AuthInfo=socket={munge_socket}
-SlurmctldHost={node}
+SlurmctldHost={node}(127.0.0.1)
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 SlurmUser=root
@@ -125,7 +125,7 @@ MinJobAge=300
 KillWait=5
 InactiveLimit=0
 SchedulerParameters=sched_interval=1
-NodeName={node} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
+NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
 PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
 

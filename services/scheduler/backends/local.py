@@ -121,6 +121,16 @@ def _first_failure(attempt_dir: Path) -> tuple[float, int] | None:
         return None
 
 
+def _group_is_ours(rank: _Rank) -> bool:
+    """Whether signalling the rank's process group can only reach the task. Linux never hands out a pid that
+    is still some group's id, so a group whose leader is gone holds only the task's leftovers (or nothing);
+    a live process with the leader's pid but another start time means the pid, and the group, are new."""
+    if rank.pgid <= 0:
+        return False
+    start = process_start_time(rank.pgid, zombie=True)
+    return start is None or start == rank.start_time
+
+
 def _mark_cancelled(attempt_dir: Path) -> None:
     if attempt_dir.is_dir():
         _write_atomic(attempt_dir / CANCELLED, f"{time.time()}\n")
@@ -364,7 +374,8 @@ class LocalBackend:
             await asyncio.sleep(0.05)
             alive = [r for r in alive if self._is_alive(r)]
         for rank in ranks:  # the whole tree: the wrapper may be gone while a child of it lingers
-            _signal_group(rank.pgid, signal.SIGKILL)
+            if _group_is_ours(rank):
+                _signal_group(rank.pgid, signal.SIGKILL)
         while alive:
             await asyncio.sleep(0.02)
             alive = [r for r in alive if self._is_alive(r)]

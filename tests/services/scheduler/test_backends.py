@@ -312,8 +312,11 @@ async def test_local_reused_pid_is_not_the_task(tmp_path: Path) -> None:
     impostor = json.loads(json.dumps(handle))
     for rank in impostor["ranks"]:
         rank["start_time"] += 1  # same pid, another process
-    observed = await LocalBackend(tmp_path / "attempts", gpus=0).poll(impostor)
+    other = LocalBackend(tmp_path / "attempts", gpus=0)
+    observed = await other.poll(impostor)
     assert observed.phase is Phase.LOST, observed
+    await other.cancel(impostor, grace_s=0.2)  # must not signal a process that is not the task
+    assert (await backend.poll(handle)).phase is Phase.RUNNING
     await backend.cancel(handle, grace_s=1.0)
 
 
