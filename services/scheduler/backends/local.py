@@ -249,6 +249,7 @@ class LocalBackend:
         self._boot_id = boot_id()
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> the processes this object started
         self._locks: dict[str, asyncio.Lock] = {}
+        self._ended: set[str] = set()  # keys whose processes have all ended, skipped by inventory
 
     # -- the Backend interface ---------------------------------------------------------------------------
 
@@ -259,8 +260,13 @@ class LocalBackend:
         cpus_held = 0.0
         memory_held = 0.0
         for marker in self.root.glob(f"*/{MARKER}"):
+            if marker.parent.name in self._ended:
+                continue
             handle = self._read_marker(marker)
-            if handle is None or not self._alive_ranks(handle):
+            if handle is None or not handle.get("ranks"):
+                continue
+            if not self._alive_ranks(handle):
+                self._ended.add(marker.parent.name)  # an attempt that ended never runs again
                 continue
             res = handle.get("resources", {})
             for node in handle.get("nodes", []):
