@@ -369,10 +369,6 @@ class Engine:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.outbox.flush(record.job.name), 5.0)
 
-    def snapshot(self, name: str) -> JobRecord | None:
-        live = self._jobs.get(name)
-        return live.record if live else None
-
     async def cancel(self, name: str, reason: str) -> JobRecord:
         async with self._lock:
             live = self._jobs.get(name)
@@ -388,6 +384,10 @@ class Engine:
                 )
             job.cancel_requested, job.cancel_reason = True, reason
             if not any(self._live_attempts(record)) and job.state in (JobState.PENDING, JobState.RECOVERING):
+                for task in record.tasks:
+                    if task.state not in lc.TASK_TERMINAL:
+                        task.end_time = time.time()
+                        await self._set_task(record, task, TaskState.CANCELLED)
                 await self._finish(record, JobState.CANCELLED)
             else:
                 await self._set_job(record, JobState.CANCELLING)
@@ -854,14 +854,20 @@ class Engine:
                 queue.append(lc.QueuedGroup(job.name, job.priority, job.waiting_since, job.seq, live.demands))
         return queue
 
-    def _running_groups(self, backend: str) -> list[lc.RunningGroup]:
+    def _running_groups(self, backend: str, releasing: bool = False) -> list[lc.RunningGroup]:
+        """Live jobs holding resources on `backend`: the preemption candidates (STARTING, RUNNING), or with
+        `releasing` the jobs being stopped (cancelled, or RECOVERING with attempts still alive)."""
         groups = []
         for live in self._jobs.values():
             job = live.record.job
-            if (
-                job.backend != backend
-                or job.state not in (JobState.STARTING, JobState.RUNNING)
-                or job.cancel_requested
+            if job.backend != backend:
+                continue
+            stopping = job.cancel_requested or job.state is JobState.RECOVERING
+            if releasing != stopping or job.state not in (
+                JobState.STARTING,
+                JobState.RUNNING,
+                JobState.RECOVERING,
+                JobState.CANCELLING,
             ):
                 continue
             placement: lc.Placement = {}
@@ -877,6 +883,12 @@ class Engine:
                     )
                 )
         return groups
+
+    def _preempt_for(
+        self, backend: str, blocked: lc.QueuedGroup, nodes: list[lc.NodeFree]
+    ) -> list[lc.RunningGroup]:
+        releasing = self._running_groups(backend, releasing=True)
+        return lc.choose_preemption(blocked, nodes, self._running_groups(backend), releasing) or []
 
     async def _admit(self, now: float) -> None:
         for backend in self.backends:
@@ -895,8 +907,7 @@ class Engine:
             for group, placement in result.admitted:
                 await self._start_group(self._jobs[group.job], placement)
             if result.blocked is not None and self.config.preemption:
-                victims = lc.choose_preemption(result.blocked, nodes, self._running_groups(backend))
-                for victim in victims or []:
+                for victim in self._preempt_for(backend, result.blocked, nodes):
                     await self._preempt(self._jobs[victim.job], result.blocked.job)
 
     async def _preempt(self, live: _Live, by: str) -> None:
@@ -908,7 +919,7 @@ class Engine:
         job.failure = failure
         job.restart_count += 1
         job.next_restart_time = now
-        job.waiting_since = job.create_time  # requeued in its original place
+        job.waiting_since = now  # requeued behind what waits at its priority; aging starts again
         await self._set_job(record, JobState.RECOVERING)
         await self._stop_all(live, self._live_attempts(record), self.config.cancel_grace_s)
         log.info("preempting", extra={"job": job.name, "by": by})

@@ -414,11 +414,23 @@ class RunningGroup:
 
 
 def choose_preemption(
-    group: QueuedGroup, nodes: Sequence[NodeFree], running: Sequence[RunningGroup]
+    group: QueuedGroup,
+    nodes: Sequence[NodeFree],
+    running: Sequence[RunningGroup],
+    releasing: Sequence[RunningGroup] = (),
 ) -> list[RunningGroup] | None:
     """The cheapest set of strictly lower-priority running groups whose release lets `group` fit, or None.
     Cheapest means lowest priorities first, then the fewest GPUs, then the most recently started (the
-    least work lost); after the greedy pick, victims not needed for the fit are spared again."""
+    least work lost); after the greedy pick, victims not needed for the fit are spared again. What the
+    `releasing` groups (already being stopped) hold counts as free: when that is enough the answer is no
+    victim at all, so a group waiting for its victims to exit never preempts more of them."""
+    if releasing:
+        freed = [n.copy() for n in nodes]
+        for other in releasing:
+            give_back(freed, other.placement, other.demands)
+        if place_group(group.demands, freed) is not None:
+            return []
+        nodes = freed
     candidates = sorted(
         (r for r in running if r.priority < group.priority),
         key=lambda r: (r.priority, r.gpus, -r.start_time, r.job),

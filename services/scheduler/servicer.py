@@ -30,6 +30,7 @@ from tandem.vault.v1 import vault_service_pb2, vault_service_pb2_grpc
 
 from mesh import paging
 from mesh.errors import (
+    AlreadyExists,
     FailedPrecondition,
     FieldViolation,
     InvalidArgument,
@@ -173,8 +174,10 @@ class SchedulerServiceServicer(scheduler_service_pb2_grpc.SchedulerServiceServic
         store: JobStore,
         verifier: TokenVerifier,
         default_backend: str,
-        vault: Any,  # the vault's typed stub (mesh.clients); None skips nothing, it refuses secrets
+        vault: Any,  # the vault's typed stub (mesh.clients); None refuses specs that name secrets
+        task_apps: Any = None,  # the taskapp-proxy's typed stub; None skips the Task App id check
     ) -> None:
+        self._task_apps = task_apps
         self._engine = engine
         self._store = store
         self._verifier = verifier
@@ -269,6 +272,27 @@ class SchedulerServiceServicer(scheduler_service_pb2_grpc.SchedulerServiceServic
                 violations=found,
             )
 
+    async def _check_task_apps(self, org: str, spec: JobSpec) -> None:
+        """A managed Task App id must not name an app that is already registered (by a user or another job)."""
+        if self._task_apps is None:
+            return
+        for index, task in enumerate(spec.tasks):
+            if task.WhichOneof("kind_options") != "service" or not task.service.HasField("register_task_app"):
+                continue
+            name = f"orgs/{org}/taskApps/{task.service.register_task_app.app_id}"
+            try:
+                await self._task_apps.GetTaskApp(taskapp_service_pb2.GetTaskAppRequest(name=name))
+            except RpcError as error:
+                if error.code == grpc.StatusCode.NOT_FOUND:
+                    continue
+                raise Unavailable(f"the taskapp-proxy did not answer: {error.message}") from None
+            field = f"spec.tasks[{index}].service.register_task_app.app_id"
+            raise AlreadyExists(
+                f"{name} is already registered",
+                reason=R.ERROR_REASON_ALREADY_EXISTS,
+                violations=[FieldViolation(field, f"{name} is already registered")],
+            )
+
     async def CreateJob(self, request: pb.CreateJobRequest, context: Context) -> pb.CreateJobResponse:
         org = request.parent.split("/")[1]
         principal = self._check_org(org, f"{request.parent} not found", R.ERROR_REASON_ORG_NOT_FOUND)
@@ -283,6 +307,8 @@ class SchedulerServiceServicer(scheduler_service_pb2_grpc.SchedulerServiceServic
         nodes = await self._inventory(self._engine.backends[backend_name])
         specs.check_fits(spec, nodes)
         await self._check_secrets(org, spec)
+        if not request.request_id or await self._store.find_request(org, request.request_id) is None:
+            await self._check_task_apps(org, spec)  # a retry finds its own job's app registered
         job_id = request.job_id or _job_id(spec)
         now = time.time()
         name = f"orgs/{org}/jobs/{job_id}"
@@ -562,9 +588,8 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     backends = make_backends(config, work_dir)
     events = deps.clients.stub(events_service_pb2_grpc.EventServiceStub, "events")
     outbox = EventOutbox(store, events.Publish, events.CloseJobStream, config.pass_interval_s)
-    register, delete = task_app_hooks(
-        deps.clients.stub(taskapp_service_pb2_grpc.TaskAppServiceStub, "taskapp_proxy")
-    )
+    task_apps = deps.clients.stub(taskapp_service_pb2_grpc.TaskAppServiceStub, "taskapp_proxy")
+    register, delete = task_app_hooks(task_apps)
     settings = deps.settings
     engine = Engine(
         store,
@@ -590,7 +615,9 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     )
     await engine.start()
     vault = deps.clients.stub(vault_service_pb2_grpc.VaultServiceStub, "vault")
-    servicer = SchedulerServiceServicer(engine, store, deps.verifier, config.default_backend, vault)
+    servicer = SchedulerServiceServicer(
+        engine, store, deps.verifier, config.default_backend, vault, task_apps
+    )
     scheduler_service_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
 
     async def close_backends() -> None:

@@ -327,6 +327,13 @@ class JobStore:
                     return found, False
             raise AlreadyExists(f"{job.name} already exists", reason=R.ERROR_REASON_ALREADY_EXISTS) from None
 
+    async def find_request(self, org: str, request_id: str) -> str | None:
+        """The job a stored CreateJob request id created, if any."""
+        row = await self.db.fetchone(
+            "SELECT job FROM sched_requests WHERE org = ? AND request_id = ?", (org, request_id)
+        )
+        return str(row["job"]) if row else None
+
     async def get(self, name: str) -> JobRecord:
         record = await self._load(self.db, name)
         if record is None:

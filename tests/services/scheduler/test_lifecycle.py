@@ -166,3 +166,8 @@ def test_preemption_picks_the_cheapest_lower_priority_set() -> None:
     assert choose_preemption(group("too-big", 5, 9, gpus=8), nodes, victims) is None
     both = choose_preemption(group("wide", 5, 9, gpus=2, nodes=2), nodes, victims)
     assert both is not None and sorted(v.job for v in both) == ["p0-n1", "p1-n2"]
+
+    # While the chosen victim is still stopping, what it releases counts: nobody else is preempted.
+    assert choose_preemption(group("urgent", 5, 9, gpus=2), nodes, victims[1:], releasing=victims[:1]) == []
+    without = choose_preemption(group("urgent", 5, 9, gpus=2), nodes, victims[1:])  # would take one more
+    assert without is not None and [v.job for v in without] == ["p1-n2"]

@@ -230,6 +230,15 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+async def test_a_failing_setup_is_a_precheck_failure_never_recovered(acme: Clients) -> None:
+    recovery = job_spec_pb2.RecoveryPolicy(max_restarts_on_errors=3, initial_backoff=seconds(0.1))
+    job = await create(acme, command("echo never", setup="echo preparing; exit 1"), recovery=recovery)
+    done = await wait_for(acme, job.name, *TERMINAL)
+    assert done.state == State.STATE_FAILED and done.restart_count == 0
+    assert done.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK
+    assert "never" not in (await log_text(acme, job.name)).replace("echo never", "")
+
+
 async def test_cancel_kills_the_process_tree(acme: Clients, tmp_path: Path) -> None:
     pidfile = tmp_path / "child.pid"
     job = await create(acme, command(f"sleep 300 & echo $! > {pidfile}; wait"))
@@ -307,11 +316,24 @@ async def test_priority_order_then_preemption_requeues_and_resumes(acme: Clients
     assert high_done.state == low_done.state == State.STATE_SUCCEEDED
     assert high_done.start_time.ToNanoseconds() < low_done.start_time.ToNanoseconds()  # priority first
 
-    run = 'echo "restart=$TANDEM_RESTART_COUNT"; [ "$TANDEM_RESTART_COUNT" -ge 1 ] || sleep 300'
+    # The victim takes a second to stop; meanwhile nobody else is preempted for the same job.
+    run = (
+        'echo "restart=$TANDEM_RESTART_COUNT"; [ "$TANDEM_RESTART_COUNT" -ge 1 ] && exit 0; '
+        "trap 'sleep 1; exit 143' TERM; sleep 300 & wait"
+    )
     victim = await create(acme, command(run, gpus="3"), priority=1)
+    bystander_gate = tmp_path / "bystander"
+    bystander = await create(
+        acme, command(f"while [ ! -e {bystander_gate} ]; do sleep 0.05; done", gpus="1"), priority=2
+    )
     await wait_for(acme, victim.name, State.STATE_RUNNING)
-    urgent = await create(acme, command("true", gpus="2"), priority=9)
+    await wait_for(acme, bystander.name, State.STATE_RUNNING)
+    urgent = await create(acme, command("true", gpus="1"), priority=9)
     assert (await wait_for(acme, urgent.name, *TERMINAL)).state == State.STATE_SUCCEEDED
+    still = await wait_for(acme, bystander.name, State.STATE_RUNNING)
+    assert still.restart_count == 0
+    bystander_gate.touch()
+    assert (await wait_for(acme, bystander.name, *TERMINAL)).state == State.STATE_SUCCEEDED
     resumed = await wait_for(acme, victim.name, *TERMINAL)
     assert resumed.state == State.STATE_SUCCEEDED and resumed.restart_count == 1
     assert resumed.tasks[0].restart_count == 1
@@ -601,6 +623,14 @@ async def test_a_managed_task_app_is_registered_when_ready_and_deleted_when_it_e
             assert time.monotonic() < deadline
             await asyncio.sleep(0.1)
     assert got.task_app.base_url == running.tasks[1].endpoint
+    taken = await expect(
+        acme.scheduler.CreateJob(
+            pb.CreateJobRequest(parent=ORG, spec=job_spec_pb2.JobSpec(tasks=[command("true"), service]))
+        ),
+        grpc.StatusCode.ALREADY_EXISTS,
+        "ALREADY_EXISTS",
+    )
+    assert [v.field for v in taken.violations] == ["spec.tasks[1].service.register_task_app.app_id"]
     assert got.task_app.secret_name == "orgs/acme/secrets/app-key"
     gate.touch()
     done = await wait_for(acme, job.name, *TERMINAL)
