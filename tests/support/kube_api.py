@@ -145,6 +145,8 @@ class FakeKubeApi:
         self.objects: dict[tuple[str, str, str], Json] = {}  # (plural, namespace or "", name) -> object
         self.logs: dict[tuple[str, str], bytes] = {}  # (namespace, pod) -> log
         self.deletions: list[tuple[str, str, Json]] = []  # (plural, name, delete options)
+        self.patches: list[tuple[str, str, Json]] = []  # (plural, name, merge patch)
+        self._lost: dict[tuple[str, str], int] = {}  # (namespace, job) -> pods deleted before they ended
         self.requests: list[tuple[str, str]] = []  # (method, path)
         self.created: list[Json] = []  # every object the client created, as sent
         self._refusals: list[str] = []
@@ -154,6 +156,20 @@ class FakeKubeApi:
         self._processes: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        if run_pods:  # the machine itself is the one node the pods run on
+            memory_kib = (
+                next(
+                    (
+                        int(line.split()[1])
+                        for line in Path("/proc/meminfo").read_text().splitlines()
+                        if line.startswith("MemTotal:")
+                    ),
+                    8 * 2**20,
+                )
+                if Path("/proc/meminfo").exists()
+                else 8 * 2**20
+            )
+            self.add_node("localhost", cpus=os.cpu_count() or 1, memory_gib=max(1, memory_kib // 2**20))
 
     # -- lifetime -------------------------------------------------------------------------------------------
 
@@ -169,6 +185,9 @@ class FakeKubeApi:
 
             def do_DELETE(self) -> None:
                 api._handle(self, "DELETE")
+
+            def do_PATCH(self) -> None:
+                api._handle(self, "PATCH")
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -348,6 +367,9 @@ class FakeKubeApi:
             if ("pods", ns, name or "") not in self.objects:
                 return 404, _status(404, "NotFound", f'pods "{name}" not found')
             return 200, self.logs.get((ns, name or ""), b"")
+        if plural == "jobs" and method == "GET":  # the Job controller notices deadlines when asked
+            for key in [k for k in self.objects if k[0] == "jobs" and (not ns or k[1] == ns)]:
+                self._check_deadline(key[1], key[2])
         if method == "GET" and name is None:
             items = [
                 copy.deepcopy(obj)
@@ -371,9 +393,29 @@ class FakeKubeApi:
             return 200, copy.deepcopy(obj)
         if method == "POST":
             return self._create(plural, ns, body)
-        if method == "DELETE" and name is None:
-            grace = query.get("gracePeriodSeconds")
-            options = {**body, **({"gracePeriodSeconds": int(grace)} if grace is not None else {})}
+        if method == "PATCH" and name is not None:
+            return self._patch(plural, ns, name, body)
+        if method == "DELETE":
+            return self._remove(plural, ns, name, query, body)
+        return 405, _status(405, "MethodNotAllowed", method)
+
+    def _patch(self, plural: str, ns: str, name: str, body: Json) -> tuple[int, Json]:
+        """A JSON merge patch (RFC 7386)."""
+        obj = self.objects.get((plural, ns, name))
+        if obj is None:
+            return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
+        self.patches.append((plural, name, copy.deepcopy(body)))
+        _merge(obj, body)
+        obj["metadata"]["resourceVersion"] = str(next(self._versions))
+        if plural == "jobs":
+            self._check_deadline(ns, name)
+        return 200, copy.deepcopy(obj)
+
+    def _remove(self, plural: str, ns: str, name: str | None, query: Json, body: Json) -> tuple[int, Json]:
+        """DELETE of one object or, without a name, of every object the label selector matches."""
+        grace = query.get("gracePeriodSeconds")
+        options = {**body, **({"gracePeriodSeconds": int(grace)} if grace is not None else {})}
+        if name is None:
             selector = query.get("labelSelector", "")
             doomed = [
                 n
@@ -384,15 +426,12 @@ class FakeKubeApi:
             ]
             for doomed_name in doomed:
                 self._delete(plural, ns, doomed_name, options)
+            kind, api_version, _ = _KINDS[plural]
             return 200, {"kind": f"{kind}List", "apiVersion": api_version, "metadata": {}, "items": []}
-        if method == "DELETE":
-            if (plural, ns, name or "") not in self.objects:
-                return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
-            grace = query.get("gracePeriodSeconds")
-            options = {**body, **({"gracePeriodSeconds": int(grace)} if grace is not None else {})}
-            self._delete(plural, ns, name or "", options)
-            return 200, _status(200, "", "deleted", "Success")
-        return 405, _status(405, "MethodNotAllowed", method)
+        if (plural, ns, name) not in self.objects:
+            return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
+        self._delete(plural, ns, name, options)
+        return 200, _status(200, "", "deleted", "Success")
 
     def _create(self, plural: str, ns: str, body: Json) -> tuple[int, Json]:
         if self._refusals:
@@ -464,6 +503,7 @@ class FakeKubeApi:
                 ns,
             )
             self.objects[("pods", ns, pod_name)] = pod
+            job["status"].setdefault("startTime", _now())
             if self.run_pods:
                 self._run(pod)
 
@@ -494,7 +534,7 @@ class FakeKubeApi:
         status.update(
             active=sum(p in ("Pending", "Running") for p in phases),
             succeeded=phases.count("Succeeded"),
-            failed=phases.count("Failed"),
+            failed=phases.count("Failed") + self._lost.get((ns, name), 0),
         )
         if status.get("conditions"):
             return
@@ -515,6 +555,29 @@ class FakeKubeApi:
             ]
             status["completionTime"] = _now()
 
+    def _check_deadline(self, ns: str, name: str) -> None:
+        """activeDeadlineSeconds: past it, the Job fails with DeadlineExceeded and its pods are stopped."""
+        job = self.objects.get(("jobs", ns, name))
+        if job is None or job["status"].get("conditions"):
+            return
+        deadline, started = job["spec"].get("activeDeadlineSeconds"), job["status"].get("startTime")
+        if deadline is None or started is None:
+            return
+        elapsed = (
+            datetime.now(UTC) - datetime.strptime(started, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+        ).total_seconds()
+        if elapsed < int(deadline):
+            return
+        message = "Job was active longer than specified deadline"
+        job["status"]["conditions"] = [
+            {"type": "FailureTarget", "status": "True", "reason": "DeadlineExceeded", "message": message},
+            {"type": "Failed", "status": "True", "reason": "DeadlineExceeded", "message": message},
+        ]
+        grace = int(job["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30))
+        for pod in list(self.pods(ns, name).values()):
+            if pod["status"].get("phase") in ("Pending", "Running"):
+                self._delete("pods", ns, pod["metadata"]["name"], {"gracePeriodSeconds": grace})
+
     def _delete(self, plural: str, ns: str, name: str, options: Json) -> None:
         obj = self.objects.pop((plural, ns, name), None)
         if obj is None:
@@ -522,6 +585,13 @@ class FakeKubeApi:
         self.deletions.append((plural, name, options))
         if plural == "pods":
             self._kill(ns, name, int(options.get("gracePeriodSeconds", 30)))
+            job = obj["metadata"]["labels"].get("job-name", "")
+            if (
+                obj["status"].get("phase") not in ("Succeeded", "Failed")
+                and ("jobs", ns, job) in self.objects
+            ):
+                self._lost[(ns, job)] = self._lost.get((ns, job), 0) + 1  # a deleted running pod failed
+                self._settle(ns, job)
         uid = obj["metadata"]["uid"]
         owned = [
             key
@@ -591,6 +661,16 @@ class FakeKubeApi:
                 os.killpg(process.pid, signal.SIGKILL)
 
         threading.Thread(target=hard_kill, daemon=True).start()
+
+
+def _merge(target: Json, patch: Json) -> None:
+    for key, value in patch.items():
+        if value is None:
+            target.pop(key, None)
+        elif isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        else:
+            target[key] = copy.deepcopy(value)
 
 
 def _status(code: int, reason: str, message: str, status: str = "Failure") -> Json:

@@ -234,7 +234,7 @@ def test_each_overlay_renders_to_valid_wired_objects(overlay: Path) -> None:
         for g in rule["apiGroups"]
         for r in rule["resources"]
     }
-    assert {"create", "delete", "get", "list"} <= granted[("batch", "jobs")]
+    assert {"create", "delete", "get", "list", "patch"} <= granted[("batch", "jobs")]
     assert {"create", "delete"} <= granted[("", "services")] and {"get"} <= granted[("", "pods/log")]
     assert {"deletecollection", "list"} <= granted[("", "pods")]
     cluster_rules = by_kind["ClusterRole"]["tandem-scheduler"]["rules"]

@@ -25,6 +25,9 @@ What one attempt becomes (details and the reasons in `services/scheduler/KUBERNE
   only) and starts through `services.scheduler.backends.task_secrets`, which opens them from the vault in
   the pod. No value is ever written into a pod spec or a Kubernetes Secret.
 
+`cancel` fails the Job (a `tandem.dev/cancelled` annotation and a one-second deadline) and deletes its pods
+with the grace period; the Job stays, Failed, so polls read the end (EXITED, 143) until its TTL removes it.
+
 `logs()` returns `<log_dir>/rank-<r>.log`, a file this backend refreshes from the pods' logs through the
 API (on each `logs()` call, at most every `log_refresh_s`, in the background; and once more when `poll`
 sees the attempt end or `cancel` stops it), appending only what is new so byte offsets stay valid.
@@ -76,10 +79,12 @@ LABEL_ATTEMPT = "tandem.dev/attempt"
 LABEL_KEY = "tandem.dev/key"
 ANNOTATION_KEY = "tandem.dev/key"
 ANNOTATION_JOB = "tandem.dev/job"
+ANNOTATION_CANCELLED = "tandem.dev/cancelled"  # set by cancel: the attempt's end reads as cancelled
 ANNOTATION_LOG_DIR = "tandem.dev/log-dir"  # the scheduler's folder for the attempt's logs, for `find`
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 CONTAINER = "task"
+KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # what the other backends accept, too
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
@@ -390,6 +395,12 @@ class KubernetesBackend:
     # -- the interface ---------------------------------------------------------------------------------------
 
     async def launch(self, spec: LaunchSpec) -> Handle:
+        if not KEY_PATTERN.fullmatch(spec.key):
+            raise LaunchRefused(f"attempt key {spec.key!r} must match {KEY_PATTERN.pattern}")
+        if spec.num_nodes < 1:
+            raise LaunchRefused(f"num_nodes must be at least 1, not {spec.num_nodes}")
+        if _has_log_dir(spec.log_dir):  # logs() copies the pods' logs here
+            await asyncio.to_thread(Path(spec.log_dir).mkdir, parents=True, exist_ok=True)
         if self.manage_priority_classes:
             await self._ensure_priority_class(priority_band(spec.priority))
         job = self.job_object(spec)
@@ -452,18 +463,41 @@ class KubernetesBackend:
         return observed
 
     async def cancel(self, handle: Handle, grace_s: float = 10.0) -> None:
+        """Mark the Job cancelled and past its deadline, so the Job controller fails it and creates no
+        pods, then delete its pods with `grace_s` (SIGTERM now, SIGKILL after the grace). The Job stays,
+        Failed, so `poll` reports the end (EXITED, 143 unless a container said otherwise) until its
+        ttlSecondsAfterFinished removes it with its Service. A suspended (never started) Job has no pods
+        and no deadline clock: it is deleted in the foreground instead."""
         name, namespace = str(handle["job"]), _namespace(handle, self.namespace)
         grace = max(0, round(grace_s))
         if handle.get("log_dir"):  # the pods' logs go with the pods: keep what they wrote so far
             with contextlib.suppress(BackendUnavailable):
                 await self._refresh_logs(handle, await self._pods(handle))
-        options = {"propagationPolicy": "Foreground", "gracePeriodSeconds": grace}
-        with contextlib.suppress(_Missing):
-            await self._call(
-                self._batch.delete_namespaced_job, name, namespace, body=options, missing_ok=True
-            )
-        # The garbage collector would stop the pods with their own terminationGracePeriodSeconds; deleting
-        # them here applies this call's grace (SIGTERM now, SIGKILL after grace_s).
+        try:
+            job = await self._call(self._batch.read_namespaced_job, name, namespace, missing_ok=True)
+        except _Missing:
+            job = None
+        if job is not None and job.get("spec", {}).get("suspend"):
+            options = {"propagationPolicy": "Foreground", "gracePeriodSeconds": grace}
+            with contextlib.suppress(_Missing):
+                await self._call(
+                    self._batch.delete_namespaced_job, name, namespace, body=options, missing_ok=True
+                )
+            return
+        if job is not None and not _condition(job, "Complete") and not _condition(job, "Failed"):
+            patch = {
+                "metadata": {"annotations": {ANNOTATION_CANCELLED: str(grace)}},
+                "spec": {"activeDeadlineSeconds": 1},
+            }
+            with contextlib.suppress(_Missing):
+                await self._call(
+                    self._batch.patch_namespaced_job,
+                    name,
+                    namespace,
+                    patch,
+                    missing_ok=True,
+                    _content_type="application/merge-patch+json",
+                )
         await self._call(
             self._core.delete_collection_namespaced_pod,
             namespace,
@@ -817,6 +851,11 @@ def _observe(job: Json, pods: list[Json], num_nodes: int) -> Observed:
     if _condition(job, "Complete"):
         return Observed(Phase.EXITED, exit_code=0, nodes=nodes)
     failed = _condition(job, "Failed")
+    cancelled = ANNOTATION_CANCELLED in (job.get("metadata", {}).get("annotations") or {})
+    if failed and cancelled:
+        codes = [int(t.get("exitCode", 0)) for pod in per_rank.values() if (t := _terminated(pod))]
+        code = next((c for c in codes if c != 0), 143)
+        return Observed(Phase.EXITED, exit_code=code, message="cancelled", nodes=nodes)
     if failed:
         return _failure(failed, per_rank, nodes)
     if job.get("spec", {}).get("suspend"):
@@ -848,14 +887,20 @@ def _failure(failed: Json, per_rank: Mapping[int, Json], nodes: tuple[NodeAssign
             return Observed(
                 Phase.EXITED, exit_code=code, message=f"rank {rank}: {why}", nodes=nodes, preempted=True
             )
-    for rank, pod in sorted(per_rank.items()):
-        ended = _terminated(pod)
-        if ended and int(ended.get("exitCode", 0)) != 0:
-            code = int(ended["exitCode"])
-            detail = f" ({ended['reason']})" if ended.get("reason") else ""
-            return Observed(
-                Phase.EXITED, exit_code=code, message=f"rank {rank} exited with {code}{detail}", nodes=nodes
-            )
+    # The first rank to fail is the cause; the controller then stops the others (SIGTERM: 143). finishedAt
+    # has one-second resolution, so among ties an exit of the task's own beats a signal death.
+    failures = sorted(
+        (str(ended.get("finishedAt") or ""), int(ended["exitCode"]) >= 128, rank, ended)
+        for rank, pod in per_rank.items()
+        if (ended := _terminated(pod)) and int(ended.get("exitCode", 0)) != 0
+    )
+    if failures:
+        _finished, _signal, rank, ended = failures[0]
+        code = int(ended["exitCode"])
+        detail = f" ({ended['reason']})" if ended.get("reason") else ""
+        return Observed(
+            Phase.EXITED, exit_code=code, message=f"rank {rank} exited with {code}{detail}", nodes=nodes
+        )
     # Failed with no failed container to read (the pods were removed): report the Job's own reason.
     return Observed(Phase.EXITED, exit_code=1, message=job_message, nodes=nodes)
 

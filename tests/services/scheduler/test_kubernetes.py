@@ -332,21 +332,37 @@ async def test_a_deleted_job_is_lost(
     assert observed.phase is Phase.LOST and "no longer exists" in observed.message
 
 
-async def test_cancel_deletes_the_job_in_the_foreground_and_its_pods_with_the_grace(
-    backend: KubernetesBackend,
-    kube_api: FakeKubeApi,
-    tmp_path: Path,
+async def test_cancel_fails_the_job_and_stops_its_pods_with_the_grace(
+    backend: KubernetesBackend, kube_api: FakeKubeApi, tmp_path: Path
 ) -> None:
     handle = await backend.launch(spec(tmp_path, num_nodes=2))
     kube_api.start_job(NS, handle["job"])
     await backend.cancel(handle, grace_s=7)
+    patch = {"metadata": {"annotations": {"tandem.dev/cancelled": "7"}}, "spec": {"activeDeadlineSeconds": 1}}
+    assert kube_api.patches == [("jobs", handle["job"], patch)]
+    stopped = [options for plural, _, options in kube_api.deletions if plural == "pods"]
+    assert len(stopped) == 2 and all(options["gracePeriodSeconds"] == 7 for options in stopped)
+    assert not kube_api.pods(NS, handle["job"])
+    observed = await backend.poll(handle)  # the Job stays, Failed, so the end is visible
+    assert (observed.phase, observed.exit_code, observed.message) == (Phase.EXITED, 143, "cancelled")
+    await backend.cancel(handle, grace_s=7)  # idempotent
+    assert len(kube_api.patches) == 1 and (await backend.poll(handle)).exit_code == 143
+
+
+async def test_cancel_of_a_suspended_job_deletes_it(
+    backend: KubernetesBackend, kube_api: FakeKubeApi, tmp_path: Path
+) -> None:
+    handle = await backend.launch(spec(tmp_path, num_nodes=2))
+    kube_api.job(NS, handle["job"])["spec"]["suspend"] = True  # a quota manager holds it
+    assert (await backend.poll(handle)).phase is Phase.QUEUED
+    await backend.cancel(handle, grace_s=3)
     assert (
         "jobs",
         handle["job"],
-        {"propagationPolicy": "Foreground", "gracePeriodSeconds": 7},
+        {"propagationPolicy": "Foreground", "gracePeriodSeconds": 3},
     ) in kube_api.deletions
     assert not [key for key in kube_api.objects if key[0] in ("jobs", "pods", "services")]
-    await backend.cancel(handle, grace_s=7)  # idempotent
+    await backend.cancel(handle)  # idempotent
     assert (await backend.poll(handle)).phase is Phase.LOST
 
 
