@@ -1,4 +1,5 @@
-"""A real one-node Slurm cluster for the test session, from Debian's packages (`slurm-wlm munge`).
+"""A real Slurm cluster on this machine for the test session, from Debian's packages (`slurm-wlm munge`):
+one node, or several (one `slurmd -N <name>` each) for multi-node tasks.
 
 What it sets up is what a plain machine needs (no systemd, no cgroups, no accounting database):
 
@@ -7,10 +8,10 @@ What it sets up is what a plain machine needs (no systemd, no cgroups, no accoun
   time never share one or stop each other's.
 - slurm: `slurm.conf` in a temporary folder (named by `SLURM_CONF` for every client command), its own
   spool, state and log folders and free ports, so it never touches a cluster configured in /etc/slurm.
-  `slurmctld` and `slurmd` run as root daemons; the fixture waits until `sinfo` shows the node idle.
+  `slurmctld` and the `slurmd`s run as root daemons; the fixture waits until `sinfo` shows every node idle.
 
-`running_cluster()` stops the three daemons on exit. `slurm_cluster` is the
-session-scoped pytest fixture around it (import it into a test module or conftest): where Slurm is not
+`running_cluster()` stops the daemons on exit. `slurm_cluster` (one node) and `slurm_two_nodes` are the
+session-scoped pytest fixtures around it (import it into a test module or conftest): where Slurm is not
 installed it skips, except under CI (the env var CI set), where it fails, as for PostgreSQL.
 """
 
@@ -23,7 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,9 @@ import pytest
 @dataclass(frozen=True)
 class SlurmCluster:
     conf: Path  # slurm.conf; every client command needs SLURM_CONF pointing at it
-    node: str  # the one node's name (this machine's hostname)
+    node: str  # the first node's name (with one node: this machine's hostname)
     root: Path  # the cluster's folder: spool, state, logs
+    nodes: tuple[str, ...] = ()  # every node's name
 
     @property
     def env(self) -> dict[str, str]:
@@ -93,11 +95,21 @@ def _start_munge(root: Path) -> Path:
         time.sleep(0.2)
 
 
-def _slurm_conf(root: Path, node: str, cpus: int, memory_mb: int, munge_socket: Path) -> str:
+def _slurm_conf(root: Path, host: str, nodes: Sequence[str], cpus: int, memory_mb: int, munge: Path) -> str:
+    """One node is this machine under its own name; several are slurmds on this machine, one per name
+    (`slurmd -N`), each on its own port with its own spool, pid and log files."""
+    if len(nodes) == 1:
+        node_lines = [f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"]
+    else:
+        node_lines = [
+            f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} "
+            f"RealMemory={memory_mb} State=UNKNOWN"
+            for n in nodes
+        ]
     return f"""\
 ClusterName=tandemtest
-AuthInfo=socket={munge_socket}
-SlurmctldHost={node}(127.0.0.1)
+AuthInfo=socket={munge}
+SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 SlurmUser=root
@@ -114,20 +126,29 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 MinJobAge=300
 KillWait=5
 InactiveLimit=0
 SchedulerParameters=sched_interval=1
-NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN
-PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
+{chr(10).join(node_lines)}
+PartitionName=debug Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=UP
 """
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a daemon's parent is init, which in a container may never reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 def _stop(pid_file: Path, name: str) -> None:
@@ -140,9 +161,7 @@ def _stop(pid_file: Path, name: str) -> None:
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _running(pid):
             return
         time.sleep(0.1)
     with suppress(ProcessLookupError):
@@ -150,39 +169,50 @@ def _stop(pid_file: Path, name: str) -> None:
 
 
 def wait_idle(cluster: SlurmCluster, timeout_s: float = 60.0) -> None:
-    """Waits until `sinfo` shows the node idle (or mixed: up and taking jobs)."""
+    """Waits until `sinfo` shows every node idle (or mixed, allocated: up and taking jobs)."""
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
         out = cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False)
         last = (out.stdout + out.stderr).strip()
-        if out.returncode == 0 and last in ("idle", "mixed", "allocated"):
+        states = out.stdout.split()
+        if (
+            out.returncode == 0
+            and len(states) == len(cluster.nodes)
+            and set(states) <= {"idle", "mixed", "allocated"}
+        ):
             return
         time.sleep(0.3)
-    raise RuntimeError(f"the Slurm node never became idle: {last!r}; see {cluster.root}/slurmd.log")
+    raise RuntimeError(f"the Slurm nodes never became idle: {last!r}; see the slurmd logs in {cluster.root}")
 
 
 @contextmanager
-def running_cluster(cpus: int = 2, memory_mb: int = 4000) -> Iterator[SlurmCluster]:
-    """Starts munged (if needed), slurmctld and slurmd for one node; stops them on exit."""
+def running_cluster(cpus: int = 2, memory_mb: int = 4000, nodes: int = 1) -> Iterator[SlurmCluster]:
+    """Starts munged, slurmctld and one slurmd per node (each with `cpus` and `memory_mb`); stops them on
+    exit."""
     if not available():
         raise RuntimeError("Slurm is not installed (apt-get install -y slurm-wlm munge)")
     root = Path(tempfile.mkdtemp(prefix="tandem-slurm-"))
     root.chmod(0o755)
-    for d in ("state", "spool"):
-        (root / d).mkdir()
-    node = socket.gethostname().split(".")[0]
+    host = socket.gethostname().split(".")[0]
+    names = (host,) if nodes == 1 else tuple(f"tn{i}" for i in range(nodes))
+    (root / "state").mkdir()
+    for name in names:
+        (root / "spool" / name).mkdir(parents=True)
     conf = root / "slurm.conf"
-    cluster = SlurmCluster(conf=conf, node=node, root=root)
+    cluster = SlurmCluster(conf=conf, node=names[0], root=root, nodes=names)
     env = {**os.environ, **cluster.env}
     try:
-        conf.write_text(_slurm_conf(root, node, cpus, memory_mb, _start_munge(root)))
+        conf.write_text(_slurm_conf(root, host, names, cpus, memory_mb, _start_munge(root)))
         subprocess.run(["slurmctld", "-f", str(conf), "-c"], env=env, check=True, capture_output=True)
-        subprocess.run(["slurmd", "-f", str(conf)], env=env, check=True, capture_output=True)
+        for name in names:
+            by_name = ["-N", name] if nodes > 1 else []
+            subprocess.run(["slurmd", "-f", str(conf), *by_name], env=env, check=True, capture_output=True)
         wait_idle(cluster)
         yield cluster
     finally:
-        _stop(root / "slurmd.pid", "slurmd")
+        for name in names:
+            _stop(root / f"slurmd-{name}.pid", "slurmd")
         _stop(root / "slurmctld.pid", "slurmctld")
         _stop(root / "munge" / "munged.pid", "munged")
         shutil.rmtree(root, ignore_errors=True)
@@ -196,4 +226,15 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
             pytest.fail("Slurm is not installed; .ci/run installs slurm-wlm and munge")
         pytest.skip("Slurm is not installed (apt-get install -y slurm-wlm munge)")
     with running_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def slurm_two_nodes() -> Iterator[SlurmCluster]:
+    """A running two-node cluster (two slurmds on this machine, one CPU each) for multi-node tasks."""
+    if not available():
+        if os.environ.get("CI"):
+            pytest.fail("Slurm is not installed; .ci/run installs slurm-wlm and munge")
+        pytest.skip("Slurm is not installed (apt-get install -y slurm-wlm munge)")
+    with running_cluster(cpus=1, memory_mb=2000, nodes=2) as cluster:
         yield cluster

@@ -5,8 +5,10 @@
 accounting exists). The script exports the task's environment, then runs the command once per node as one
 `srun` step (`--ntasks-per-node=1`, `--kill-on-bad-exit=1`), each with TANDEM_NODE_RANK / SKYPILOT_NODE_RANK
 from SLURM_NODEID and TANDEM_NODE_IPS / SKYPILOT_NODE_IPS (newline-separated addresses) from
-`scontrol show hostnames $SLURM_JOB_NODELIST`. Node rank r writes `<log_dir>/rank-<r>.log` (appended, so a
-requeued job's runs follow each other); the batch shell itself writes `<log_dir>/batch.log`.
+`scontrol show hostnames $SLURM_JOB_NODELIST` (each node's `NodeAddr`, as an IPv4 address where it
+resolves). Node rank r writes `<log_dir>/rank-<r>.log` (appended, so a requeued job's runs follow each
+other); the batch shell itself writes `<log_dir>/batch.log`. When a node fails, srun stops the others and the
+job exits with the code of the node that failed first.
 
 State comes from `scontrol show job` (live jobs and finished ones Slurm still remembers, `MinJobAge`) and,
 for jobs it forgot, from `sacct` where the cluster has accounting (slurmdbd); a job neither knows is LOST.
@@ -76,10 +78,35 @@ EXITED_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "DEADLINE", "OUT
 _NODE_DOWN = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWERED_DOWN", "POWER_DOWN", "FUTURE", "UNKNOWN")
 
 # Runs on every node of the job as one srun task; $1 is the task's command.
-_NODE_SHELL = (
-    'export TANDEM_NODE_RANK="$SLURM_NODEID" SKYPILOT_NODE_RANK="$SLURM_NODEID"; '
-    'exec bash -euo pipefail -c "$1"'
-)
+# A node that fails records when and how in the log folder ($2); the ranks srun then stops die of its signal
+# before they could, so the job exits with the code of the rank that failed first, not of those stopped after.
+_NODE_SHELL = """export TANDEM_NODE_RANK="$SLURM_NODEID" SKYPILOT_NODE_RANK="$SLURM_NODEID"
+bash -euo pipefail -c "$1"
+code=$?
+if [ "$code" != 0 ]; then echo "$(date +%s%N) $code" > "$2/.exit-$SLURM_JOB_ID-$SLURM_NODEID"; fi
+exit "$code"
+"""
+
+# After the step: the first failure's code, else srun's.
+_FIRST_FAILURE = """code=$?
+if [ "$code" != 0 ]; then
+  first=$(cat "$tandem_logs"/.exit-"$SLURM_JOB_ID"-* 2>/dev/null | sort -n | head -n 1 | cut -d' ' -f2)
+  code=${first:-$code}
+fi
+rm -f "$tandem_logs"/.exit-"$SLURM_JOB_ID"-*
+exit "$code"
+"""
+
+
+# Every node's address, by node rank: Slurm's NodeAddr, as an IPv4 address where it resolves.
+_NODE_IPS = r"""tandem_ips=""
+for h in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
+  addr=$(scontrol show node "$h" -o | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+  ip=$(getent ahostsv4 "${addr:-$h}" 2>/dev/null | awk 'NR==1{print $1}')
+  tandem_ips+="${ip:-${addr:-$h}}"$'\n'
+done
+export TANDEM_NODE_IPS="${tandem_ips%$'\n'}" SKYPILOT_NODE_IPS="${tandem_ips%$'\n'}"
+"""
 
 
 def nice_for(priority: int) -> int:
@@ -406,12 +433,7 @@ class SlurmBackend:
                 for name, value in sorted(env.items())
                 if _env_name(name)
             ),
-            'tandem_ips=""',
-            'for h in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do',
-            "  ip=$(getent ahostsv4 \"$h\" 2>/dev/null | awk 'NR==1{print $1}')",
-            "  tandem_ips+=\"${ip:-$h}\"$'\\n'",
-            "done",
-            "export TANDEM_NODE_IPS=\"${tandem_ips%$'\\n'}\" SKYPILOT_NODE_IPS=\"${tandem_ips%$'\\n'}\"",
+            *_NODE_IPS.splitlines(),
             'export TANDEM_NUM_NODES="$SLURM_JOB_NUM_NODES" SKYPILOT_NUM_NODES="$SLURM_JOB_NUM_NODES"',
             f"export TANDEM_ATTEMPT_KEY={shlex.quote(spec.key)}",
         ]
@@ -428,9 +450,12 @@ class SlurmBackend:
             _NODE_SHELL,
             "tandem-node",
             spec.command,
+            str(Path(spec.log_dir).absolute()),
         ]
+        lines.append(f"tandem_logs={shlex.quote(str(Path(spec.log_dir).absolute()))}")
         lines.append(" ".join(shlex.quote(a) for a in srun))
-        return "\n".join(lines) + "\n"
+        lines.append(_FIRST_FAILURE)
+        return "\n".join(lines)
 
     def _handle(self, key: str, job_id: str, log_dir: Path, num_nodes: int) -> Handle:
         return {

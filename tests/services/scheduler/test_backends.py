@@ -2,7 +2,8 @@
 one-node Slurm cluster (tests/support/slurm.py).
 
 To add a backend, write a factory `(request, tmp_path) -> Case` and add it to `FACTORIES` and to the `case`
-fixture's params; tests that need something a backend cannot do check the `Case` flags.
+fixture's params (and to `MULTI_NODE` / `multi_case` when it can run a task on several nodes); tests that
+need something a backend cannot do check the `Case` flags.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from services.scheduler.backends.base import (
 )
 from services.scheduler.backends.local import LocalBackend
 from services.scheduler.backends.slurm import SlurmBackend, nice_for, observe
-from tests.support.slurm import SlurmCluster, slurm_cluster
+from tests.support.slurm import SlurmCluster, slurm_cluster, slurm_two_nodes
 
-__all__ = ["slurm_cluster"]  # the session fixture, imported so pytest finds it
+__all__ = ["slurm_cluster", "slurm_two_nodes"]  # the session fixtures, imported so pytest finds them
 
 WAIT_S = 60.0  # a bound so a broken backend fails the test instead of hanging it; never a timing claim
 
@@ -79,8 +80,8 @@ def _local(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
     yield Case("local", make(), make, root / "logs", process_tree=True)
 
 
-def _slurm(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
-    cluster: SlurmCluster = request.getfixturevalue("slurm_cluster")
+def _slurm(request: pytest.FixtureRequest, tmp_path: Path, fixture: str = "slurm_cluster") -> Iterator[Case]:
+    cluster: SlurmCluster = request.getfixturevalue(fixture)
 
     def requeue(handle: Handle) -> None:
         cluster.run("scontrol", "requeue", str(handle["job_id"]))
@@ -91,15 +92,34 @@ def _slurm(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
     def make() -> Backend:
         return SlurmBackend(env=cluster.env)
 
-    yield Case("slurm", make(), make, tmp_path / "slurm", multi_node=False, requeue=requeue, release=release)
+    multi_node = len(cluster.nodes) > 1
+    yield Case("slurm", make(), make, tmp_path / "slurm", multi_node, requeue=requeue, release=release)
+
+
+def _slurm_two_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
+    return _slurm(request, tmp_path, "slurm_two_nodes")
 
 
 FACTORIES = {"local": _local, "slurm": _slurm}
+MULTI_NODE = {"local": _local, "slurm": _slurm_two_nodes}
 
 
 @pytest.fixture(params=["local", pytest.param("slurm", marks=pytest.mark.slow)])
 async def case(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    factory = FACTORIES[request.param]
+    async for c in _serve(FACTORIES[request.param], request, tmp_path):
+        yield c
+
+
+@pytest.fixture(params=["local", pytest.param("slurm", marks=pytest.mark.slow)])
+async def multi_case(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """A backend that runs tasks on two nodes here (Slurm: two slurmds on this machine)."""
+    async for c in _serve(MULTI_NODE[request.param], request, tmp_path):
+        yield c
+
+
+async def _serve(
+    factory: Callable[..., Iterator[Case]], request: pytest.FixtureRequest, tmp_path: Path
+) -> Any:
     gen = factory(request, tmp_path)
     c = next(gen)
     yield c
@@ -247,20 +267,22 @@ async def test_reattach_after_restart(case: Case) -> None:
     assert "hi" in log_text(case, stored)
 
 
-async def test_two_nodes(case: Case) -> None:
-    if not case.multi_node:
-        pytest.skip(f"the {case.kind} test cluster has one node")
-    spec = case.spec('echo "rank=$TANDEM_NODE_RANK sky=$SKYPILOT_NODE_RANK"', num_nodes=2)
-    handle, observed = await run_to_end(case, spec)
+async def test_two_nodes(multi_case: Case) -> None:
+    case = multi_case
+    command = (
+        'echo "rank=$TANDEM_NODE_RANK sky=$SKYPILOT_NODE_RANK n=$TANDEM_NUM_NODES"; echo "$TANDEM_NODE_IPS"'
+    )
+    handle, observed = await run_to_end(case, case.spec(command, num_nodes=2))
     assert observed.exit_code == 0, observed
-    assert "rank=0 sky=0" in log_text(case, handle, 0)
-    assert "rank=1 sky=1" in log_text(case, handle, 1)
+    first, second = log_text(case, handle, 0), log_text(case, handle, 1)
+    assert "rank=0 sky=0 n=2" in first and "rank=1 sky=1 n=2" in second
+    assert first.splitlines()[1:3] == second.splitlines()[1:3]  # every node gets both addresses, in order
+    assert all(line for line in first.splitlines()[1:3])
 
 
 @pytest.mark.slow
-async def test_one_failing_node_ends_the_attempt(case: Case) -> None:
-    if not case.multi_node:
-        pytest.skip(f"the {case.kind} test cluster has one node")
+async def test_one_failing_node_ends_the_attempt(multi_case: Case) -> None:
+    case = multi_case
     command = 'if [ "$TANDEM_NODE_RANK" = 1 ]; then exit 3; fi; sleep 30'
     _, observed = await run_to_end(case, case.spec(command, num_nodes=2))
     assert observed.phase is Phase.EXITED and observed.exit_code == 3, observed
