@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -54,6 +55,8 @@ from services.scheduler.backends.base import (
 
 KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 MARKER = "launch.json"
+LOCK = "launch.lock"
+MAX_COMMAND_BYTES = 131072 - 1  # MAX_ARG_STRLEN: the command is one argument of bash -c
 KEY_ENV = "TANDEM_ATTEMPT_KEY"  # in every rank's environment, so find can recognise its processes
 CANCELLED = "cancelled"  # a file in the attempt folder: cancel was asked for
 FAILED_AT = "failed_at"  # a file in the attempt folder: when a rank was first seen failing
@@ -296,16 +299,20 @@ class LocalBackend:
             raise LaunchRefused(f"num_nodes must be at least 1, not {spec.num_nodes}")
         if spec.nodes and len(spec.nodes) != spec.num_nodes:
             raise LaunchRefused(f"{len(spec.nodes)} node assignments for {spec.num_nodes} nodes")
+        if len(spec.command.encode()) > MAX_COMMAND_BYTES:
+            raise LaunchRefused(
+                f"the command is over {MAX_COMMAND_BYTES} bytes, Linux's limit for one argument"
+            )
         async with self._locks.setdefault(spec.key, asyncio.Lock()):
-            existing = await self.find(spec.key)
-            if existing is not None:
-                return existing
-            return await asyncio.to_thread(self._launch, spec)
+            return await asyncio.to_thread(self._launch_once, spec)
 
     async def find(self, key: str) -> Handle | None:
         """The handle in `<root>/<key>/launch.json`. A marker without processes (the scheduler died between
         writing it and recording them) is completed from the processes that carry `TANDEM_ATTEMPT_KEY=<key>`
         in their environment; when there are none, nothing was launched."""
+        return await asyncio.to_thread(self._find, key)
+
+    def _find(self, key: str) -> Handle | None:
         if not KEY_PATTERN.fullmatch(key):
             return None
         marker = self.root / key / MARKER
@@ -314,9 +321,7 @@ class LocalBackend:
             return None
         if handle.get("ranks"):
             return handle
-        ranks = await asyncio.to_thread(
-            _processes_with_key, key, Path(handle["dir"]), Path(handle["log_dir"])
-        )
+        ranks = _processes_with_key(key, Path(handle["dir"]), Path(handle["log_dir"]))
         if not ranks:
             return None
         handle["ranks"] = ranks
@@ -396,9 +401,17 @@ class LocalBackend:
 
     # -- launching ---------------------------------------------------------------------------------------
 
-    def _launch(self, spec: LaunchSpec) -> Handle:
+    def _launch_once(self, spec: LaunchSpec) -> Handle:
+        """Under an exclusive lock on the attempt folder, so two schedulers sharing `root` (or two backend
+        objects) never both start a key."""
         attempt_dir = self.root / spec.key
         attempt_dir.mkdir(parents=True, exist_ok=True)
+        with open(attempt_dir / LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            existing = self._find(spec.key)
+            return existing if existing is not None else self._launch(spec, attempt_dir)
+
+    def _launch(self, spec: LaunchSpec, attempt_dir: Path) -> Handle:
         log_dir = Path(spec.log_dir) if str(spec.log_dir) not in ("", ".") else attempt_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         cwd = Path(spec.workdir) if spec.workdir is not None else attempt_dir

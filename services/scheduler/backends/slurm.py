@@ -57,7 +57,7 @@ from services.scheduler.backends.base import (
     Observed,
     Phase,
 )
-from services.scheduler.backends.local import INHERITED_ENV, check_key, check_mounts
+from services.scheduler.backends.local import INHERITED_ENV, MAX_COMMAND_BYTES, check_key, check_mounts
 
 _UNREACHABLE = (
     "unable to contact slurm controller",
@@ -299,6 +299,10 @@ class SlurmBackend:
     async def launch(self, spec: LaunchSpec) -> Handle:
         check_key(spec.key)
         check_mounts(spec)
+        if len(spec.command.encode()) > MAX_COMMAND_BYTES:
+            raise LaunchRefused(
+                f"the command is over {MAX_COMMAND_BYTES} bytes, Linux's limit for one argument"
+            )
         async with self._locks.setdefault(spec.key, asyncio.Lock()):
             existing = await self.find(spec.key)
             if existing is not None:
