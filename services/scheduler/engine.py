@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf import duration_pb2, timestamp_pb2
+from tandem.common.v1 import types_pb2
 from tandem.events.v1 import event_pb2, events_service_pb2
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 
@@ -439,6 +440,8 @@ class Engine:
             except BackendUnavailable as error:
                 await self._note(live, f"backend {attempt.backend} unavailable: {error}; retrying")
                 continue
+            if live.record.job.message.startswith("backend "):
+                await self._note(live, "")  # it answers again
             await self._apply(live, attempt, observed, backend)
 
     async def _reattach(self, live: _Live, attempt: AttemptRow, backend: Backend) -> None:
@@ -578,18 +581,14 @@ class Engine:
             failure.message = f"{failure.message}\n[tandem] not restarted: {decision.why}"[-MAX_MESSAGE:]
             task.end_time = now
             job.failure = failure
-            await self._set_task(record, task, TaskState.FAILED, attempts=attempts)
+            await self._commit(record, None, [(task, TaskState.FAILED)], attempts)
             return
         job.restart_count += 1
         job.budget_used += int(decision.counts_against_budget)
         job.failure = failure
         job.next_restart_time = now + decision.delay_s
-        await self._set_task(record, task, TaskState.RECOVERING, attempts=attempts)
-        if policy.group_scope or failure.failure_class is FailureClass.PREEMPTED:
-            await self._set_job(record, JobState.RECOVERING)
-        else:
-            task.stop_at = None
-            await self._set_job(record, JobState.RECOVERING)
+        task.stop_at = None
+        await self._commit(record, JobState.RECOVERING, [(task, TaskState.RECOVERING)], attempts)
 
     def _failing(self, live: _Live) -> bool:
         views = [
@@ -925,21 +924,42 @@ class Engine:
         log.info("preempting", extra={"job": job.name, "by": by})
 
     async def _start_group(self, live: _Live, placement: lc.Placement) -> None:
+        """Admit the group: the job's STARTING, every task's STARTING and every attempt row are one
+        transaction, so a scheduler that dies here leaves either a queued group or attempts to reattach."""
         record, job = live.record, live.record.job
         restart = job.state is JobState.RECOVERING
-        job.next_restart_time = None
-        job.message = ""
-        await self._set_job(record, JobState.STARTING)
+        old = job.state
+        lc.check_job_transition(old, JobState.STARTING)
+        job.next_restart_time, job.message, job.state = None, "", JobState.STARTING
+        events = [job_event(job, old)]
+        prepared = []
         for task, spec_task in zip(record.tasks, live.spec.tasks, strict=True):
             slots = [
                 NodeAssignment(s.rank, s.node, s.address, s.gpu_indices) for s in placement.get(task.task, ())
             ]
-            await self._start_attempt(live, spec_task, task, slots, restart=restart)
+            previous = task.state
+            attempt = self._next_attempt(record, task, slots, restart)
+            events.append(task_event(task, previous))
+            prepared.append((spec_task, attempt, slots))
+        await self.store.save(job, record.tasks, [a for _, a, _ in prepared], events)  # stored before launch
+        for spec_task, attempt, slots in prepared:
+            await self._launch(live, spec_task, attempt, slots)
 
     async def _start_attempt(
         self, live: _Live, spec_task: TaskSpec, task: TaskRow, slots: Sequence[NodeAssignment], restart: bool
     ) -> None:
-        record = live.record
+        """Relaunch one task (SCOPE_TASK): its STARTING and the attempt row are stored before the launch."""
+        previous = task.state
+        attempt = self._next_attempt(live.record, task, slots, restart)
+        await self.store.save(tasks=[task], attempts=[attempt], events=[task_event(task, previous)])
+        await self._launch(live, spec_task, attempt, slots)
+
+    @staticmethod
+    def _next_attempt(
+        record: JobRecord, task: TaskRow, slots: Sequence[NodeAssignment], restart: bool
+    ) -> AttemptRow:
+        """The task's next attempt, and the task moved to STARTING for it (in memory; the caller stores both)."""
+        lc.check_task_transition(task.state, TaskState.STARTING)
         if restart and task.attempt >= 0:
             task.restart_count += 1
         number = task.attempt + 1
@@ -956,12 +976,10 @@ class Engine:
             ],
         )
         record.attempts.setdefault(task.task, []).append(attempt)
-        task.attempt = number
-        task.stop_at = None
-        task.end_time = None
+        task.attempt, task.state = number, TaskState.STARTING
+        task.stop_at = task.end_time = None
         task.endpoint = ""
-        await self._set_task(record, task, TaskState.STARTING, attempts=[attempt])  # stored before launch
-        await self._launch(live, spec_task, attempt, slots)
+        return attempt
 
     async def _launch(
         self, live: _Live, spec_task: TaskSpec, attempt: AttemptRow, slots: Sequence[NodeAssignment]
@@ -985,6 +1003,28 @@ class Engine:
         await self.store.save(attempts=[attempt])
 
     # ---- state changes: the store first, with the events that report them ------------------------
+
+    async def _commit(
+        self,
+        record: JobRecord,
+        job_state: JobState | None,
+        task_states: Sequence[tuple[TaskRow, TaskState]],
+        attempts: Sequence[AttemptRow] = (),
+    ) -> None:
+        """Several changes of one job in one transaction (with the job row, whose counters may have moved),
+        so a scheduler that dies in between never finds half of a decision."""
+        job = record.job
+        events = []
+        for task, new in task_states:
+            if task.state is not new:
+                lc.check_task_transition(task.state, new)
+                previous, task.state = task.state, new
+                events.append(task_event(task, previous))
+        if job_state is not None and job.state is not job_state:
+            lc.check_job_transition(job.state, job_state)
+            previous_job, job.state = job.state, job_state
+            events.append(job_event(job, previous_job))
+        await self.store.save(job, [t for t, _ in task_states], attempts, events)
 
     async def _set_job(self, record: JobRecord, new: JobState) -> None:
         job = record.job
@@ -1021,9 +1061,17 @@ class Engine:
 
     async def _note(self, live: _Live, message: str) -> None:
         """A message on the job saying why it is not moving (a backend down), stored once per change."""
-        if live.record.job.message != message:
-            live.record.job.message = message
-            await self.store.save(live.record.job)
+        job = live.record.job
+        if job.message != message:
+            job.message = message
+            if message:  # the job's event log says why it does not move
+                event = event_pb2.Event(
+                    type="log", level=types_pb2.LEVEL_WARNING, message=message[:MAX_MESSAGE]
+                )
+                event.time.FromNanoseconds(time.time_ns())
+                await self.store.save(job, events=[(job.name, False, event.SerializeToString())])
+            else:
+                await self.store.save(job)
 
     # ---- what a task gets -------------------------------------------------------------------------
 
