@@ -250,6 +250,7 @@ class LocalBackend:
         self.inherit_env = tuple(inherit_env)
         self.failure_grace_s = failure_grace_s
         self._boot_id = boot_id()
+        self._bash = shutil.which("bash") or "/bin/bash"
         self._children: dict[int, subprocess.Popen[bytes]] = {}  # pid -> the processes this object started
         self._locks: dict[str, asyncio.Lock] = {}
         self._ended: set[str] = set()  # keys whose processes have all ended, skipped by inventory
@@ -375,9 +376,9 @@ class LocalBackend:
         """SIGTERM to every rank's process group, SIGKILL to what is left after `grace_s`; returns when every
         rank has ended (at most about `grace_s` plus the kill)."""
         ranks = self._ranks(handle)
-        attempt_dir = Path(handle["dir"])
-        _mark_cancelled(attempt_dir)
         alive = [r for r in ranks if self._is_alive(r)]
+        if alive:  # before any signal, so a rank SIGKILL leaves without an exit file reads as cancelled
+            _mark_cancelled(Path(handle["dir"]))
         for rank in alive:
             _signal_group(rank.pgid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -387,7 +388,8 @@ class LocalBackend:
         for rank in ranks:  # the whole tree: the wrapper may be gone while a child of it lingers
             if _group_is_ours(rank):
                 _signal_group(rank.pgid, signal.SIGKILL)
-        while alive:
+        deadline = time.monotonic() + 5.0  # a process stuck in the kernel (D state) dies when it can
+        while alive and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
             alive = [r for r in alive if self._is_alive(r)]
 
@@ -488,7 +490,7 @@ class LocalBackend:
         exit_file = attempt_dir / f"rank-{node.rank}.exit"
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                ["bash", "-c", _WRAPPER, "tandem-rank", spec.command, str(exit_file)],
+                [self._bash, "-c", _WRAPPER, "tandem-rank", spec.command, str(exit_file)],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
