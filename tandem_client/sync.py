@@ -1,0 +1,160 @@
+"""`Client`: the blocking form of `AsyncClient`, for scripts and notebooks.
+
+    with Client() as tandem:                     # TANDEM_GATEWAY, TANDEM_API_KEY
+        job = tandem.create_job(rl_config_toml=open("job.toml").read())
+        for event in tandem.watch_events(job.name):
+            print(event.seq, event.type, event.message)
+
+It runs one `AsyncClient` on an event loop in a background thread it owns, so both forms share one
+implementation (deadlines, typed errors, resuming watches). Methods take the same arguments and return the
+same messages; `watch_events` is a plain iterator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from tandem.events.v1 import event_pb2
+
+from tandem_client.aio import DEFAULT_DEADLINE_S, AsyncClient
+from tandem_client.events import Cursor, OnReconnect
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _blocking(
+    method: Callable[Concatenate[AsyncClient, P], Awaitable[R]],
+) -> Callable[Concatenate[Client, P], R]:
+    def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._run(method(self._client, *args, **kwargs))
+
+    call.__name__ = method.__name__
+    call.__doc__ = method.__doc__
+    return call
+
+
+class Client:
+    """A blocking connection to one Tandem gateway; arguments as `AsyncClient`. Close it, or use `with`."""
+
+    def __init__(
+        self,
+        gateway: str | None = None,
+        api_key: str | None = None,
+        *,
+        org: str | None = None,
+        deadline_s: float = DEFAULT_DEADLINE_S,
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-client", daemon=True)
+        self._thread.start()
+
+        async def make() -> AsyncClient:  # the channel belongs to the loop it is created on
+            return AsyncClient(gateway, api_key, org=org, deadline_s=deadline_s)
+
+        self._client = self._run(make())
+        self.gateway = self._client.gateway
+
+    def _run(self, coroutine: Awaitable[R]) -> R:
+        async def wrapped() -> R:
+            return await coroutine
+
+        future = asyncio.run_coroutine_threadsafe(wrapped(), self._loop)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    org = _blocking(AsyncClient.org)
+    job_name = _blocking(AsyncClient.job_name)
+    get_server_info = _blocking(AsyncClient.get_server_info)
+    create_org = _blocking(AsyncClient.create_org)
+    get_org = _blocking(AsyncClient.get_org)
+    create_api_key = _blocking(AsyncClient.create_api_key)
+    list_api_keys = _blocking(AsyncClient.list_api_keys)
+    revoke_api_key = _blocking(AsyncClient.revoke_api_key)
+    get_public_key = _blocking(AsyncClient.get_public_key)
+    put_secret = _blocking(AsyncClient.put_secret)
+    list_secrets = _blocking(AsyncClient.list_secrets)
+    delete_secret = _blocking(AsyncClient.delete_secret)
+    register_task_app = _blocking(AsyncClient.register_task_app)
+    check_task_app = _blocking(AsyncClient.check_task_app)
+    list_task_apps = _blocking(AsyncClient.list_task_apps)
+    get_task_app = _blocking(AsyncClient.get_task_app)
+    delete_task_app = _blocking(AsyncClient.delete_task_app)
+    create_job = _blocking(AsyncClient.create_job)
+    create_rl_job = _blocking(AsyncClient.create_rl_job)
+    get_job = _blocking(AsyncClient.get_job)
+    list_jobs = _blocking(AsyncClient.list_jobs)
+    cancel_job = _blocking(AsyncClient.cancel_job)
+    list_events = _blocking(AsyncClient.list_events)
+    list_metrics = _blocking(AsyncClient.list_metrics)
+    list_checkpoints = _blocking(AsyncClient.list_checkpoints)
+    infer = _blocking(AsyncClient.infer)
+
+    def watch_events(
+        self,
+        job: str,
+        *,
+        after_seq: int = 0,
+        types: tuple[str, ...] = (),
+        min_level: int = 0,
+        end_when_terminal: bool = True,
+        reconnect_for_s: float = 300.0,
+        on_reconnect: OnReconnect | None = None,
+        cursor: Cursor | None = None,
+    ) -> Iterator[event_pb2.Event]:
+        """As `AsyncClient.watch_events`, one event at a time; closing the iterator ends the stream."""
+        stream = self._client.watch_events(
+            job,
+            after_seq=after_seq,
+            types=types,
+            min_level=min_level,
+            end_when_terminal=end_when_terminal,
+            reconnect_for_s=reconnect_for_s,
+            on_reconnect=on_reconnect,
+            cursor=cursor,
+        )
+        try:
+            while True:
+                try:
+                    yield self._run(_next(stream))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._close_stream(stream)
+
+    def _close_stream(self, stream: Any) -> None:
+        if self._loop.is_closed():
+            return
+        closing: concurrent.futures.Future[None] = asyncio.run_coroutine_threadsafe(
+            stream.aclose(), self._loop
+        )
+        closing.result()
+
+
+def _next(stream: Any) -> Coroutine[Any, Any, event_pb2.Event]:
+    result: Coroutine[Any, Any, event_pb2.Event] = stream.__anext__()
+    return result
+
+
+__all__ = ["Client"]
