@@ -1,7 +1,7 @@
 """The scheduler as its own process (`python -m services.scheduler`), SIGKILLed in the middle of a storm of
-CreateJob calls with request ids, then started again on the same state: resubmitting the same requests
-finds each job exactly once, and every attempt that was launched before the kill is reattached, never
-started a second time."""
+CreateJob calls with request ids, started again and SIGKILLed again while it reattaches and launches, then
+started a third time on the same state: resubmitting the same requests finds each job exactly once, and
+every attempt that was launched before a kill is reattached, never started a second time."""
 
 from __future__ import annotations
 
@@ -125,6 +125,12 @@ async def test_sigkill_during_a_submission_storm_loses_and_duplicates_nothing(
         first.send_signal(signal.SIGKILL)
         first.wait()
         await asyncio.gather(*storm, return_exceptions=True)
+
+    with scheduler_process(env, log) as second:  # killed again while it reattaches and launches
+        for r in requests[: JOBS // 2]:
+            await submit_until_accepted(client.stub, r)
+        second.send_signal(signal.SIGKILL)
+        second.wait()
 
     with scheduler_process(env, log):
         names = [await submit_until_accepted(client.stub, r) for r in requests]
