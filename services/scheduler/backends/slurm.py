@@ -24,8 +24,8 @@ Slurm's states map to `Observed` as:
 | PREEMPTED | LOST, preempted |
 | NODE_FAIL, BOOT_FAIL, LAUNCH_FAILED, anything else | LOST |
 
-A signal in `ExitCode` is reported as 128 + the signal; a job cancelled or timed out before its script
-reported anything as 143 (SIGTERM).
+A signal in `ExitCode` is reported as 128 + the signal. A job whose `ExitCode` is 0:0 although it did not
+complete is reported as 143 (SIGTERM) when cancelled or timed out, 137 when out of memory, 1 when FAILED.
 
 Priorities: `--nice=1000 - priority`, so priority 1000 submits at nice 0 and priority 0 at nice 1000 (nice
 is only ever raised, which any user may do). `qos_by_priority` optionally picks a QoS by priority threshold.
@@ -165,8 +165,8 @@ def observe(fields: Mapping[str, str], nodes: Sequence[NodeAssignment] = ()) -> 
         return Observed(Phase.EXITED, exit_code=0, nodes=nodes)
     if state in EXITED_STATES:
         code = exit_code_of(fields.get("ExitCode", "1:0"))
-        if code == 0:  # cancelled or timed out before the script reported anything
-            code = 128 + 15
+        if code == 0:  # ended before the script reported anything: how Slurm ends such jobs
+            code = {"OUT_OF_MEMORY": 128 + 9, "FAILED": 1}.get(state, 128 + 15)
         return Observed(Phase.EXITED, exit_code=code, message=detail, nodes=nodes)
     if state == "PREEMPTED":
         return Observed(Phase.LOST, message=detail, preempted=True, nodes=nodes)
@@ -317,20 +317,21 @@ class SlurmBackend:
             return self._handle(spec.key, job_id, log_dir, spec.num_nodes)
 
     async def find(self, key: str) -> Handle | None:
-        """The job named `key`: a live or recently finished one from squeue, else one sacct remembers. With
-        several (two schedulers raced), a live one wins, then the newest."""
+        """The job named `key`: a live or recently finished one from squeue, else one sacct remembers (from
+        the last 7 days). With several (two schedulers raced), a live one wins, then the newest."""
         rc, out, err = await self._run("squeue", "-h", "--states=all", f"--name={key}", "-o", "%i|%T|%Z")
         if rc != 0:
             raise BackendUnavailable(f"squeue: {err.strip()}")
         jobs = [line.split("|") for line in out.splitlines() if line.count("|") == 2]
         if not jobs and await self._sacct_enabled():
             rc, out, _ = await self._run(
-                "sacct", "-n", "-X", "-P", f"--name={key}", "-o", "JobID,State,WorkDir"
+                "sacct", "-n", "-X", "-P", "-S", "now-7days", f"--name={key}", "-o", "JobID,State,WorkDir"
             )
             jobs = [line.split("|") for line in out.splitlines() if line.count("|") == 2] if rc == 0 else []
         if not jobs:
             return None
-        live = [j for j in jobs if j[1] not in EXITED_STATES | {"PREEMPTED", "NODE_FAIL", "BOOT_FAIL"}]
+        ended = EXITED_STATES | {"PREEMPTED", "NODE_FAIL", "BOOT_FAIL"}
+        live = [j for j in jobs if (j[1].split() or [""])[0] not in ended]  # sacct: "CANCELLED by 0"
         job_id = max(live or jobs, key=lambda j: int(re.sub(r"\D.*", "", j[0]) or 0))[0]
         rc, out, _ = await self._run("scontrol", "show", "job", "-o", job_id)
         fields = parse_fields(out) if rc == 0 else {}
@@ -357,9 +358,9 @@ class SlurmBackend:
         return Observed(Phase.LOST, message=f"Slurm no longer knows job {job_id}")
 
     async def cancel(self, handle: Handle, grace_s: float = 10.0) -> None:
-        """`scancel --signal=TERM --full` (the batch shell and every step), then a plain `scancel` once the
-        job still runs after `grace_s` (Slurm sends SIGKILL after its KillWait). A pending job is cancelled
-        at once."""
+        """`scancel --signal=TERM --full` (the batch shell and every step); once the job still runs after
+        `grace_s`, `scancel --signal=KILL --full` and a plain `scancel`, which ends the job for Slurm too. A
+        pending job is cancelled at once."""
         job_id = str(handle["job_id"])
         observed = await self.poll(handle)
         if observed.phase in (Phase.EXITED, Phase.LOST):
@@ -371,6 +372,7 @@ class SlurmBackend:
                 await asyncio.sleep(0.25)
                 if (await self.poll(handle)).phase is not Phase.RUNNING:
                     return
+            await self._scancel("--signal=KILL", "--full", job_id)
         await self._scancel(job_id)
 
     def logs(self, handle: Handle, node_rank: int = 0) -> Path | None:

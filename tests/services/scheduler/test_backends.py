@@ -409,6 +409,8 @@ def test_slurm_state_mapping() -> None:
     assert observe({"JobState": "FAILED", "ExitCode": "3:0"}).exit_code == 3
     assert observe({"JobState": "CANCELLED", "ExitCode": "0:15"}).exit_code == 143
     assert observe({"JobState": "TIMEOUT", "ExitCode": "0:0"}).exit_code == 143
+    assert observe({"JobState": "OUT_OF_MEMORY", "ExitCode": "0:0"}).exit_code == 137
+    assert observe({"JobState": "FAILED", "ExitCode": "0:9"}).exit_code == 137
     assert observe({"JobState": "NODE_FAIL"}).phase is Phase.LOST
     preempted = observe({"JobState": "PREEMPTED"})
     assert preempted.phase is Phase.LOST and preempted.preempted
