@@ -145,7 +145,7 @@ class FakeKubeApi:
         self.objects: dict[tuple[str, str, str], Json] = {}  # (plural, namespace or "", name) -> object
         self.logs: dict[tuple[str, str], bytes] = {}  # (namespace, pod) -> log
         self.deletions: list[tuple[str, str, Json]] = []  # (plural, name, delete options)
-        self.patches: list[tuple[str, str, Json]] = []  # (plural, name, merge patch)
+        self.patches: list[tuple[str, str, Any]] = []  # (plural, name, JSON Patch or merge patch)
         self._lost: dict[tuple[str, str], int] = {}  # (namespace, job) -> pods deleted before they ended
         self.requests: list[tuple[str, str]] = []  # (method, path)
         self.created: list[Json] = []  # every object the client created, as sent
@@ -338,6 +338,12 @@ class FakeKubeApi:
         length = int(request.headers.get("Content-Length") or 0)
         body = json.loads(request.rfile.read(length)) if length else {}
         self.requests.append((method, url.path))
+        if method == "PATCH":
+            kind = request.headers.get("Content-Type", "")
+            if isinstance(body, list) != (kind == "application/json-patch+json"):
+                return self._reply(
+                    request, 415, _status(415, "UnsupportedMediaType", f"{kind} with this body")
+                )
         found = _PATH.match(url.path)
         if not found or found.group("plural") not in _KINDS:
             return self._reply(request, 404, _status(404, "NotFound", f"no route for {url.path}"))
@@ -399,13 +405,19 @@ class FakeKubeApi:
             return self._remove(plural, ns, name, query, body)
         return 405, _status(405, "MethodNotAllowed", method)
 
-    def _patch(self, plural: str, ns: str, name: str, body: Json) -> tuple[int, Json]:
-        """A JSON merge patch (RFC 7386)."""
+    def _patch(self, plural: str, ns: str, name: str, body: Any) -> tuple[int, Json]:
+        """A JSON Patch (RFC 6902: a list of operations) or a merge patch (RFC 7386: an object)."""
         obj = self.objects.get((plural, ns, name))
         if obj is None:
             return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
         self.patches.append((plural, name, copy.deepcopy(body)))
-        _merge(obj, body)
+        if isinstance(body, list):
+            try:
+                _json_patch(obj, body)
+            except (KeyError, IndexError, ValueError) as error:
+                return 422, _status(422, "Invalid", f"the patch does not apply: {error!r}")
+        else:
+            _merge(obj, body)
         obj["metadata"]["resourceVersion"] = str(next(self._versions))
         if plural == "jobs":
             self._check_deadline(ns, name)
@@ -661,6 +673,23 @@ class FakeKubeApi:
                 os.killpg(process.pid, signal.SIGKILL)
 
         threading.Thread(target=hard_kill, daemon=True).start()
+
+
+def _json_patch(target: Json, operations: list[Json]) -> None:
+    """RFC 6902 add / replace / remove on objects (what the backend sends)."""
+    for operation in operations:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in operation["path"][1:].split("/")]
+        node = target
+        for part in parents:
+            node = node[part]
+        if operation["op"] in ("add", "replace"):
+            if operation["op"] == "replace" and last not in node:
+                raise KeyError(operation["path"])
+            node[last] = copy.deepcopy(operation["value"])
+        elif operation["op"] == "remove":
+            del node[last]
+        else:
+            raise ValueError(f"unsupported op {operation['op']}")
 
 
 def _merge(target: Json, patch: Json) -> None:

@@ -25,8 +25,9 @@ What one attempt becomes (details and the reasons in `services/scheduler/KUBERNE
   only) and starts through `services.scheduler.backends.task_secrets`, which opens them from the vault in
   the pod. No value is ever written into a pod spec or a Kubernetes Secret.
 
-`cancel` fails the Job (a `tandem.dev/cancelled` annotation and a one-second deadline) and deletes its pods
-with the grace period; the Job stays, Failed, so polls read the end (EXITED, 143) until its TTL removes it.
+`cancel` fails the Job (a JSON Patch: a `tandem.dev/cancelled` annotation and a one-second deadline) and
+deletes its pods with the grace period; the Job stays, Failed, so polls read the end (EXITED, 143) until
+its TTL removes it.
 
 `logs()` returns `<log_dir>/rank-<r>.log`, a file this backend refreshes from the pods' logs through the
 API (on each `logs()` call, at most every `log_refresh_s`, in the background; and once more when `poll`
@@ -485,19 +486,18 @@ class KubernetesBackend:
                 )
             return
         if job is not None and not _condition(job, "Complete") and not _condition(job, "Failed"):
-            patch = {
-                "metadata": {"annotations": {ANNOTATION_CANCELLED: str(grace)}},
-                "spec": {"activeDeadlineSeconds": 1},
-            }
+            # A JSON Patch (a list body): every client version sends it as application/json-patch+json.
+            # The Jobs this backend creates always carry annotations, so the path's parent exists.
+            patch = [
+                {
+                    "op": "add",
+                    "path": f"/metadata/annotations/{_pointer(ANNOTATION_CANCELLED)}",
+                    "value": str(grace),
+                },
+                {"op": "add", "path": "/spec/activeDeadlineSeconds", "value": 1},
+            ]
             with contextlib.suppress(_Missing):
-                await self._call(
-                    self._batch.patch_namespaced_job,
-                    name,
-                    namespace,
-                    patch,
-                    missing_ok=True,
-                    _content_type="application/merge-patch+json",
-                )
+                await self._call(self._batch.patch_namespaced_job, name, namespace, patch, missing_ok=True)
         await self._call(
             self._core.delete_collection_namespaced_pod,
             namespace,
@@ -711,6 +711,11 @@ class KubernetesBackend:
             raise
         except (urllib3.exceptions.HTTPError, OSError) as error:
             raise BackendUnavailable(f"Kubernetes API unreachable: {error}") from None
+
+
+def _pointer(key: str) -> str:
+    """`key` as one JSON Pointer segment (RFC 6901)."""
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 def _namespace(handle: Handle, default: str) -> str:
