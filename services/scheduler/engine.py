@@ -362,10 +362,10 @@ class Engine:
     # ---- the API the servicer calls -----------------------------------------------------------------
 
     async def submitted(self, record: JobRecord) -> None:
-        """A job CreateJob stored: take it into the loop and send its first event."""
-        async with self._lock:
-            if record.job.name not in self._jobs and record.job.state not in lc.JOB_TERMINAL:
-                self._adopt(record)
+        """A job CreateJob stored: take it into the loop and send its first event. No lock: a pass never
+        iterates the jobs across an await, so adopting one in the middle of a pass is safe."""
+        if record.job.name not in self._jobs and record.job.state not in lc.JOB_TERMINAL:
+            self._adopt(record)
         self.wake()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.outbox.flush(record.job.name), 5.0)
@@ -892,7 +892,7 @@ class Engine:
     async def _admit(self, now: float) -> None:
         for backend in self.backends:
             if backend in self.unavailable:
-                for live in self._jobs.values():
+                for live in list(self._jobs.values()):
                     if live.record.job.backend == backend and live.record.job.state is JobState.PENDING:
                         await self._note(
                             live, f"backend {backend} unavailable: {self.unavailable[backend]}; waiting"
