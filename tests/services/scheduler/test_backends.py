@@ -197,7 +197,6 @@ async def test_scheduler_environment_does_not_leak(case: Case, monkeypatch: pyte
     assert "key=unset" in log_text(case, handle)
 
 
-@pytest.mark.slow
 async def test_cancel_ends_a_sleeping_task(case: Case) -> None:
     pids = case.root / "pids"
     command = f"sleep 30 & echo $! >> {pids}; sleep 30 & echo $! >> {pids}; echo started; wait"
@@ -213,7 +212,6 @@ async def test_cancel_ends_a_sleeping_task(case: Case) -> None:
             assert not _alive(pid), f"child {pid} of the task survived cancel"
 
 
-@pytest.mark.slow
 async def test_cancel_kills_what_ignores_sigterm(case: Case) -> None:
     handle = await case.backend.launch(case.spec("trap '' TERM; echo started; sleep 30"))
     await wait_until(case.backend, handle, lambda o: "started" in log_text(case, handle) or ended(o))
@@ -280,7 +278,6 @@ async def test_two_nodes(multi_case: Case) -> None:
     assert all(line for line in first.splitlines()[1:3])
 
 
-@pytest.mark.slow
 async def test_one_failing_node_ends_the_attempt(multi_case: Case) -> None:
     case = multi_case
     command = 'if [ "$TANDEM_NODE_RANK" = 1 ]; then exit 3; fi; sleep 30'
