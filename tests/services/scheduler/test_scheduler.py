@@ -141,6 +141,7 @@ async def events_of(clients: Clients, name: str) -> list[object]:
 
 
 APP = Path(__file__).resolve().parents[3] / "examples" / "taskapps" / "single_turn.py"
+DEMO = APP.parents[2] / "examples" / "jobs" / "demo.toml"
 TERMINAL = (State.STATE_SUCCEEDED, State.STATE_FAILED, State.STATE_CANCELLED)
 
 
@@ -641,3 +642,25 @@ async def test_a_managed_task_app_is_registered_when_ready_and_deleted_when_it_e
         grpc.StatusCode.NOT_FOUND,
         "TASK_APP_NOT_FOUND",
     )
+
+
+async def test_a_restarted_online_rl_task_resumes_from_its_newest_checkpoint(acme: Clients) -> None:
+    run = (
+        'echo "resume=$TANDEM_RESUME_FROM restart=$TANDEM_RESTART_COUNT"; '
+        '[ "$TANDEM_RESTART_COUNT" -ge 1 ] && exit 0; '
+        'mkdir -p "$TANDEM_TRAINER_OUTPUT/checkpoints/step-000002" "$TANDEM_TRAINER_OUTPUT/checkpoints/step-000004"; '
+        'mkdir -p "$TANDEM_TRAINER_OUTPUT/checkpoints/step-000006.partial"; exit 1'
+    )
+    task = TaskSpec(
+        name="trainer",
+        kind=TaskSpec.KIND_ONLINE_RL,
+        run=run,
+        online_rl=job_spec_pb2.OnlineRlOptions(config_toml=DEMO.read_text()),
+    )
+    recovery = job_spec_pb2.RecoveryPolicy(max_restarts_on_errors=1, initial_backoff=seconds(0.1))
+    job = await create(acme, task, recovery=recovery)
+    done = await wait_for(acme, job.name, *TERMINAL)
+    assert done.state == State.STATE_SUCCEEDED, done.failure.message
+    lines = [line for line in (await log_text(acme, job.name)).splitlines() if line.startswith("resume=")]
+    assert lines[0] == "resume= restart=0"
+    assert lines[1].startswith("resume=/") and lines[1].endswith("/output/checkpoints/step-000004 restart=1")
