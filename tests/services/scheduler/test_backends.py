@@ -152,8 +152,8 @@ async def run_to_end(case: Case, spec: LaunchSpec) -> tuple[Handle, Observed]:
     return handle, await wait_until(case.backend, handle, ended)
 
 
-def log_text(case: Case, handle: Handle, rank: int = 0) -> str:
-    path = case.backend.logs(handle, rank)
+def log_text(backend: Backend, handle: Handle, rank: int = 0) -> str:
+    path = backend.logs(handle, rank)
     return path.read_text() if path else ""
 
 
@@ -164,7 +164,7 @@ async def test_exit_zero_and_logs(case: Case) -> None:
     handle, observed = await run_to_end(case, case.spec("echo out-line; echo err-line >&2"))
     assert observed.phase is Phase.EXITED and observed.exit_code == 0, observed
     json.dumps(handle)  # the engine stores it as JSON
-    log = log_text(case, handle)
+    log = log_text(case.backend, handle)
     assert "out-line" in log and "err-line" in log
 
 
@@ -177,7 +177,7 @@ async def test_failing_command_stops_the_script(case: Case) -> None:
     """bash -euo pipefail: a failing step (even inside a pipe) ends the script with its code."""
     handle, observed = await run_to_end(case, case.spec("false | cat; echo not-reached"))
     assert observed.phase is Phase.EXITED and observed.exit_code == 1, observed
-    assert "not-reached" not in log_text(case, handle)
+    assert "not-reached" not in log_text(case.backend, handle)
 
 
 async def test_environment(case: Case) -> None:
@@ -185,7 +185,7 @@ async def test_environment(case: Case) -> None:
     spec = case.spec(command, env={"FOO": "two words", "TANDEM_JOB": "orgs/acme/jobs/x"})
     handle, observed = await run_to_end(case, spec)
     assert observed.exit_code == 0, observed
-    log = log_text(case, handle)
+    log = log_text(case.backend, handle)
     assert "rank=0 sky=0 foo=two words n=1 ips=" in log
     assert "ips=\n" not in log  # the node's address is there
 
@@ -194,7 +194,7 @@ async def test_scheduler_environment_does_not_leak(case: Case, monkeypatch: pyte
     monkeypatch.setenv("TANDEM_MESH_KEY", "not-for-tasks")
     handle, observed = await run_to_end(case, case.spec('echo "key=${TANDEM_MESH_KEY:-unset}"'))
     assert observed.exit_code == 0
-    assert "key=unset" in log_text(case, handle)
+    assert "key=unset" in log_text(case.backend, handle)
 
 
 async def test_cancel_ends_a_sleeping_task(case: Case) -> None:
@@ -214,7 +214,7 @@ async def test_cancel_ends_a_sleeping_task(case: Case) -> None:
 
 async def test_cancel_kills_what_ignores_sigterm(case: Case) -> None:
     handle = await case.backend.launch(case.spec("trap '' TERM; echo started; sleep 30"))
-    await wait_until(case.backend, handle, lambda o: "started" in log_text(case, handle) or ended(o))
+    await wait_until(case.backend, handle, lambda o: "started" in log_text(case.backend, handle) or ended(o))
     await case.backend.cancel(handle, grace_s=0.5)
     observed = await wait_until(case.backend, handle, ended)
     assert observed.phase is Phase.EXITED and observed.exit_code != 0, observed
@@ -239,7 +239,7 @@ async def test_attempts_of_a_task_share_its_log_folder(case: Case) -> None:
     second = await case.backend.launch(case.spec("sleep 1; echo attempt-1", log_dir=logs))
     assert (await case.backend.poll(second)).phase in (Phase.QUEUED, Phase.RUNNING)
     assert (await wait_until(case.backend, second, ended)).exit_code == 0
-    log = log_text(case, second)
+    log = log_text(case.backend, second)
     assert log.index("attempt-0") < log.index("attempt-1")
 
 
@@ -262,7 +262,7 @@ async def test_reattach_after_restart(case: Case) -> None:
     assert observed.phase in (Phase.QUEUED, Phase.RUNNING, Phase.EXITED), observed
     observed = await wait_until(restarted, stored, ended)
     assert observed.phase is Phase.EXITED and observed.exit_code == 5, observed
-    assert "hi" in log_text(case, stored)
+    assert "hi" in log_text(case.backend, stored)
 
 
 async def test_two_nodes(multi_case: Case) -> None:
@@ -272,7 +272,7 @@ async def test_two_nodes(multi_case: Case) -> None:
     )
     handle, observed = await run_to_end(case, case.spec(command, num_nodes=2))
     assert observed.exit_code == 0, observed
-    first, second = log_text(case, handle, 0), log_text(case, handle, 1)
+    first, second = log_text(case.backend, handle, 0), log_text(case.backend, handle, 1)
     assert "rank=0 sky=0 n=2" in first and "rank=1 sky=1 n=2" in second
     assert first.splitlines()[1:3] == second.splitlines()[1:3]  # every node gets both addresses, in order
     assert all(line for line in first.splitlines()[1:3])
@@ -306,7 +306,7 @@ async def test_inventory(case: Case) -> None:
     assert all(0 <= n.cpus_free <= n.cpus and 0 <= n.gpus_free <= n.gpus for n in nodes)
 
 
-async def test_a_key_that_is_no_name_is_refused(case: Case) -> None:
+async def test_a_key_that_cannot_name_a_folder_is_refused(case: Case) -> None:
     with pytest.raises(LaunchRefused):
         await case.backend.launch(case.spec("true", key="../escape"))
 
@@ -322,11 +322,15 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] not in "ZX"
 
 
-async def test_local_reused_pid_is_not_the_task(tmp_path: Path) -> None:
-    backend = LocalBackend(tmp_path / "attempts", gpus=0)
-    spec = LaunchSpec(
+def sleeper(tmp_path: Path) -> LaunchSpec:
+    return LaunchSpec(
         key="k.main.0", job="j", task="main", attempt=0, command="sleep 30", env={}, log_dir=tmp_path
     )
+
+
+async def test_local_reused_pid_is_not_the_task(tmp_path: Path) -> None:
+    backend = LocalBackend(tmp_path / "attempts", gpus=0)
+    spec = sleeper(tmp_path)
     handle = await backend.launch(spec)
     impostor = json.loads(json.dumps(handle))
     for rank in impostor["ranks"]:
@@ -355,24 +359,17 @@ async def test_local_gpu_assignment_and_inventory(tmp_path: Path) -> None:
     handle = await backend.launch(spec)
     [node] = await backend.inventory()
     assert (node.gpus, node.gpus_free, node.cpus_free, node.memory_free_gib) == (4, 2, 6, 28)
-    await wait_until(backend, handle, lambda o: "cuda=" in (log_text_of(backend, handle)))
-    assert "cuda=1,3" in log_text_of(backend, handle)
+    await wait_until(backend, handle, lambda o: "cuda=" in log_text(backend, handle))
+    assert "cuda=1,3" in log_text(backend, handle)
     await backend.cancel(handle, grace_s=1.0)
     [node] = await backend.inventory()
     assert node.gpus_free == 4
 
 
-def log_text_of(backend: Backend, handle: Handle) -> str:
-    path = backend.logs(handle, 0)
-    return path.read_text() if path else ""
-
-
 async def test_local_find_completes_a_marker_written_before_the_crash(tmp_path: Path) -> None:
     """The scheduler died after starting the processes but before recording them in the marker."""
     backend = LocalBackend(tmp_path / "attempts", gpus=0)
-    spec = LaunchSpec(
-        key="k.main.0", job="j", task="main", attempt=0, command="sleep 30", env={}, log_dir=tmp_path
-    )
+    spec = sleeper(tmp_path)
     handle = await backend.launch(spec)
     marker = tmp_path / "attempts" / "k.main.0" / "launch.json"
     partial = json.loads(marker.read_text())
@@ -385,9 +382,7 @@ async def test_local_find_completes_a_marker_written_before_the_crash(tmp_path: 
 
 async def test_local_killed_from_outside_is_lost(tmp_path: Path) -> None:
     backend = LocalBackend(tmp_path / "attempts", gpus=0)
-    spec = LaunchSpec(
-        key="k.main.0", job="j", task="main", attempt=0, command="sleep 30", env={}, log_dir=tmp_path
-    )
+    spec = sleeper(tmp_path)
     handle = await backend.launch(spec)
     os.killpg(handle["pgid"], signal.SIGKILL)
     observed = await wait_until(LocalBackend(tmp_path / "attempts", gpus=0), handle, ended)
