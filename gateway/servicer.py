@@ -1,25 +1,56 @@
-"""gRPC adapter of the gateway, Tandem's public API.
+"""gRPC adapter of the gateway, Tandem's public API: proto in, a domain call (`orgs`, `rljob`,
+`checkpoints`) or a call forwarded to the internal service that owns the resource, proto out.
 
-Implemented so far: `GetServerInfo` (public). The other methods answer UNIMPLEMENTED with reason
-NOT_IMPLEMENTED until the gateway issue fills them in.
+Every call but GetServerInfo and CreateOrg is scoped to the caller's organization: a `parent` or `name`
+in another organization answers NOT_FOUND with the resource's own reason, exactly like an absent one.
+Forwarded calls carry an org-scoped token (`forward.ForwardTokens`), so the internal services check the
+organization again. Each organization (or, for the admin credential, the caller) has a token bucket.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 import os
 import time
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tandem.gateway.v1 import gateway_service_pb2, gateway_service_pb2_grpc, server_info_pb2
+from tandem.events.v1 import events_service_pb2 as events_pb
+from tandem.events.v1 import events_service_pb2_grpc
+from tandem.gateway.v1 import gateway_service_pb2, gateway_service_pb2_grpc, org_pb2, server_info_pb2
+from tandem.scheduler.v1 import scheduler_service_pb2 as sched_pb
+from tandem.scheduler.v1 import scheduler_service_pb2_grpc
+from tandem.taskapp.v1 import taskapp_service_pb2 as taskapp_pb
+from tandem.taskapp.v1 import taskapp_service_pb2_grpc
+from tandem.trainer.v1 import config_pb2
+from tandem.vault.v1 import org_key_pb2, vault_service_pb2_grpc
+from tandem.vault.v1 import vault_service_pb2 as vault_pb
 
+from gateway import checkpoints as ckpt
+from gateway import rljob
+from gateway.config import GatewaySettings
+from gateway.forward import Forwarded, ForwardTokens, Scope, convert
+from gateway.orgs import ADMIN_SUBJECT, KeyRow, OrgRow, Orgs, is_admin, load_admin_key
+from gateway.ratelimit import RateLimiter
+from gateway.store import MIGRATIONS
+from mesh.errors import InvalidArgument, NotFound, PermissionDenied, R
+from mesh.identity import Principal
+from mesh.interceptors import current_principal, principal_var
 from mesh.server import Deps, Registration
 from mesh.status import RpcError
+from mesh.store import open_database
+
+log = logging.getLogger("tandem.gateway")
+Context = grpc.aio.ServicerContext[Any, Any]
+pb = gateway_service_pb2
 
 SERVICE_NAME = gateway_service_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 PUBLIC_METHODS = (f"/{SERVICE_NAME}/GetServerInfo",)
@@ -52,11 +83,96 @@ class _Observation:
     observed_at: float
 
 
+T = TypeVar("T")
+
+
+def current_principal_or_none() -> Principal | None:
+    return principal_var.get()
+
+
+def _limit_key(principal: Principal) -> str:
+    return f"org:{principal.org}" if principal.org else f"{principal.kind}:{principal.subject}"
+
+
+def _peer_host(context: Context) -> str:
+    peer = context.peer() or ""
+    return peer.rsplit(":", 1)[0]
+
+
+def _org(name: str) -> str:
+    """The organization id of `orgs/{org}/...` (the contract's patterns have checked the shape)."""
+    return name.split("/")[1]
+
+
+def _stamp(seconds: float | None) -> timestamp_pb2.Timestamp | None:
+    if seconds is None:
+        return None
+    stamp = timestamp_pb2.Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+def _org_proto(row: OrgRow) -> org_pb2.Org:
+    return org_pb2.Org(
+        name=f"orgs/{row.org}", display_name=row.display_name, create_time=_stamp(row.create_time)
+    )
+
+
+def _key_proto(row: KeyRow) -> org_pb2.ApiKey:
+    now = time.time()
+    state = org_pb2.ApiKey.STATE_ACTIVE
+    if row.revoke_time is not None:
+        state = org_pb2.ApiKey.STATE_REVOKED
+    elif row.expired(now):
+        state = org_pb2.ApiKey.STATE_EXPIRED
+    return org_pb2.ApiKey(
+        name=row.name,
+        display_name=row.display_name,
+        key_prefix=row.key_prefix,
+        state=state,
+        creator=row.creator,
+        create_time=_stamp(row.create_time),
+        expire_time=_stamp(row.expire_time),
+        revoke_time=_stamp(row.revoke_time),
+        last_use_time=_stamp(row.last_use_time),
+    )
+
+
+def _fingerprint(request: Message) -> str:
+    copy = type(request)()
+    copy.CopyFrom(request)
+    if copy.DESCRIPTOR.fields_by_name.get("request_id") is not None:
+        copy.ClearField("request_id")
+    return hashlib.sha256(copy.SerializeToString(deterministic=True)).hexdigest()
+
+
+async def _forwarded(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except RpcError as error:
+        raise Forwarded(error) from None
+
+
+MIN_KEY_TTL_S = 3600.0
+MAX_KEY_TTL_S = 10 * 365 * 86400.0
+
+
 class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
     """The public surface; every call is scoped to the caller's organization."""
 
-    def __init__(self, deps: Deps) -> None:
+    def __init__(self, deps: Deps, orgs: Orgs, config: GatewaySettings) -> None:
         self._deps = deps
+        self._orgs = orgs
+        self._config = config
+        self._timeout = config.forward_timeout_s
+        self._limiter = RateLimiter(config.rate_per_s, config.rate_burst)
+        self._public_limiter = RateLimiter(config.rate_per_s, config.rate_burst)
+        self._tokens = ForwardTokens(deps.signer)
+        self._vault = deps.clients.stub(vault_service_pb2_grpc.VaultServiceStub, "vault")
+        self._scheduler = deps.clients.stub(scheduler_service_pb2_grpc.SchedulerServiceStub, "scheduler")
+        self._task_apps = deps.clients.stub(taskapp_service_pb2_grpc.TaskAppServiceStub, "taskapp_proxy")
+        self._events = deps.clients.stub(events_service_pb2_grpc.EventServiceStub, "events")
+        self.openai_base_url = ""
         self._started = time.time()
         self._cache: dict[str, _Observation] = {}
         self._refresh = asyncio.Lock()
@@ -109,6 +225,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         request: gateway_service_pb2.GetServerInfoRequest,
         context: grpc.aio.ServicerContext[object, object],
     ) -> gateway_service_pb2.GetServerInfoResponse:
+        caller = current_principal_or_none()
+        self._public_limiter.take(_limit_key(caller) if caller else f"peer:{_peer_host(context)}")
         settings = self._deps.settings
         own = Status(
             component="gateway",
@@ -131,12 +249,395 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             ),
             services=statuses,
             all_serving=all(s.serving_status == Status.SERVING_STATUS_SERVING for s in statuses),
+            openai_base_url=self.openai_base_url,
         )
         info.server_time.CopyFrom(timestamp_pb2.Timestamp(seconds=int(time.time())))
         info.start_time.CopyFrom(timestamp_pb2.Timestamp(seconds=int(self._started)))
         return gateway_service_pb2.GetServerInfoResponse(server_info=info)
 
+    # ---- who is calling -----------------------------------------------------------------------
+
+    def _caller(self) -> Principal:
+        principal = current_principal()
+        self._limiter.take(_limit_key(principal))
+        return principal
+
+    def _scope(self, name: str, reason: int) -> Scope:
+        """The caller, if `name` lies in its organization; NOT_FOUND with `reason` otherwise."""
+        principal = self._caller()
+        if not principal.org or principal.org != _org(name):
+            raise NotFound(f"{name} not found", reason=reason)
+        return self._tokens.scope(principal)
+
+    # ---- organizations and API keys -----------------------------------------------------------
+
+    async def CreateOrg(self, request: pb.CreateOrgRequest, context: Context) -> pb.CreateOrgResponse:
+        principal = self._caller()
+        if not is_admin(principal):
+            raise PermissionDenied("CreateOrg needs the deployment's admin credential")
+        fingerprint = _fingerprint(request)
+        method = "CreateOrg"
+        earlier = await self._orgs.find_request("", request.request_id, method, fingerprint)
+        if earlier is not None:
+            return pb.CreateOrgResponse.FromString(earlier)  # the key itself was never stored
+        org, key, plaintext = await self._orgs.create_org(request.org_id, request.display_name, ADMIN_SUBJECT)
+        answer = pb.CreateOrgResponse(org=_org_proto(org), api_key=_key_proto(key))
+        await self._orgs.remember_request(
+            "", request.request_id, method, fingerprint, answer.SerializeToString()
+        )
+        answer.key = plaintext
+        return answer
+
+    async def GetOrg(self, request: pb.GetOrgRequest, context: Context) -> pb.GetOrgResponse:
+        principal = self._caller()
+        name = request.name or f"orgs/{principal.org}"
+        if not principal.org or _org(name) != principal.org:
+            raise NotFound(f"{name} not found", reason=R.ERROR_REASON_ORG_NOT_FOUND)
+        return pb.GetOrgResponse(org=_org_proto(await self._orgs.get_org(principal.org)))
+
+    async def CreateApiKey(
+        self, request: pb.CreateApiKeyRequest, context: Context
+    ) -> pb.CreateApiKeyResponse:
+        scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
+        ttl_s: float | None = None
+        if request.HasField("ttl"):
+            ttl_s = request.ttl.ToNanoseconds() / 1e9
+            if not MIN_KEY_TTL_S <= ttl_s <= MAX_KEY_TTL_S:
+                raise InvalidArgument(
+                    "ttl must be between 1 hour and 10 years",
+                    violations=[ckpt.violation("ttl", "must be between 1 hour and 10 years")],
+                )
+        fingerprint = _fingerprint(request)
+        earlier = await self._orgs.find_request(scope.org, request.request_id, "CreateApiKey", fingerprint)
+        if earlier is not None:
+            return pb.CreateApiKeyResponse.FromString(earlier)
+        key, plaintext = await self._orgs.create_key(
+            scope.org, request.display_name, scope.principal.subject, ttl_s
+        )
+        answer = pb.CreateApiKeyResponse(api_key=_key_proto(key))
+        await self._orgs.remember_request(
+            scope.org, request.request_id, "CreateApiKey", fingerprint, answer.SerializeToString()
+        )
+        answer.key = plaintext
+        return answer
+
+    async def ListApiKeys(self, request: pb.ListApiKeysRequest, context: Context) -> pb.ListApiKeysResponse:
+        scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
+        keys, token = await self._orgs.list_keys(
+            scope.org, request.page_size, request.page_token, request.show_inactive
+        )
+        return pb.ListApiKeysResponse(api_keys=[_key_proto(k) for k in keys], next_page_token=token)
+
+    async def RevokeApiKey(
+        self, request: pb.RevokeApiKeyRequest, context: Context
+    ) -> pb.RevokeApiKeyResponse:
+        scope = self._scope(request.name, R.ERROR_REASON_ORG_NOT_FOUND)
+        key = await self._orgs.revoke_key(scope.org, request.name.rsplit("/", 1)[1])
+        return pb.RevokeApiKeyResponse(api_key=_key_proto(key))
+
+    # ---- secrets (vault) ----------------------------------------------------------------------
+
+    async def GetPublicKey(
+        self, request: pb.GetPublicKeyRequest, context: Context
+    ) -> pb.GetPublicKeyResponse:
+        scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
+        reply = await _forwarded(
+            self._vault.GetPublicKey(
+                vault_pb.GetPublicKeyRequest(parent=request.parent),
+                metadata=scope.metadata,
+                timeout=self._timeout,
+            )
+        )
+        key = org_key_pb2.OrgKey(
+            name=f"{request.parent}/keys/{reply.key_id}",
+            key_id=reply.key_id,
+            alg=reply.alg,
+            public_key=reply.public_key,
+            state=org_key_pb2.OrgKey.STATE_ACTIVE,
+            create_time=reply.create_time,
+        )
+        return pb.GetPublicKeyResponse(key=key)
+
+    async def PutSecret(self, request: pb.PutSecretRequest, context: Context) -> pb.PutSecretResponse:
+        scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
+        reply = await _forwarded(
+            self._vault.PutSecret(
+                convert(request, vault_pb.PutSecretRequest), metadata=scope.metadata, timeout=self._timeout
+            )
+        )
+        return convert(reply, pb.PutSecretResponse)
+
+    async def ListSecrets(self, request: pb.ListSecretsRequest, context: Context) -> pb.ListSecretsResponse:
+        scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
+        reply = await _forwarded(
+            self._vault.ListSecrets(
+                convert(request, vault_pb.ListSecretsRequest), metadata=scope.metadata, timeout=self._timeout
+            )
+        )
+        return convert(reply, pb.ListSecretsResponse)
+
+    async def DeleteSecret(
+        self, request: pb.DeleteSecretRequest, context: Context
+    ) -> pb.DeleteSecretResponse:
+        scope = self._scope(request.name, R.ERROR_REASON_SECRET_NOT_FOUND)
+        await _forwarded(
+            self._vault.DeleteSecret(
+                convert(request, vault_pb.DeleteSecretRequest), metadata=scope.metadata, timeout=self._timeout
+            )
+        )
+        return pb.DeleteSecretResponse()
+
+    # ---- Task Apps (taskapp-proxy) ------------------------------------------------------------
+
+    async def RegisterTaskApp(
+        self, request: pb.RegisterTaskAppRequest, context: Context
+    ) -> pb.RegisterTaskAppResponse:
+        scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
+        reply = await _forwarded(
+            self._task_apps.RegisterTaskApp(
+                convert(request, taskapp_pb.RegisterTaskAppRequest),
+                metadata=scope.metadata,
+                timeout=self._timeout,
+            )
+        )
+        return convert(reply, pb.RegisterTaskAppResponse)
+
+    async def _check_task_app(self, scope: Scope, name: str) -> taskapp_pb.CheckTaskAppResponse:
+        return await _forwarded(
+            self._task_apps.CheckTaskApp(
+                taskapp_pb.CheckTaskAppRequest(name=name), metadata=scope.metadata, timeout=self._timeout
+            )
+        )
+
+    async def CheckTaskApp(
+        self, request: pb.CheckTaskAppRequest, context: Context
+    ) -> pb.CheckTaskAppResponse:
+        scope = self._scope(request.name, R.ERROR_REASON_TASK_APP_NOT_FOUND)
+        return convert(await self._check_task_app(scope, request.name), pb.CheckTaskAppResponse)
+
+    async def ListTaskApps(
+        self, request: pb.ListTaskAppsRequest, context: Context
+    ) -> pb.ListTaskAppsResponse:
+        scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
+        reply = await _forwarded(
+            self._task_apps.ListTaskApps(
+                convert(request, taskapp_pb.ListTaskAppsRequest),
+                metadata=scope.metadata,
+                timeout=self._timeout,
+            )
+        )
+        return convert(reply, pb.ListTaskAppsResponse)
+
+    async def GetTaskApp(self, request: pb.GetTaskAppRequest, context: Context) -> pb.GetTaskAppResponse:
+        scope = self._scope(request.name, R.ERROR_REASON_TASK_APP_NOT_FOUND)
+        reply = await _forwarded(
+            self._task_apps.GetTaskApp(
+                convert(request, taskapp_pb.GetTaskAppRequest), metadata=scope.metadata, timeout=self._timeout
+            )
+        )
+        return convert(reply, pb.GetTaskAppResponse)
+
+    async def DeleteTaskApp(
+        self, request: pb.DeleteTaskAppRequest, context: Context
+    ) -> pb.DeleteTaskAppResponse:
+        scope = self._scope(request.name, R.ERROR_REASON_TASK_APP_NOT_FOUND)
+        await _forwarded(
+            self._task_apps.DeleteTaskApp(
+                convert(request, taskapp_pb.DeleteTaskAppRequest),
+                metadata=scope.metadata,
+                timeout=self._timeout,
+            )
+        )
+        return pb.DeleteTaskAppResponse()
+
+    # ---- jobs (scheduler) ---------------------------------------------------------------------
+
+    async def _submit(
+        self, scope: Scope, parent: str, job_id: str, spec: Any, request_id: str, validate_only: bool
+    ) -> Any:
+        reply = await _forwarded(
+            self._scheduler.CreateJob(
+                sched_pb.CreateJobRequest(
+                    parent=parent,
+                    job_id=job_id,
+                    spec=spec,
+                    request_id=request_id,
+                    validate_only=validate_only,
+                ),
+                metadata=scope.metadata,
+                timeout=self._timeout,
+            )
+        )
+        return reply.job
+
+    async def _rl_spec(
+        self, scope: Scope, config: config_pb2.TrainerConfig, toml: str, field: str, **options: Any
+    ) -> Any:
+        """The job group of an online-RL config, once the Task App it names passes its checks now."""
+        app = rljob.task_app_of(config)
+        rljob.check_task_app(scope.org, app, f"{field}.task_app.name")
+        if app:
+            checked = await self._check_task_app(scope, app)
+            rljob.refuse_failed_checks(app, f"{field}.task_app.name", checked.check_results)
+        return rljob.job_spec(config, toml, **options)
+
+    async def CreateJob(self, request: pb.CreateJobRequest, context: Context) -> pb.CreateJobResponse:
+        scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
+        source = request.WhichOneof("source")
+        if source == "spec":
+            spec = request.spec
+        elif source == "rl_config_toml":
+            config = rljob.parse_toml(request.rl_config_toml, "rl_config_toml")
+            spec = await self._rl_spec(scope, config, request.rl_config_toml, "rl_config_toml")
+        else:
+            raise InvalidArgument(
+                "set spec or rl_config_toml",
+                reason=R.ERROR_REASON_INVALID_JOB_SPEC,
+                violations=[ckpt.violation("source", "set spec or rl_config_toml")],
+            )
+        job = await self._submit(
+            scope, request.parent, request.job_id, spec, request.request_id, request.validate_only
+        )
+        return pb.CreateJobResponse(job=job)
+
+    async def CreateRlJob(self, request: pb.CreateRlJobRequest, context: Context) -> pb.CreateRlJobResponse:
+        scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
+        toml = rljob.to_toml(request.config)
+        config = rljob.parse_toml(toml, "config")
+        spec = await self._rl_spec(
+            scope,
+            config,
+            toml,
+            "config",
+            display_name=request.display_name,
+            backend=request.backend,
+            priority=request.priority,
+            recovery=request.recovery if request.HasField("recovery") else None,
+            max_duration=request.max_duration if request.HasField("max_duration") else None,
+            file_mounts=request.file_mounts,
+            secrets=request.secrets,
+        )
+        job = await self._submit(
+            scope, request.parent, request.job_id, spec, request.request_id, request.validate_only
+        )
+        return pb.CreateRlJobResponse(job=job)
+
+    async def GetJob(self, request: pb.GetJobRequest, context: Context) -> pb.GetJobResponse:
+        scope = self._scope(request.name, R.ERROR_REASON_JOB_NOT_FOUND)
+        reply = await _forwarded(
+            self._scheduler.GetJob(
+                convert(request, sched_pb.GetJobRequest), metadata=scope.metadata, timeout=self._timeout
+            )
+        )
+        return pb.GetJobResponse(job=reply.job)
+
+    async def ListJobs(self, request: pb.ListJobsRequest, context: Context) -> pb.ListJobsResponse:
+        scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
+        reply = await _forwarded(
+            self._scheduler.ListJobs(
+                convert(request, sched_pb.ListJobsRequest), metadata=scope.metadata, timeout=self._timeout
+            )
+        )
+        return convert(reply, pb.ListJobsResponse)
+
+    async def CancelJob(self, request: pb.CancelJobRequest, context: Context) -> pb.CancelJobResponse:
+        scope = self._scope(request.name, R.ERROR_REASON_JOB_NOT_FOUND)
+        reply = await _forwarded(
+            self._scheduler.CancelJob(
+                convert(request, sched_pb.CancelJobRequest), metadata=scope.metadata, timeout=self._timeout
+            )
+        )
+        return pb.CancelJobResponse(job=reply.job)
+
+    async def StreamJobLogs(
+        self, request: pb.StreamJobLogsRequest, context: Context
+    ) -> AsyncIterator[pb.StreamJobLogsResponse]:
+        scope = self._scope(request.job, R.ERROR_REASON_JOB_NOT_FOUND)
+        stream: Any = self._scheduler.StreamLogs(
+            convert(request, sched_pb.StreamLogsRequest), metadata=scope.metadata
+        )
+        try:
+            async for item in stream:
+                yield convert(item, pb.StreamJobLogsResponse)
+        except RpcError as error:
+            raise Forwarded(error) from None
+
+    # ---- events (events service) --------------------------------------------------------------
+
+    async def SubscribeEvents(
+        self, request: pb.SubscribeEventsRequest, context: Context
+    ) -> AsyncIterator[pb.SubscribeEventsResponse]:
+        scope = self._scope(request.job, R.ERROR_REASON_JOB_NOT_FOUND)
+        stream: Any = self._events.Subscribe(
+            convert(request, events_pb.SubscribeRequest), metadata=scope.metadata
+        )
+        try:
+            async for item in stream:
+                yield convert(item, pb.SubscribeEventsResponse)
+        except RpcError as error:
+            raise Forwarded(error) from None
+
+    async def ListEvents(self, request: pb.ListEventsRequest, context: Context) -> pb.ListEventsResponse:
+        scope = self._scope(request.job, R.ERROR_REASON_JOB_NOT_FOUND)
+        reply = await _forwarded(
+            self._events.ListEvents(
+                convert(request, events_pb.ListEventsRequest), metadata=scope.metadata, timeout=self._timeout
+            )
+        )
+        return convert(reply, pb.ListEventsResponse)
+
+    async def ListMetrics(self, request: pb.ListMetricsRequest, context: Context) -> pb.ListMetricsResponse:
+        scope = self._scope(request.job, R.ERROR_REASON_JOB_NOT_FOUND)
+        reply = await _forwarded(
+            self._events.ListMetrics(
+                convert(request, events_pb.ListMetricsRequest), metadata=scope.metadata, timeout=self._timeout
+            )
+        )
+        return convert(reply, pb.ListMetricsResponse)
+
+    # ---- checkpoints and inference ------------------------------------------------------------
+
+    def _checkpoints(self, scope: Scope) -> ckpt.CheckpointIndex:
+        async def list_events(request: events_pb.ListEventsRequest) -> events_pb.ListEventsResponse:
+            return await _forwarded(
+                self._events.ListEvents(request, metadata=scope.metadata, timeout=self._timeout)
+            )
+
+        async def list_metrics(request: events_pb.ListMetricsRequest) -> events_pb.ListMetricsResponse:
+            return await _forwarded(
+                self._events.ListMetrics(request, metadata=scope.metadata, timeout=self._timeout)
+            )
+
+        return ckpt.CheckpointIndex(list_events, list_metrics)
+
+    async def ListCheckpoints(
+        self, request: pb.ListCheckpointsRequest, context: Context
+    ) -> pb.ListCheckpointsResponse:
+        scope = self._scope(request.parent, R.ERROR_REASON_JOB_NOT_FOUND)
+        found, token = await self._checkpoints(scope).page(
+            request.parent, request.page_size, request.page_token
+        )
+        return pb.ListCheckpointsResponse(checkpoints=found, next_page_token=token)
+
+    async def Infer(self, request: pb.InferRequest, context: Context) -> pb.InferResponse:
+        scope = self._scope(request.model, R.ERROR_REASON_JOB_NOT_FOUND)
+        if bool(request.messages) == bool(request.prompt):
+            raise InvalidArgument(
+                "set exactly one of messages and prompt",
+                violations=[ckpt.violation("messages", "set exactly one of messages and prompt")],
+            )
+        checkpoint = await self._checkpoints(scope).resolve(request.model)
+        raise ckpt.no_worker(checkpoint)
+
 
 async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
-    gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(GatewayServicer(deps), server)  # type: ignore[abstract]  # methods not written yet answer UNIMPLEMENTED
-    return Registration(service_names=[SERVICE_NAME], public_methods=PUBLIC_METHODS)
+    config = GatewaySettings()
+    admin_key, admin_file = load_admin_key(config.admin_key, deps.settings.state_dir)
+    db = await open_database(deps.settings.store_url_for("gateway"), "gateway", MIGRATIONS)
+    orgs = Orgs(db, admin_key)
+    deps.auth.authenticators.append(orgs.authenticate)
+    servicer = GatewayServicer(deps, orgs, config)
+    gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+    if admin_file is not None:
+        log.info("admin credential", extra={"path": str(admin_file)})
+    return Registration(service_names=[SERVICE_NAME], public_methods=PUBLIC_METHODS, on_stop=[db.close])

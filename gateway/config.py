@@ -1,0 +1,31 @@
+"""Settings of the gateway alone (`TANDEM_GATEWAY_*`), beside the shared `mesh.settings.Settings`."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_GATEWAY_", extra="forbid")
+
+    admin_key: str = Field(
+        "",
+        description="The deployment's admin credential (`tdm_admin_...`), the only one CreateOrg accepts. "
+        "Empty: read state_dir/admin.key, created 0600 on first start. In deployments, mount it from a secret.",
+    )
+    rate_per_s: float = Field(
+        50.0, gt=0, description="Calls per second each organization may make, sustained (token bucket)."
+    )
+    rate_burst: float = Field(
+        100.0, ge=1, description="Calls an organization may make at once (bucket size)."
+    )
+    forward_timeout_s: float = Field(
+        30.0, gt=0, description="Deadline of each unary call forwarded to an internal service."
+    )
+    http_port: int = Field(
+        -1,
+        ge=-1,
+        le=65535,
+        description="Port of the OpenAI-compatible HTTP endpoint; 0 picks a free one, -1 disables it.",
+    )

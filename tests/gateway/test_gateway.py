@@ -1,0 +1,523 @@
+"""The gateway in a real in-process mesh: organizations and API keys (stored hashed, shown once), the admin
+bootstrap, every forwarded family scoped to the caller's organization, the error model at the public edge
+(wrong and revoked keys, other organizations' resources, malformed and oversized requests, rate limits),
+online-RL jobs from a trainer config, checkpoints and Infer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import re
+import sqlite3
+import stat
+import time
+import tomllib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+from tandem.events.v1 import event_pb2, events_service_pb2, events_service_pb2_grpc, metric_pb2
+from tandem.gateway.v1 import gateway_service_pb2 as pb
+from tandem.gateway.v1 import gateway_service_pb2_grpc, org_pb2
+from tandem.scheduler.v1 import job_pb2, job_spec_pb2
+from tandem.taskapp.v1 import task_app_pb2
+
+from gateway.orgs import ADMIN_KEY_FILE
+from mesh.clients import open_channel
+from mesh.identity import TokenSigner, load_signing_key
+from mesh.secrets import seal_for_upload
+from mesh.status import RpcError
+from tandem_taskapp import create_app
+from tandem_taskapp.testing import serve_in_thread
+from tests.support.mesh import Mesh, mesh_settings, running_mesh
+from trainer.config import parse_job
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[2]
+APP_KEY = "env-key-value-0123456789"
+
+
+@dataclass
+class World:
+    mesh: Mesh
+    admin: gateway_service_pb2_grpc.GatewayServiceStub
+    acme: gateway_service_pb2_grpc.GatewayServiceStub
+    globex: gateway_service_pb2_grpc.GatewayServiceStub
+    acme_key: str
+    channels: list[grpc.aio.Channel]
+
+    def stub(self, key: str) -> gateway_service_pb2_grpc.GatewayServiceStub:
+        channel = open_channel(self.mesh.address("gateway"), self.mesh.settings, token=key)
+        self.channels.append(channel)
+        return gateway_service_pb2_grpc.GatewayServiceStub(channel)
+
+
+@pytest.fixture
+async def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[World]:
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__CPUS", "4")
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__MEMORY_GIB", "8")
+    monkeypatch.setenv("TANDEM_SCHEDULER_CANCEL_GRACE_S", "2")
+    async with running_mesh(mesh_settings(tmp_path)) as mesh:
+        admin_key = (tmp_path / ADMIN_KEY_FILE).read_text().strip()
+        w = World(mesh, None, None, None, "", [])  # type: ignore[arg-type]
+        w.admin = w.stub(admin_key)
+        made = await w.admin.CreateOrg(pb.CreateOrgRequest(org_id="acme", display_name="Acme"))
+        other = await w.admin.CreateOrg(pb.CreateOrgRequest(org_id="globex"))
+        w.acme_key = made.key
+        w.acme = w.stub(made.key)
+        w.globex = w.stub(other.key)
+        yield w
+        for channel in w.channels:
+            await channel.close()
+
+
+async def fails(call: object, code: grpc.StatusCode, reason: str) -> RpcError:
+    with pytest.raises(RpcError) as caught:
+        await call  # type: ignore[misc]
+    assert (caught.value.code, caught.value.reason) == (code, reason), caught.value
+    return caught.value
+
+
+# ---- organizations, keys, bootstrap -----------------------------------------------------------------
+
+
+async def test_the_admin_credential_is_written_once_with_owner_only_permissions(world: World) -> None:
+    path = world.mesh.settings.state_dir / ADMIN_KEY_FILE
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_text().startswith("tdm_admin_")
+
+
+async def test_create_org_returns_a_key_once_and_stores_only_its_hash(world: World) -> None:
+    org = (await world.acme.GetOrg(pb.GetOrgRequest())).org
+    assert (org.name, org.display_name) == ("orgs/acme", "Acme")
+    assert re.fullmatch(r"tdm_[0-9a-f]{12}_[A-Za-z0-9_-]{43}", world.acme_key)
+    created = await world.acme.CreateApiKey(pb.CreateApiKeyRequest(parent="orgs/acme", display_name="ci"))
+    assert created.key.startswith(created.api_key.key_prefix) and len(created.api_key.key_prefix) == 12
+    assert created.api_key.creator.startswith("orgs/acme/apiKeys/")
+    assert created.api_key.state == org_pb2.ApiKey.STATE_ACTIVE
+    listed = await world.acme.ListApiKeys(pb.ListApiKeysRequest(parent="orgs/acme"))
+    assert listed.api_keys[0].name == created.api_key.name  # newest first
+    assert len(listed.api_keys) == 2 and all(not k.key_prefix.endswith("_") for k in listed.api_keys)
+    database = world.mesh.settings.state_dir / "gateway.db"
+    with sqlite3.connect(database) as conn:
+        rows = conn.execute("SELECT * FROM gateway_api_keys").fetchall()
+        dumped = repr(rows) + repr(conn.execute("SELECT * FROM gateway_requests").fetchall())
+    assert len(rows) == 3 and created.key not in dumped and world.acme_key not in dumped
+    assert created.key.split("_")[2] not in dumped
+
+
+async def test_create_org_needs_the_admin_credential(world: World) -> None:
+    await fails(
+        world.acme.CreateOrg(pb.CreateOrgRequest(org_id="evil")),
+        grpc.StatusCode.PERMISSION_DENIED,
+        "PERMISSION_DENIED",
+    )
+    await fails(
+        world.admin.CreateOrg(pb.CreateOrgRequest(org_id="acme")),
+        grpc.StatusCode.ALREADY_EXISTS,
+        "ALREADY_EXISTS",
+    )
+
+
+async def test_a_retried_create_org_answers_without_the_key(world: World) -> None:
+    first = await world.admin.CreateOrg(pb.CreateOrgRequest(org_id="initech", request_id="r-1"))
+    again = await world.admin.CreateOrg(pb.CreateOrgRequest(org_id="initech", request_id="r-1"))
+    assert first.key and not again.key and again.api_key.name == first.api_key.name
+    await fails(
+        world.admin.CreateOrg(pb.CreateOrgRequest(org_id="other", request_id="r-1")),
+        grpc.StatusCode.ALREADY_EXISTS,
+        "REQUEST_ID_REUSED",
+    )
+
+
+async def test_wrong_and_revoked_keys_are_unauthenticated(world: World) -> None:
+    wrong = world.acme_key[:-4] + ("AAAA" if not world.acme_key.endswith("AAAA") else "BBBB")
+    await fails(
+        world.stub(wrong).GetOrg(pb.GetOrgRequest()), grpc.StatusCode.UNAUTHENTICATED, "INVALID_CREDENTIALS"
+    )
+    await fails(
+        world.stub("tdm_nonsense").GetOrg(pb.GetOrgRequest()),
+        grpc.StatusCode.UNAUTHENTICATED,
+        "INVALID_CREDENTIALS",
+    )
+    created = await world.acme.CreateApiKey(pb.CreateApiKeyRequest(parent="orgs/acme"))
+    doomed = world.stub(created.key)
+    assert (await doomed.GetOrg(pb.GetOrgRequest())).org.name == "orgs/acme"
+    revoked = await world.acme.RevokeApiKey(pb.RevokeApiKeyRequest(name=created.api_key.name))
+    assert revoked.api_key.state == org_pb2.ApiKey.STATE_REVOKED
+    await fails(doomed.GetOrg(pb.GetOrgRequest()), grpc.StatusCode.UNAUTHENTICATED, "INVALID_CREDENTIALS")
+    again = await world.acme.RevokeApiKey(pb.RevokeApiKeyRequest(name=created.api_key.name))
+    assert again.api_key.revoke_time == revoked.api_key.revoke_time
+    active = await world.acme.ListApiKeys(pb.ListApiKeysRequest(parent="orgs/acme"))
+    assert created.api_key.name not in [k.name for k in active.api_keys]
+    every = await world.acme.ListApiKeys(pb.ListApiKeysRequest(parent="orgs/acme", show_inactive=True))
+    assert created.api_key.name in [k.name for k in every.api_keys]
+    await fails(
+        world.stub("").GetOrg(pb.GetOrgRequest()), grpc.StatusCode.UNAUTHENTICATED, "MISSING_CREDENTIALS"
+    )
+
+
+async def test_another_orgs_keys_read_as_absent(world: World) -> None:
+    theirs = (await world.globex.ListApiKeys(pb.ListApiKeysRequest(parent="orgs/globex"))).api_keys[0]
+    await fails(
+        world.acme.RevokeApiKey(pb.RevokeApiKeyRequest(name=theirs.name)),
+        grpc.StatusCode.NOT_FOUND,
+        "ORG_NOT_FOUND",
+    )
+    await fails(
+        world.acme.ListApiKeys(pb.ListApiKeysRequest(parent="orgs/globex")),
+        grpc.StatusCode.NOT_FOUND,
+        "ORG_NOT_FOUND",
+    )
+    await fails(
+        world.acme.GetOrg(pb.GetOrgRequest(name="orgs/globex")), grpc.StatusCode.NOT_FOUND, "ORG_NOT_FOUND"
+    )
+
+
+async def test_a_key_ttl_outside_its_range_is_refused(world: World) -> None:
+    error = await fails(
+        world.acme.CreateApiKey(
+            pb.CreateApiKeyRequest(parent="orgs/acme", ttl=duration_pb2.Duration(seconds=5))
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_ARGUMENT",
+    )
+    assert [v.field for v in error.violations] == ["ttl"]
+
+
+# ---- the public edge ----------------------------------------------------------------------------
+
+
+async def test_malformed_and_oversized_requests(world: World) -> None:
+    channel = open_channel(world.mesh.address("gateway"), world.mesh.settings, token=world.acme_key)
+    world.channels.append(channel)
+    raw = channel.unary_unary("/tandem.gateway.v1.GatewayService/GetOrg")
+    await fails(raw(b"\xff\xff\xff\xff"), grpc.StatusCode.INVALID_ARGUMENT, "MALFORMED_REQUEST")
+    limit = world.mesh.settings.max_message_bytes
+    error = await fails(
+        world.acme.CreateJob(pb.CreateJobRequest(parent="orgs/acme", rl_config_toml="#" * (limit + 10))),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "MESSAGE_TOO_LARGE",
+    )
+    assert error.metadata["limit_bytes"] == str(limit)
+    bad = await fails(
+        world.acme.GetJob(pb.GetJobRequest(name="jobs/x")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_ARGUMENT",
+    )
+    assert [v.field for v in bad.violations] == ["name"]
+
+
+async def test_get_server_info_stays_public(world: World) -> None:
+    info = (await world.stub("").GetServerInfo(pb.GetServerInfoRequest())).server_info
+    assert info.all_serving and info.services[0].component == "gateway"
+
+
+# ---- secrets ------------------------------------------------------------------------------------
+
+
+async def put(stub: gateway_service_pb2_grpc.GatewayServiceStub, org: str, secret: str, value: bytes) -> None:
+    key = (await stub.GetPublicKey(pb.GetPublicKeyRequest(parent=org))).key
+    assert key.state == key.STATE_ACTIVE and key.name == f"{org}/keys/{key.key_id}"
+    await stub.PutSecret(
+        pb.PutSecretRequest(
+            parent=org, secret_id=secret, key_id=key.key_id, ciphertext=seal_for_upload(key.public_key, value)
+        )
+    )
+
+
+async def test_secrets_are_forwarded_and_scoped(world: World) -> None:
+    await put(world.acme, "orgs/acme", "env-key", APP_KEY.encode())
+    listed = await world.acme.ListSecrets(pb.ListSecretsRequest(parent="orgs/acme"))
+    assert [s.name for s in listed.secrets] == ["orgs/acme/secrets/env-key"]
+    await fails(
+        world.globex.ListSecrets(pb.ListSecretsRequest(parent="orgs/acme")),
+        grpc.StatusCode.NOT_FOUND,
+        "ORG_NOT_FOUND",
+    )
+    await fails(
+        world.globex.DeleteSecret(pb.DeleteSecretRequest(name="orgs/acme/secrets/env-key")),
+        grpc.StatusCode.NOT_FOUND,
+        "SECRET_NOT_FOUND",
+    )
+    await fails(  # the vault's own reason, passed through
+        world.acme.DeleteSecret(pb.DeleteSecretRequest(name="orgs/acme/secrets/nope")),
+        grpc.StatusCode.NOT_FOUND,
+        "SECRET_NOT_FOUND",
+    )
+    await world.acme.DeleteSecret(pb.DeleteSecretRequest(name="orgs/acme/secrets/env-key"))
+    assert not (await world.acme.ListSecrets(pb.ListSecretsRequest(parent="orgs/acme"))).secrets
+
+
+# ---- Task Apps ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def example_app() -> Iterator[str]:
+    """The single-turn example Task App, which passes every check, served on a loopback port."""
+    found = importlib.util.spec_from_file_location(
+        "single_turn", ROOT / "examples" / "taskapps" / "single_turn.py"
+    )
+    assert found is not None and found.loader is not None
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    with serve_in_thread(create_app(module.app, APP_KEY)) as url:
+        yield url
+
+
+async def register(world: World, url: str, app_id: str = "fake") -> None:
+    await put(world.acme, "orgs/acme", "env-key", APP_KEY.encode())
+    await world.acme.RegisterTaskApp(
+        pb.RegisterTaskAppRequest(
+            parent="orgs/acme",
+            task_app_id=app_id,
+            task_app=task_app_pb2.TaskApp(base_url=url, secret_name="orgs/acme/secrets/env-key"),
+        )
+    )
+
+
+async def test_task_apps_are_forwarded_and_scoped(world: World) -> None:
+    with example_app() as url:
+        await register(world, url)
+        name = "orgs/acme/taskApps/fake"
+        checked = await world.acme.CheckTaskApp(pb.CheckTaskAppRequest(name=name))
+        assert checked.all_passed and checked.check_results
+        assert (await world.acme.GetTaskApp(pb.GetTaskAppRequest(name=name))).task_app.name == name
+        listed = await world.acme.ListTaskApps(pb.ListTaskAppsRequest(parent="orgs/acme"))
+        assert [a.name for a in listed.task_apps] == [name]
+        for call in (
+            world.globex.GetTaskApp(pb.GetTaskAppRequest(name=name)),
+            world.globex.CheckTaskApp(pb.CheckTaskAppRequest(name=name)),
+            world.globex.DeleteTaskApp(pb.DeleteTaskAppRequest(name=name)),
+        ):
+            await fails(call, grpc.StatusCode.NOT_FOUND, "TASK_APP_NOT_FOUND")
+        await world.acme.DeleteTaskApp(pb.DeleteTaskAppRequest(name=name))
+        await fails(
+            world.acme.GetTaskApp(pb.GetTaskAppRequest(name=name)),
+            grpc.StatusCode.NOT_FOUND,
+            "TASK_APP_NOT_FOUND",
+        )
+
+
+# ---- jobs, logs, events -------------------------------------------------------------------------
+
+
+def echo_task() -> job_spec_pb2.TaskSpec:
+    return job_spec_pb2.TaskSpec(
+        name="main", kind=job_spec_pb2.TaskSpec.KIND_COMMAND, run="echo hello-gateway"
+    )
+
+
+async def wait_terminal(stub: gateway_service_pb2_grpc.GatewayServiceStub, name: str) -> job_pb2.Job:
+    deadline = time.monotonic() + 60
+    while True:
+        job = (await stub.GetJob(pb.GetJobRequest(name=name))).job
+        if job.state in (job.STATE_SUCCEEDED, job.STATE_FAILED, job.STATE_CANCELLED):
+            return job
+        assert time.monotonic() < deadline, job
+        await asyncio.sleep(0.2)
+
+
+async def test_jobs_logs_and_events_are_forwarded_and_scoped(world: World) -> None:
+    spec = job_spec_pb2.JobSpec(display_name="echo", tasks=[echo_task()])
+    job = (await world.acme.CreateJob(pb.CreateJobRequest(parent="orgs/acme", job_id="echo", spec=spec))).job
+    assert job.name == "orgs/acme/jobs/echo"
+    done = await wait_terminal(world.acme, job.name)
+    assert done.state == done.STATE_SUCCEEDED, done
+    listed = await world.acme.ListJobs(pb.ListJobsRequest(parent="orgs/acme"))
+    assert [j.name for j in listed.jobs] == [job.name]
+    logs = b"".join([r.data async for r in world.acme.StreamJobLogs(pb.StreamJobLogsRequest(job=job.name))])
+    assert b"hello-gateway" in logs
+    events = await world.acme.ListEvents(pb.ListEventsRequest(job=job.name))
+    assert events.events and events.last_seq >= len(events.events)
+    middle = events.events[0].seq
+    seen = []
+    async for item in world.acme.SubscribeEvents(
+        pb.SubscribeEventsRequest(job=job.name, after_seq=middle, end_when_terminal=True)
+    ):
+        if item.WhichOneof("kind") == "events":
+            seen.extend(e.seq for e in item.events.events)
+    assert seen == [e.seq for e in events.events if e.seq > middle]
+    assert not (await world.acme.ListMetrics(pb.ListMetricsRequest(job=job.name))).series
+    assert not (await world.acme.ListCheckpoints(pb.ListCheckpointsRequest(parent=job.name))).checkpoints
+    for call in (
+        world.globex.GetJob(pb.GetJobRequest(name=job.name)),
+        world.globex.CancelJob(pb.CancelJobRequest(name=job.name)),
+        world.globex.ListEvents(pb.ListEventsRequest(job=job.name)),
+        world.globex.ListCheckpoints(pb.ListCheckpointsRequest(parent=job.name)),
+    ):
+        await fails(call, grpc.StatusCode.NOT_FOUND, "JOB_NOT_FOUND")
+    with pytest.raises(RpcError) as caught:
+        async for _ in world.globex.SubscribeEvents(pb.SubscribeEventsRequest(job=job.name)):
+            pass
+    assert caught.value.reason == "JOB_NOT_FOUND"
+    await fails(  # the scheduler's own answer, passed through
+        world.acme.CancelJob(pb.CancelJobRequest(name=job.name)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "JOB_STATE_CONFLICT",
+    )
+
+
+# ---- online RL ----------------------------------------------------------------------------------
+
+
+def demo_toml(app: str = "orgs/acme/taskApps/fake") -> str:
+    text = (ROOT / "examples" / "jobs" / "demo.toml").read_text()
+    return text.replace('name = "orgs/demo/taskApps/single-turn"', f'name = "{app}"')
+
+
+async def test_create_rl_job_names_the_bad_config_field(world: World) -> None:
+    bad = demo_toml().replace("[optimizer]", "[optimizer]\nwarmup_steps = 1000")
+    error = await fails(
+        world.acme.CreateJob(pb.CreateJobRequest(parent="orgs/acme", rl_config_toml=bad)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_CONFIG",
+    )
+    assert [v.field for v in error.violations] == ["rl_config_toml.optimizer.warmup_steps"]
+    unknown = demo_toml().replace("[optimizer]", "[optimizer]\nmomentum_typo = 1")
+    error = await fails(
+        world.acme.CreateJob(pb.CreateJobRequest(parent="orgs/acme", rl_config_toml=unknown)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_CONFIG",
+    )
+    assert "momentum_typo" in error.message
+    await fails(
+        world.acme.CreateJob(pb.CreateJobRequest(parent="orgs/acme", rl_config_toml="[[[")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_CONFIG",
+    )
+
+
+async def test_create_rl_job_refuses_a_task_app_failing_its_checks(world: World) -> None:
+    with example_app() as url:
+        await register(world, url)
+    # The app is gone now: its checks fail.
+    error = await fails(
+        world.acme.CreateJob(pb.CreateJobRequest(parent="orgs/acme", rl_config_toml=demo_toml())),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "TASK_APP_CHECK_FAILED",
+    )
+    assert error.metadata["failed_checks"] and error.metadata["task_app"] == "orgs/acme/taskApps/fake"
+    assert error.violations and all(v.field == "rl_config_toml.task_app.name" for v in error.violations)
+    await fails(
+        world.acme.CreateJob(
+            pb.CreateJobRequest(parent="orgs/acme", rl_config_toml=demo_toml("orgs/globex/taskApps/fake"))
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "TASK_APP_NOT_FOUND",
+    )
+
+
+async def test_create_rl_job_builds_a_one_task_online_rl_group(world: World, tmp_path: Path) -> None:
+    with example_app() as url:
+        await register(world, url)
+        toml = demo_toml().replace('dir = "runs/demo-model"', f'dir = "{tmp_path / "model"}"')
+        job = (
+            await world.acme.CreateJob(
+                pb.CreateJobRequest(parent="orgs/acme", job_id="rl", rl_config_toml=toml, validate_only=True)
+            )
+        ).job
+        assert job.name == "orgs/acme/jobs/rl"
+        [task] = job.spec.tasks
+        assert task.kind == task.KIND_ONLINE_RL and task.online_rl.config_toml == toml
+
+        config = parse_job(tomllib.loads(toml))
+        typed = (
+            await world.acme.CreateRlJob(
+                pb.CreateRlJobRequest(
+                    parent="orgs/acme", config=config, display_name="typed", priority=7, validate_only=True
+                )
+            )
+        ).job
+        [task] = typed.spec.tasks
+        assert typed.spec.priority == 7 and typed.spec.display_name == "typed"
+        assert parse_job(tomllib.loads(task.online_rl.config_toml)) == config
+
+
+# ---- checkpoints and Infer ----------------------------------------------------------------------
+
+
+async def test_checkpoints_come_from_the_jobs_events_and_infer_needs_one(world: World) -> None:
+    spec = job_spec_pb2.JobSpec(display_name="echo", tasks=[echo_task()])
+    job = (await world.acme.CreateJob(pb.CreateJobRequest(parent="orgs/acme", job_id="ck", spec=spec))).job
+    await wait_terminal(world.acme, job.name)
+    await fails(
+        world.acme.Infer(pb.InferRequest(model=f"{job.name}/checkpoints/step-5", prompt="hi")),
+        grpc.StatusCode.NOT_FOUND,
+        "CHECKPOINT_NOT_FOUND",
+    )
+    await fails(
+        world.acme.Infer(pb.InferRequest(model=f"{job.name}/checkpoints/latest", prompt="hi")),
+        grpc.StatusCode.NOT_FOUND,
+        "CHECKPOINT_NOT_FOUND",
+    )
+    await fails(
+        world.acme.Infer(pb.InferRequest(model="orgs/acme/jobs/nope/checkpoints/latest", prompt="hi")),
+        grpc.StatusCode.NOT_FOUND,
+        "JOB_NOT_FOUND",
+    )
+    await fails(
+        world.globex.Infer(pb.InferRequest(model=f"{job.name}/checkpoints/latest", prompt="hi")),
+        grpc.StatusCode.NOT_FOUND,
+        "JOB_NOT_FOUND",
+    )
+    # A trainer announces checkpoints as events (here published with a service token, as the trainer's
+    # job token would); ListCheckpoints reads them back newest first with their step's metrics.
+    signer = TokenSigner(load_signing_key("", world.mesh.settings.state_dir))
+    async with open_channel(
+        world.mesh.address("events"), world.mesh.settings, token=signer.issue("service", "trainer")
+    ) as channel:
+        events = events_service_pb2_grpc.EventServiceStub(channel)
+        board = "orgs/acme/jobs/board"
+        announced = []
+        for step in (2, 4):
+            event = event_pb2.Event(type="checkpoint.saved", message=f"step {step}")
+            event.checkpoint_saved.checkpoint = f"{board}/checkpoints/step-{step}"
+            event.checkpoint_saved.step = step
+            event.checkpoint_saved.uri = f"file:///ckpt/step-{step}"
+            announced.append(event)
+        await events.Publish(events_service_pb2.PublishRequest(job=board, events=announced))
+        await events.PublishMetrics(
+            events_service_pb2.PublishMetricsRequest(
+                job=board, points=[metric_pb2.MetricPoint(name="reward/mean", step=4, value=0.75)]
+            )
+        )
+    found = (await world.acme.ListCheckpoints(pb.ListCheckpointsRequest(parent=board))).checkpoints
+    assert [(c.name.rsplit("/", 1)[1], c.step) for c in found] == [("step-4", 4), ("step-2", 2)]
+    assert dict(found[0].metrics) == {"reward/mean": 0.75} and found[0].uri == "file:///ckpt/step-4"
+    paged = await world.acme.ListCheckpoints(pb.ListCheckpointsRequest(parent=board, page_size=1))
+    rest = await world.acme.ListCheckpoints(
+        pb.ListCheckpointsRequest(parent=board, page_size=1, page_token=paged.next_page_token)
+    )
+    assert [c.step for c in [*paged.checkpoints, *rest.checkpoints]] == [4, 2] and not rest.next_page_token
+
+
+# ---- rate limits --------------------------------------------------------------------------------
+
+
+async def test_each_org_has_a_token_bucket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_GATEWAY_RATE_BURST", "3")
+    monkeypatch.setenv("TANDEM_GATEWAY_RATE_PER_S", "0.5")
+    async with running_mesh(mesh_settings(tmp_path)) as mesh:
+        admin_key = (tmp_path / ADMIN_KEY_FILE).read_text().strip()
+        async with open_channel(mesh.address("gateway"), mesh.settings, token=admin_key) as channel:
+            admin = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+            acme = (await admin.CreateOrg(pb.CreateOrgRequest(org_id="acme"))).key
+            globex = (await admin.CreateOrg(pb.CreateOrgRequest(org_id="globex"))).key
+        async with (
+            open_channel(mesh.address("gateway"), mesh.settings, token=acme) as a,
+            open_channel(mesh.address("gateway"), mesh.settings, token=globex) as g,
+        ):
+            stub = gateway_service_pb2_grpc.GatewayServiceStub(a)
+            for _ in range(3):
+                await stub.GetOrg(pb.GetOrgRequest())
+            error = await fails(
+                stub.GetOrg(pb.GetOrgRequest()), grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED"
+            )
+            assert error.retry_after_s is not None and 0 < error.retry_after_s <= 2.0
+            # Another organization's bucket is its own.
+            await gateway_service_pb2_grpc.GatewayServiceStub(g).GetOrg(pb.GetOrgRequest())
