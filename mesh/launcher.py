@@ -16,6 +16,8 @@ from mesh.observability import configure_logging
 from mesh.server import RunningService, serve
 from mesh.settings import Settings
 
+ADMIN_KEY_FILE = "admin.key"  # written by the gateway on first start (gateway.orgs)
+
 # Start order: a service's peers come up before it (the gateway fronts all of them, so it is last).
 MESH_SERVICES = ("events", "vault", "taskapp_proxy", "scheduler", "gateway")
 
@@ -26,6 +28,9 @@ def print_addresses(out: TextIO) -> Callable[[list[RunningService]], None]:
         out.write("Tandem is up. Services (gRPC, health and reflection on each):\n")
         for service in running:
             out.write(f"  {service.name:<{width}}  {service.address}\n")
+        admin = running[0].deps.settings.state_dir / ADMIN_KEY_FILE
+        if any(s.name == "gateway" for s in running) and admin.exists():
+            out.write(f"Admin credential (for CreateOrg): {admin.resolve()}\n")
         out.write("Press Ctrl-C to stop.\n")
         out.flush()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import io
 import re
 import sqlite3
 import stat
@@ -26,11 +27,16 @@ from tandem.gateway.v1 import gateway_service_pb2_grpc, org_pb2
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from tandem.taskapp.v1 import task_app_pb2
 
-from gateway.orgs import ADMIN_KEY_FILE
+from gateway import orgs as orgs_module
+from gateway.orgs import ADMIN_KEY_FILE, Orgs
+from gateway.store import MIGRATIONS
 from mesh.clients import open_channel
+from mesh.errors import AlreadyExists, Unauthenticated
 from mesh.identity import TokenSigner, load_signing_key
+from mesh.launcher import print_addresses
 from mesh.secrets import seal_for_upload
 from mesh.status import RpcError
+from mesh.store import open_database
 from tandem_taskapp import create_app
 from tandem_taskapp.testing import serve_in_thread
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
@@ -107,7 +113,7 @@ async def test_create_org_returns_a_key_once_and_stores_only_its_hash(world: Wor
         rows = conn.execute("SELECT * FROM gateway_api_keys").fetchall()
         dumped = repr(rows) + repr(conn.execute("SELECT * FROM gateway_requests").fetchall())
     assert len(rows) == 3 and created.key not in dumped and world.acme_key not in dumped
-    assert created.key.split("_")[2] not in dumped
+    assert created.key.split("_", 2)[2] not in dumped
 
 
 async def test_create_org_needs_the_admin_credential(world: World) -> None:
@@ -521,3 +527,38 @@ async def test_each_org_has_a_token_bucket(tmp_path: Path, monkeypatch: pytest.M
             assert error.retry_after_s is not None and 0 < error.retry_after_s <= 2.0
             # Another organization's bucket is its own.
             await gateway_service_pb2_grpc.GatewayServiceStub(g).GetOrg(pb.GetOrgRequest())
+
+
+async def test_tandem_up_prints_where_the_admin_credential_is(world: World) -> None:
+    out = io.StringIO()
+    print_addresses(out)(list(world.mesh.services.values()))
+    path = (world.mesh.settings.state_dir / ADMIN_KEY_FILE).resolve()
+    assert f"Admin credential (for CreateOrg): {path}" in out.getvalue()
+    assert path.read_text().strip() not in out.getvalue()
+
+
+# ---- the store, on both databases ---------------------------------------------------------------
+
+
+async def test_orgs_and_keys_on_both_stores(store_url: str) -> None:
+    db = await open_database(store_url, "gateway", MIGRATIONS)
+    try:
+        orgs = Orgs(db, "tdm_admin_secret")
+        assert orgs_module.is_admin(await orgs.authenticate("tdm_admin_secret"))
+        assert await orgs.authenticate("tdm1-or-anything-else") is None
+        org, key, plaintext = await orgs.create_org("acme", "Acme", "admin")
+        principal = await orgs.authenticate(plaintext)
+        assert principal is not None and (principal.org, principal.subject) == (org.org, key.name)
+        with pytest.raises(AlreadyExists):
+            await orgs.create_org("acme", "", "admin")
+        second, _ = await orgs.create_key("acme", "ci", key.name, ttl_s=3600)
+        page, token = await orgs.list_keys("acme", 1, "", show_inactive=False)
+        rest, end = await orgs.list_keys("acme", 1, token, show_inactive=False)
+        assert [k.key_id for k in [*page, *rest]] == [second.key_id, key.key_id] and not end
+        await orgs.revoke_key("acme", key.key_id)
+        with pytest.raises(Unauthenticated):
+            await orgs.authenticate(plaintext)
+        rows = await db.fetchall("SELECT * FROM gateway_api_keys")
+        assert plaintext not in repr(rows) and orgs_module.digest(plaintext) in repr(rows)
+    finally:
+        await db.close()
