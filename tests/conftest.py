@@ -1,5 +1,6 @@
-"""Shared fixtures. PostgreSQL tests start a real server once per session; in CI (CI=true) a missing
-server is an error, never a skip, so the scale-out store cannot silently go untested."""
+"""Shared fixtures. PostgreSQL and Slurm tests start a real server (a real one-node or two-node Slurm cluster,
+tests/support/slurm.py) once per session; in CI (CI=true) a missing one is an error, never a skip, so the
+scale-out store and the Slurm backend cannot silently go untested."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from pathlib import Path
 import pytest
 
 from tests.support import postgres
+from tests.support.slurm import slurm_cluster, slurm_two_nodes
+
+# Session fixtures registered here once: a module importing them itself would start its own cluster.
+__all__ = ["slurm_cluster", "slurm_two_nodes"]
 
 
 def _gpu_present() -> bool:

@@ -11,8 +11,9 @@ What it sets up is what a plain machine needs (no systemd, no cgroups, no accoun
   `slurmctld` and the `slurmd`s run as root daemons; the fixture waits until `sinfo` shows every node idle.
 
 `running_cluster()` stops the daemons on exit. `slurm_cluster` (one node) and `slurm_two_nodes` are the
-session-scoped pytest fixtures around it (import it into a test module or conftest): where Slurm is not
-installed it skips, except under CI (the env var CI set), where it fails, as for PostgreSQL.
+session-scoped pytest fixtures around it, registered in tests/conftest.py (a test module that imports them
+itself gets clusters of its own): where Slurm is not installed they skip, except under CI (the env var CI
+set), where they fail, as for PostgreSQL.
 """
 
 from __future__ import annotations

@@ -34,9 +34,7 @@ from services.scheduler.backends.base import (
 )
 from services.scheduler.backends.local import LocalBackend
 from services.scheduler.backends.slurm import SlurmBackend, nice_for, observe
-from tests.support.slurm import SlurmCluster, slurm_cluster, slurm_two_nodes
-
-__all__ = ["slurm_cluster", "slurm_two_nodes"]  # the session fixtures, imported so pytest finds them
+from tests.support.slurm import SlurmCluster  # its fixtures are registered in tests/conftest.py
 
 WAIT_S = 60.0  # a bound so a broken backend fails the test instead of hanging it; never a timing claim
 
