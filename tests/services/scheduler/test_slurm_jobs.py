@@ -13,11 +13,10 @@ from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from mesh.identity import TokenSigner, load_signing_key
 from tests.services.scheduler.test_scheduler import TERMINAL, Clients, command, create, log_text, wait_for
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
-from tests.support.slurm import SlurmCluster, slurm_cluster
+from tests.support.slurm import SlurmCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[3]
-__all__ = ["slurm_cluster"]  # the session fixture
 SLURM = job_spec_pb2.BACKEND_SLURM
 
 
