@@ -25,8 +25,8 @@ What one attempt becomes (details and the reasons in `services/scheduler/KUBERNE
   only) and starts through `services.scheduler.backends.task_secrets`, which opens them from the vault in
   the pod. No value is ever written into a pod spec or a Kubernetes Secret.
 
-`cancel` fails the Job (a JSON Patch: a `tandem.dev/cancelled` annotation and a one-second deadline) and
-deletes its pods with the grace period; the Job stays, Failed, so polls read the end (EXITED, 143) until
+`cancel` marks the Job (a `tandem.dev/cancelled` annotation), deletes its pods with the grace period and
+puts the Job past a one-second deadline; the Job stays, Failed, so polls read the end (EXITED, 143) until
 its TTL removes it.
 
 `logs()` returns `<log_dir>/rank-<r>.log`, a file this backend refreshes from the pods' logs through the
@@ -464,8 +464,8 @@ class KubernetesBackend:
         return observed
 
     async def cancel(self, handle: Handle, grace_s: float = 10.0) -> None:
-        """Mark the Job cancelled and past its deadline, so the Job controller fails it and creates no
-        pods, then delete its pods with `grace_s` (SIGTERM now, SIGKILL after the grace). The Job stays,
+        """Mark the Job cancelled, delete its pods with `grace_s` (SIGTERM now, SIGKILL after the grace),
+        then put it past its deadline, so the Job controller fails it and creates no pods. The Job stays,
         Failed, so `poll` reports the end (EXITED, 143 unless a container said otherwise) until its
         ttlSecondsAfterFinished removes it with its Service. A suspended (never started) Job has no pods
         and no deadline clock: it is deleted in the foreground instead."""
@@ -485,25 +485,33 @@ class KubernetesBackend:
                     self._batch.delete_namespaced_job, name, namespace, body=options, missing_ok=True
                 )
             return
-        if job is not None and not _condition(job, "Complete") and not _condition(job, "Failed"):
-            # A JSON Patch (a list body): every client version sends it as application/json-patch+json.
-            # The Jobs this backend creates always carry annotations, so the path's parent exists.
-            patch = [
-                {
-                    "op": "add",
-                    "path": f"/metadata/annotations/{_pointer(ANNOTATION_CANCELLED)}",
-                    "value": str(grace),
-                },
-                {"op": "add", "path": "/spec/activeDeadlineSeconds", "value": 1},
-            ]
-            with contextlib.suppress(_Missing):
-                await self._call(self._batch.patch_namespaced_job, name, namespace, patch, missing_ok=True)
+        running = job is not None and not _condition(job, "Complete") and not _condition(job, "Failed")
+        # JSON Patches (list bodies): every client version sends them as application/json-patch+json. The
+        # Jobs this backend creates always carry annotations, so the first path's parent exists.
+        mark = [
+            {
+                "op": "add",
+                "path": f"/metadata/annotations/{_pointer(ANNOTATION_CANCELLED)}",
+                "value": str(grace),
+            }
+        ]
+        deadline = [{"op": "add", "path": "/spec/activeDeadlineSeconds", "value": 1}]
+        if running:  # first, so that however the Job ends from here, it reads as cancelled
+            await self._patch_job(name, namespace, mark)
+        # Our own deletion first: the Job controller, once past the deadline, would stop the pods with their
+        # terminationGracePeriodSeconds rather than this call's grace.
         await self._call(
             self._core.delete_collection_namespaced_pod,
             namespace,
             label_selector=self._selector(str(handle["key"])),
             grace_period_seconds=grace,
         )
+        if running:  # a deleted pod counts as failed (backoffLimit 0); the deadline makes sure of the end
+            await self._patch_job(name, namespace, deadline)
+
+    async def _patch_job(self, name: str, namespace: str, patch: list[Json]) -> None:
+        with contextlib.suppress(_Missing):
+            await self._call(self._batch.patch_namespaced_job, name, namespace, patch, missing_ok=True)
 
     def logs(self, handle: Handle, node_rank: int = 0) -> Path | None:
         log_dir = handle.get("log_dir")

@@ -338,11 +338,9 @@ async def test_cancel_fails_the_job_and_stops_its_pods_with_the_grace(
     handle = await backend.launch(spec(tmp_path, num_nodes=2))
     kube_api.start_job(NS, handle["job"])
     await backend.cancel(handle, grace_s=7)
-    patch = [
-        {"op": "add", "path": "/metadata/annotations/tandem.dev~1cancelled", "value": "7"},
-        {"op": "add", "path": "/spec/activeDeadlineSeconds", "value": 1},
-    ]
-    assert kube_api.patches == [("jobs", handle["job"], patch)]
+    mark = [{"op": "add", "path": "/metadata/annotations/tandem.dev~1cancelled", "value": "7"}]
+    deadline = [{"op": "add", "path": "/spec/activeDeadlineSeconds", "value": 1}]
+    assert kube_api.patches == [("jobs", handle["job"], mark), ("jobs", handle["job"], deadline)]
     assert kube_api.job(NS, handle["job"])["metadata"]["annotations"]["tandem.dev/cancelled"] == "7"
     stopped = [options for plural, _, options in kube_api.deletions if plural == "pods"]
     assert len(stopped) == 2 and all(options["gracePeriodSeconds"] == 7 for options in stopped)
@@ -350,7 +348,7 @@ async def test_cancel_fails_the_job_and_stops_its_pods_with_the_grace(
     observed = await backend.poll(handle)  # the Job stays, Failed, so the end is visible
     assert (observed.phase, observed.exit_code, observed.message) == (Phase.EXITED, 143, "cancelled")
     await backend.cancel(handle, grace_s=7)  # idempotent
-    assert len(kube_api.patches) == 1 and (await backend.poll(handle)).exit_code == 143
+    assert len(kube_api.patches) == 2 and (await backend.poll(handle)).exit_code == 143
 
 
 async def test_cancel_of_a_suspended_job_deletes_it(
