@@ -113,6 +113,25 @@ async def test_sigkill_during_a_submission_storm_loses_and_duplicates_nothing(
     client, env = target
     starts = tmp_path / "starts"
     starts.mkdir()
+    try:
+        await storm_kill_and_check(client, env, starts, tmp_path)
+    finally:
+        kill_tasks_under(tmp_path)  # a failed check must not leave the storm's tasks running
+
+
+def kill_tasks_under(folder: Path) -> None:
+    """SIGKILL every process whose command line names `folder` (the tasks this test's jobs started)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if str(folder) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
+
+
+async def storm_kill_and_check(client: Target, env: dict[str, str], starts: Path, tmp_path: Path) -> None:
     requests = [request(n, starts) for n in range(JOBS)]
     log = tmp_path / "scheduler.log"
     with scheduler_process(env, log) as first:
