@@ -34,6 +34,7 @@ from services.scheduler.backends.base import (
 )
 from services.scheduler.backends.local import LocalBackend
 from services.scheduler.backends.slurm import SlurmBackend, nice_for, observe
+from tests.support.kube_api import make_backend, running_kube_api
 from tests.support.slurm import SlurmCluster  # its fixtures are registered in tests/conftest.py
 
 WAIT_S = 60.0  # a bound so a broken backend fails the test instead of hanging it; never a timing claim
@@ -98,11 +99,18 @@ def _slurm_two_nodes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator
     return _slurm(request, tmp_path, "slurm_two_nodes")
 
 
-FACTORIES = {"local": _local, "slurm": _slurm}
+def _kubernetes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
+    """The Kubernetes backend against the stand-in API server, which runs each pod's command as a local
+    process (tests/support/kube_api.py); requeue has no stand-in and is skipped."""
+    with running_kube_api(run_pods=True) as api:
+        yield Case("kubernetes", make_backend(api), lambda: make_backend(api), tmp_path / "logs")
+
+
+FACTORIES = {"local": _local, "slurm": _slurm, "kubernetes": _kubernetes}
 MULTI_NODE = {"local": _local, "slurm": _slurm_two_nodes}
 
 
-@pytest.fixture(params=["local", pytest.param("slurm", marks=pytest.mark.slow)])
+@pytest.fixture(params=["local", pytest.param("slurm", marks=pytest.mark.slow), "kubernetes"])
 async def case(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     async for c in _serve(FACTORIES[request.param], request, tmp_path):
         yield c
