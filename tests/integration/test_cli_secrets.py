@@ -1,5 +1,6 @@
-"""`tandem secrets put|list` against a running `tandem up`: the value comes from standard input, is sealed
-on the client, and appears nowhere in the output, the databases or the logs."""
+"""`tandem secrets put|list` against a running `tandem up`, through its gateway with an organization API key:
+the value comes from standard input, is sealed on the client, and appears nowhere in the output, the databases
+or the logs."""
 
 from __future__ import annotations
 
@@ -34,9 +35,11 @@ def test_put_and_list_secrets_from_the_cli(tmp_path: Path) -> None:
     state = tmp_path / "state"
     with tandem_up(state) as (proc, ports):
         env, _ = mesh_env(state)
-        for name, port in ports.items():
-            env[f"TANDEM_PORTS__{name.upper()}"] = str(port)
-        put = tandem(["secrets", "put", "env-key", "--org", "acme", "--json"], env, stdin=VALUE + "\n")
+        env["TANDEM_GATEWAY"] = f"127.0.0.1:{ports['gateway']}"
+        org = tandem(["orgs", "create", "acme", "--state-dir", str(state), "--json"], env)
+        assert org.returncode == 0, org.stderr
+        env["TANDEM_API_KEY"] = json.loads(org.stdout)["key"]
+        put = tandem(["secrets", "put", "env-key", "--json"], env, stdin=VALUE + "\n")
         assert put.returncode == 0, put.stderr
         created = json.loads(put.stdout)
         assert (created["secret"], created["version"], created["result"]) == (
@@ -44,14 +47,14 @@ def test_put_and_list_secrets_from_the_cli(tmp_path: Path) -> None:
             1,
             "created",
         )
-        again = tandem(["secrets", "put", "env-key", "--org", "acme"], env, stdin=VALUE)
+        again = tandem(["secrets", "put", "env-key"], env, stdin=VALUE)
         assert "updated orgs/acme/secrets/env-key version 2" in again.stdout
         assert json.loads(put.stdout)["fingerprint"] in again.stdout  # same value, same fingerprint
-        listed = tandem(["secrets", "list", "--org", "acme", "--json"], env)
+        listed = tandem(["secrets", "list", "--json"], env)
         assert json.loads(listed.stdout)[0]["versions"] == 2
-        bad = tandem(["secrets", "put", "Bad Name", "--org", "acme"], env, stdin=VALUE)
+        bad = tandem(["secrets", "put", "Bad Name"], env, stdin=VALUE)
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "Traceback" not in bad.stderr
-        empty = tandem(["secrets", "put", "env-key", "--org", "acme"], env, stdin="")
+        empty = tandem(["secrets", "put", "env-key"], env, stdin="")
         assert empty.returncode != 0 and "empty" in empty.stderr
         code, out = stop(proc, signal.SIGINT)
     assert code == 0

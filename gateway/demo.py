@@ -1,0 +1,219 @@
+"""`tandem demo`: the whole flow of a Tandem user on this machine, through the public API only.
+
+It starts the mesh in this process (every service on free loopback ports, state in a fresh folder), then
+does what a user does with the SDK against its gateway: creates an organization with the deployment's
+admin key, seals and uploads the Task App's environment key, submits the online-RL job of
+`examples/jobs/demo.toml` (the single-turn "copy the letter" task), follows its progress live until it
+ends, lists its checkpoints, asks the newest one a held-out prompt and prints where the reward plot is. A
+step the deployment cannot do yet is reported as such, with the gateway's reason, and the demo goes on
+where it can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import re
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from tandem.scheduler.v1 import job_pb2
+from tandem.trainer.v1 import checkpoint_pb2
+
+from mesh.launcher import MESH_SERVICES
+from mesh.observability import configure_logging
+from mesh.server import RunningService, serve
+from mesh.settings import Ports, Settings
+from mesh.status import RpcError
+from tandem_client import AsyncClient, Cursor
+
+ORG = "demo"
+JOB_ID = "demo"
+APP_ID = "single-turn"
+KEY_SECRET = "single-turn-key"  # noqa: S105 - the secret's id, not a value
+HELD_OUT_SEED = 10_000_001  # the config trains on seeds 0..9999
+JOB_TIMEOUT_S = 3600.0
+SUCCEEDED = job_pb2.Job.STATE_SUCCEEDED
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def unsupported(what: str, error: RpcError) -> None:
+    say(
+        f"  not available on this deployment yet: {what} ({error.reason or error.code.name}: {error.message})"
+    )
+
+
+@contextlib.asynccontextmanager
+async def local_mesh(settings: Settings) -> AsyncIterator[dict[str, str]]:
+    """Every service in this event loop; yields their addresses."""
+    ready: asyncio.Future[list[RunningService]] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(MESH_SERVICES, settings, on_ready=ready.set_result, stop_event=stop))
+    waiting: list[asyncio.Future[Any]] = [task, ready]
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()  # startup failed: raise its error
+    try:
+        yield {service.name: service.address for service in ready.result()}
+    finally:
+        stop.set()
+        await task
+
+
+def demo_config(path: Path, *, steps: int, model_dir: Path) -> str:
+    """The config with the demo organization's Task App and an absolute model folder (the trainer runs in
+    its own working folder under the scheduler)."""
+    text = path.read_text()
+    replacements = {
+        r"^name = \"orgs/[a-z0-9-]+/taskApps/": f'name = "orgs/{ORG}/taskApps/',
+        r"^dir = .*$": f'dir = "{model_dir}"',
+    }
+    if steps:
+        replacements[r"^steps = .*$"] = f"steps = {steps}"
+    for pattern, value in replacements.items():
+        text = re.sub(pattern, value, text, count=1, flags=re.MULTILINE)
+    return text
+
+
+def held_out_prompt() -> str:
+    """The prompt the example Task App would show for a seed outside the training range."""
+    from importlib import util  # noqa: PLC0415
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "taskapps" / "single_turn.py"
+    spec = util.spec_from_file_location("single_turn_example", script)
+    if spec is None or spec.loader is None:
+        return "Copy this letter: C"
+    module = util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    prompt: str = module.task_info(HELD_OUT_SEED)["instance"]["prompt"]
+    return prompt
+
+
+async def run_demo(args: argparse.Namespace) -> int:
+    root = Path(args.state_dir) if args.state_dir else Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    state_dir = root.resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    settings = Settings(
+        state_dir=state_dir, ports=Ports(gateway=0, vault=0, scheduler=0, taskapp_proxy=0, events=0)
+    )
+    configure_logging(settings.log_level, settings.log_format, stream=(state_dir / "tandem.log").open("a"))
+
+    say(f"1. Starting the Tandem mesh in this process (state and logs in {state_dir}) ...")
+    async with local_mesh(settings) as addresses:
+        gateway = addresses["gateway"]
+        say(
+            f"   gateway at {gateway}; the other services behind it: "
+            + ", ".join(f"{k} {v}" for k, v in addresses.items() if k != "gateway")
+        )
+        say(f"2. Creating the organization `{ORG}` with the deployment's admin key ...")
+        admin = (state_dir / "admin.key").read_text().strip()
+        async with AsyncClient(gateway, api_key="") as anonymous:
+            created = await anonymous.create_org(ORG, admin_credential=admin, display_name="Tandem demo")
+        say(f"   {created.org.name}, first API key {created.api_key.key_prefix}... (kept in memory only)")
+        async with AsyncClient(gateway, api_key=created.key, org=ORG) as client:
+            job_name = await _start(client, args, gateway)
+            cursor = await _follow(client, job_name)
+            checkpoints = await _checkpoints(client, job_name)
+            await _infer(client, job_name)
+            _plot(state_dir, checkpoints)
+    return 0 if cursor.terminal_state == SUCCEEDED else 1
+
+
+async def _start(client: AsyncClient, args: argparse.Namespace, gateway: str) -> str:
+    from gateway.progress import job_state  # noqa: PLC0415
+
+    say(f"3. Sealing the Task App's environment key on this machine and uploading it as `{KEY_SECRET}` ...")
+    env_key = secrets.token_urlsafe(24)
+    stored = await client.put_secret(KEY_SECRET, env_key)
+    del env_key
+    say(f"   {stored.secret.name} version {stored.version.version}, fingerprint {stored.version.fingerprint}")
+
+    config_path = Path(args.config)
+    model_dir = (Path("runs") / "demo-model").resolve()
+    config = demo_config(config_path, steps=args.steps, model_dir=model_dir)
+    say(f"4. Starting the online RL job from {config_path} (Task App: the example single-turn app) ...")
+    job = await client.create_job(rl_config_toml=config, job_id=JOB_ID)
+    say(f"   {job.name} is {job_state(job.state)}; the same view from another terminal:")
+    say(f"   TANDEM_GATEWAY={gateway} TANDEM_API_KEY=... tandem events watch {JOB_ID}")
+    return job.name
+
+
+async def _follow(client: AsyncClient, job_name: str) -> Cursor:
+    from gateway.progress import ProgressView, job_state, total_steps  # noqa: PLC0415
+
+    say("5. Live progress:")
+    cursor = Cursor()
+    view = ProgressView(sys.stdout, tty=sys.stdout.isatty())
+    view.total = total_steps(await client.get_job(job_name))
+    steps_seen = 0
+    try:
+        async with asyncio.timeout(JOB_TIMEOUT_S):
+            async for event in client.watch_events(job_name, cursor=cursor):
+                steps_seen += event.WhichOneof("core") == "train_step"
+                view.show(event)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        view.finish()
+        say(f"   interrupted; cancelling {job_name} ...")
+        with contextlib.suppress(RpcError):
+            await client.cancel_job(job_name, reason="tandem demo interrupted")
+        raise
+    view.finish()
+    say(f"   {job_name} ended {job_state(cursor.terminal_state)}")
+    if not steps_seen:
+        say(
+            "   (no training step reached the job's event stream: under the scheduler the trainer still"
+            " publishes its progress to the services it starts for itself)"
+        )
+    final = await client.get_job(job_name)
+    if final.failure.message:
+        say(f"   failure: {final.failure.message}")
+    return cursor
+
+
+async def _checkpoints(client: AsyncClient, job_name: str) -> list[checkpoint_pb2.Checkpoint]:
+    say("6. Checkpoints:")
+    checkpoints: list[checkpoint_pb2.Checkpoint] = []
+    try:
+        checkpoints = await client.list_checkpoints(job_name)
+    except RpcError as error:
+        unsupported("listing checkpoints", error)
+    for checkpoint in checkpoints:
+        reward = checkpoint.metrics.get("reward/mean")
+        say(
+            f"   {checkpoint.name.rsplit('/', 1)[-1]}  step {checkpoint.step}"
+            + (f"  reward {reward:.3f}" if reward is not None else "")
+            + f"  {checkpoint.uri}"
+        )
+    if not checkpoints:
+        say("   none listed by the gateway")
+    return checkpoints
+
+
+async def _infer(client: AsyncClient, job_name: str) -> None:
+    prompt = held_out_prompt()
+    say(f"7. Asking the newest checkpoint a held-out prompt: {prompt!r}")
+    try:
+        answer = await client.infer(job_name, messages=[("user", prompt)], max_tokens=1, temperature=0.0)
+        say(f"   answer: {answer.text!r} (from {answer.model})")
+    except RpcError as error:
+        unsupported("inference on a checkpoint", error)
+
+
+def _plot(state_dir: Path, checkpoints: list[checkpoint_pb2.Checkpoint]) -> None:
+    say("8. The reward plot:")
+    plots = [
+        Path(c.uri.removeprefix("file://")).parent / "reward.png"
+        for c in checkpoints[:1]
+        if c.uri.startswith("file://")
+    ]
+    plots += sorted(state_dir.glob("scheduler/jobs/*/trainer/output/checkpoints/reward.png"))
+    found = [p for p in plots if p.exists()]
+    say(f"   {found[0]}" if found else "   not written (the job wrote no checkpoint folder)")
