@@ -779,6 +779,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", default="examples/jobs/demo.toml", help="the online-RL config to run")
     p.add_argument("--steps", type=int, default=0, help="override [algorithm] steps (default: the config's)")
+    p.add_argument(
+        "--model-dir",
+        default="runs/demo-model",
+        help="the policy's folder, built from random initialisation when empty (default runs/demo-model)",
+    )
     p.set_defaults(func=_cmd_demo)
 
     _add_orgs(sub, gw)

@@ -16,13 +16,14 @@ import asyncio
 import contextlib
 import re
 import secrets
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from tandem.scheduler.v1 import job_pb2
+from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from tandem.trainer.v1 import checkpoint_pb2
 
 from mesh.launcher import MESH_SERVICES
@@ -38,6 +39,7 @@ APP_ID = "single-turn"
 KEY_SECRET = "single-turn-key"  # noqa: S105 - the secret's id, not a value
 HELD_OUT_SEED = 10_000_001  # the config trains on seeds 0..9999
 JOB_TIMEOUT_S = 3600.0
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SUCCEEDED = job_pb2.Job.STATE_SUCCEEDED
 
 
@@ -83,11 +85,43 @@ def demo_config(path: Path, *, steps: int, model_dir: Path) -> str:
     return text
 
 
+def demo_spec(config_toml: str) -> job_spec_pb2.JobSpec:
+    """The job group: the example Task App as an auxiliary service task the scheduler registers, and the
+    online-RL trainer."""
+    script = EXAMPLES / "taskapps" / "single_turn.py"
+    serve_app = f'exec "{sys.executable}" -m tandem_taskapp.serve "{script}" --port "$TANDEM_SERVICE_PORT"'
+    app = job_spec_pb2.TaskSpec(
+        name="task-app",
+        kind=job_spec_pb2.TaskSpec.KIND_SERVICE,
+        role=job_spec_pb2.TaskSpec.ROLE_AUXILIARY,
+        run=serve_app,
+        secrets=[job_spec_pb2.SecretBinding(secret=KEY_SECRET, env="ENVIRONMENT_API_KEY")],
+        service=job_spec_pb2.ServiceOptions(
+            port=_free_port(),
+            health_path="/health",
+            register_task_app=job_spec_pb2.TaskAppRegistration(app_id=APP_ID, api_key_secret=KEY_SECRET),
+        ),
+    )
+    trainer = job_spec_pb2.TaskSpec(
+        name="trainer",
+        kind=job_spec_pb2.TaskSpec.KIND_ONLINE_RL,
+        online_rl=job_spec_pb2.OnlineRlOptions(config_toml=config_toml),
+    )
+    return job_spec_pb2.JobSpec(display_name="tandem demo", tasks=[app, trainer])
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 def held_out_prompt() -> str:
     """The prompt the example Task App would show for a seed outside the training range."""
     from importlib import util  # noqa: PLC0415
 
-    script = Path(__file__).resolve().parents[1] / "examples" / "taskapps" / "single_turn.py"
+    script = EXAMPLES / "taskapps" / "single_turn.py"
     spec = util.spec_from_file_location("single_turn_example", script)
     if spec is None or spec.loader is None:
         return "Copy this letter: C"
@@ -137,10 +171,14 @@ async def _start(client: AsyncClient, args: argparse.Namespace, gateway: str) ->
     say(f"   {stored.secret.name} version {stored.version.version}, fingerprint {stored.version.fingerprint}")
 
     config_path = Path(args.config)
-    model_dir = (Path("runs") / "demo-model").resolve()
+    model_dir = Path.cwd() / args.model_dir  # absolute: the trainer runs in a folder of its own
     config = demo_config(config_path, steps=args.steps, model_dir=model_dir)
-    say(f"4. Starting the online RL job from {config_path} (Task App: the example single-turn app) ...")
-    job = await client.create_job(rl_config_toml=config, job_id=JOB_ID)
+    say(
+        f"4. Starting the online RL job from {config_path}, with the example single-turn Task App beside it as"
+        f" a managed Task App (the scheduler serves it with `{KEY_SECRET}` and registers it as"
+        f" orgs/{ORG}/taskApps/{APP_ID} once it is healthy) ..."
+    )
+    job = await client.create_job(spec=demo_spec(config), job_id=JOB_ID)
     say(f"   {job.name} is {job_state(job.state)}; the same view from another terminal:")
     say(f"   TANDEM_GATEWAY={gateway} TANDEM_API_KEY=... tandem events watch {JOB_ID}")
     return job.name
@@ -149,15 +187,17 @@ async def _start(client: AsyncClient, args: argparse.Namespace, gateway: str) ->
 async def _follow(client: AsyncClient, job_name: str) -> Cursor:
     from gateway.progress import ProgressView, job_state, total_steps  # noqa: PLC0415
 
-    say("5. Live progress:")
+    say("5. Live progress (the job's events, and the trainer's step lines from its log):")
     cursor = Cursor()
     view = ProgressView(sys.stdout, tty=sys.stdout.isatty())
     view.total = total_steps(await client.get_job(job_name))
-    steps_seen = 0
+    steps: list[int] = []
+    log = asyncio.create_task(_trainer_log(client, job_name, view, steps))
     try:
         async with asyncio.timeout(JOB_TIMEOUT_S):
             async for event in client.watch_events(job_name, cursor=cursor):
-                steps_seen += event.WhichOneof("core") == "train_step"
+                if event.WhichOneof("core") == "train_step":
+                    steps.append(event.train_step.step)
                 view.show(event)
     except (KeyboardInterrupt, asyncio.CancelledError):
         view.finish()
@@ -165,17 +205,41 @@ async def _follow(client: AsyncClient, job_name: str) -> Cursor:
         with contextlib.suppress(RpcError):
             await client.cancel_job(job_name, reason="tandem demo interrupted")
         raise
+    finally:
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, RpcError):
+            await asyncio.wait_for(log, 10)  # the rest of the log, up to its end
     view.finish()
     say(f"   {job_name} ended {job_state(cursor.terminal_state)}")
-    if not steps_seen:
+    if not steps:
         say(
-            "   (no training step reached the job's event stream: under the scheduler the trainer still"
-            " publishes its progress to the services it starts for itself)"
+            "   (no train.step event reached the job's event stream: under the scheduler the trainer still"
+            " publishes its events to the services it starts for itself, so the steps above come from its log)"
         )
     final = await client.get_job(job_name)
     if final.failure.message:
         say(f"   failure: {final.failure.message}")
     return cursor
+
+
+async def _trainer_log(client: AsyncClient, job_name: str, view: Any, steps: list[int]) -> None:
+    """Follow the trainer task's log through the gateway and show its step and summary lines while no
+    train.step event arrives; retried from the last offset until the log is complete."""
+    offset, pending = 0, b""
+    while True:
+        try:
+            async for piece in client.stream_job_logs(job_name, task="trainer", offset=offset, follow=True):
+                offset = piece.next_offset
+                lines = (pending + piece.data).split(b"\n")
+                pending = lines.pop()
+                for raw in lines:
+                    line = raw.decode(errors="replace").strip()
+                    if not steps and line.startswith(("step ", "done:")):
+                        view.note(f"   trainer | {line}")
+                if piece.end_of_log:
+                    return
+        except RpcError:
+            pass  # the task has no log yet, or the stream dropped: ask again from the offset reached
+        await asyncio.sleep(0.5)
 
 
 async def _checkpoints(client: AsyncClient, job_name: str) -> list[checkpoint_pb2.Checkpoint]:
@@ -193,7 +257,10 @@ async def _checkpoints(client: AsyncClient, job_name: str) -> list[checkpoint_pb
             + f"  {checkpoint.uri}"
         )
     if not checkpoints:
-        say("   none listed by the gateway")
+        say(
+            "   none listed by the gateway: it lists a job's checkpoint.saved events, which the trainer under"
+            " the scheduler does not publish to this mesh yet (its folders are beside the reward plot below)"
+        )
     return checkpoints
 
 

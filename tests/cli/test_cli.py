@@ -285,3 +285,25 @@ async def test_events_watch_resumes_across_a_gateway_restart_and_ctrl_c(tmp_path
         assert code == 0, err
         assert [json.loads(line)["seq"] for line in out.splitlines()] == ["7", "8"]
         await channel.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_the_demo_runs_end_to_end(tmp_path: Path) -> None:
+    state = tmp_path / "demo"
+    process = await Cli("unused:1", state).start(
+        "demo", "--steps", "2", "--state-dir", str(state), "--model-dir", str(tmp_path / "model")
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 580)
+    text = out.decode()
+    assert process.returncode == 0, text + err.decode()
+    assert "Traceback" not in text + err.decode()
+    for fragment in (
+        "orgs/demo, first API key tdm_",
+        "orgs/demo/secrets/single-turn-key version 1",
+        "task task-app RUNNING",
+        "trainer | step     2",
+        "orgs/demo/jobs/demo ended SUCCEEDED",
+        "reward.png",
+    ):
+        assert fragment in text, text
