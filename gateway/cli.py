@@ -456,28 +456,27 @@ async def _checkpoints(args: argparse.Namespace) -> int:
 
 
 async def _infer(args: argparse.Namespace) -> int:
+    def waiting(error: RpcError) -> None:
+        print(f"waiting for an inference worker to load the checkpoint ({error.message})", file=sys.stderr)
+
     async with _client(args) as client:
-        name = await client.job_name(args.job)
-        model = f"{name}/checkpoints/{args.checkpoint}"
-        deadline = asyncio.get_running_loop().time() + args.wait
-        while True:
-            try:
-                reply = await client.infer(
-                    model, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature
-                )
-                break
-            except RpcError as error:
-                # The gateway starts a worker for the checkpoint on first use and says when to ask again.
-                retry = error.retry_after_s
-                if error.reason != "DEPENDENCY_UNAVAILABLE" or retry is None:
-                    raise
-                if asyncio.get_running_loop().time() + retry > deadline:
-                    raise CliError(
-                        f"no inference worker served {model} within {args.wait:g} s: {error.message}",
-                        "retry later, or wait longer with --wait SECONDS",
-                    ) from None
-                print(f"waiting for a worker to load {model} ...", file=sys.stderr, flush=True)
-                await asyncio.sleep(retry)
+        model = f"{await client.job_name(args.job)}/checkpoints/{args.checkpoint}"
+        try:
+            reply = await client.infer(
+                model,
+                args.prompt,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                wait_s=args.wait,
+                on_wait=waiting,
+            )
+        except RpcError as error:
+            if error.reason != "DEPENDENCY_UNAVAILABLE":
+                raise
+            raise CliError(
+                f"no inference worker served {model} within {args.wait:g} s: {error.message}",
+                "retry later, or wait longer with --wait SECONDS",
+            ) from None
     if args.json:
         _print_json(_dict(reply))
     else:

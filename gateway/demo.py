@@ -39,6 +39,7 @@ APP_ID = "single-turn"
 KEY_SECRET = "single-turn-key"  # noqa: S105 - the secret's id, not a value
 HELD_OUT_SEED = 10_000_001  # the config trains on seeds 0..9999
 JOB_TIMEOUT_S = 3600.0
+INFER_WAIT_S = 300.0
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SUCCEEDED = job_pb2.Job.STATE_SUCCEEDED
 
@@ -268,7 +269,14 @@ async def _infer(client: AsyncClient, job_name: str) -> None:
     prompt = held_out_prompt()
     say(f"7. Asking the newest checkpoint a held-out prompt: {prompt!r}")
     try:
-        answer = await client.infer(job_name, messages=[("user", prompt)], max_tokens=1, temperature=0.0)
+        answer = await client.infer(
+            job_name,
+            messages=[("user", prompt)],
+            max_tokens=1,
+            temperature=0.0,
+            wait_s=INFER_WAIT_S,
+            on_wait=lambda _: say("   waiting for an inference worker to load the checkpoint ..."),
+        )
         say(f"   answer: {answer.text!r} (from {answer.model})")
     except RpcError as error:
         unsupported("inference on a checkpoint", error)

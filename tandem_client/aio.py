@@ -14,7 +14,9 @@ means `orgs/<your org>/jobs/run-1`, the organization being the one the API key b
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -44,6 +46,7 @@ CHECK_DEADLINE_S = 120.0
 # Infer may wait for an inference worker to load the checkpoint on first use.
 INFER_DEADLINE_S = 120.0
 STALE_KEY_ID = "STALE_KEY_ID"
+DEPENDENCY_UNAVAILABLE = "DEPENDENCY_UNAVAILABLE"
 
 T = TypeVar("T")
 
@@ -485,11 +488,15 @@ class AsyncClient:
         temperature: float | None = None,
         max_tokens: int = 0,
         seed: int | None = None,
+        wait_s: float = 0.0,
+        on_wait: Callable[[RpcError], None] | None = None,
         deadline_s: float = INFER_DEADLINE_S,
     ) -> pb.InferResponse:
         """One completion from a checkpoint: `model` is a checkpoint name, or a job (id or name), meaning
         its newest checkpoint (`.../checkpoints/latest`). Give a plain `prompt` or chat `messages` as
-        (role, content) pairs."""
+        (role, content) pairs. The gateway starts an inference worker for a checkpoint on first use and
+        answers UNAVAILABLE / DEPENDENCY_UNAVAILABLE with a retry delay until it is loaded: with `wait_s`,
+        this waits that long at most, asking again when told (`on_wait(error)` hears of each wait)."""
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt and messages")
         name = await self.job_name(model)
@@ -507,7 +514,21 @@ class AsyncClient:
             request.messages.extend(
                 generation_pb2.ChatMessage(role=role, content=content) for role, content in messages or ()
             )
-        return await self._call("Infer", request, deadline_s)  # type: ignore[no-any-return]
+        give_up = time.monotonic() + wait_s
+        while True:
+            try:
+                return await self._call("Infer", request, deadline_s)  # type: ignore[no-any-return]
+            except RpcError as error:
+                delay = error.retry_after_s
+                if (
+                    error.reason != DEPENDENCY_UNAVAILABLE
+                    or delay is None
+                    or time.monotonic() + delay > give_up
+                ):
+                    raise
+                if on_wait is not None:
+                    on_wait(error)
+                await asyncio.sleep(delay)
 
 
 def checkpoint_name(job: str, checkpoint: str) -> str:

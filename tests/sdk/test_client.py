@@ -4,22 +4,28 @@ keys, sealed secret uploads, typed errors, and watching a job's events through t
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import importlib.util
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from tandem.events.v1 import event_pb2, events_service_pb2_grpc
 from tandem.events.v1 import events_service_pb2 as events_pb
-from tandem.scheduler.v1 import job_pb2
+from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 
 from mesh.clients import open_channel
 from mesh.identity import TokenSigner, load_signing_key
 from mesh.status import RpcError
 from tandem_client import AsyncClient, Client, Cursor
+from tandem_taskapp import create_app
+from tandem_taskapp.testing import serve_in_thread
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
 
 pytestmark = pytest.mark.timeout(90)
+ROOT = Path(__file__).resolve().parents[2]
+APP_KEY = "env-key-value-0123456789"
 
 
 @pytest.fixture
@@ -144,3 +150,58 @@ async def test_the_blocking_client_watches_events_through_the_gateway(mesh: Mesh
             )
         )
         assert await asyncio.wait_for(watcher, 30) == [2, 3, 4]
+
+
+@contextlib.contextmanager
+def example_app(key: str) -> Iterator[str]:
+    """The single-turn example Task App, which passes every check, on a loopback port."""
+    found = importlib.util.spec_from_file_location(
+        "single_turn", ROOT / "examples" / "taskapps" / "single_turn.py"
+    )
+    assert found is not None and found.loader is not None
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    with serve_in_thread(create_app(module.app, key)) as url:
+        yield url
+
+
+async def test_task_apps_jobs_checkpoints_and_infer(mesh: Mesh) -> None:
+    async with AsyncClient(mesh.address("gateway"), api_key=await new_org(mesh)) as client:
+        await client.put_secret("app-key", APP_KEY)
+        with example_app(APP_KEY) as url:
+            checked = await client.register_task_app("single-turn", url, secret="app-key", validate_only=True)
+            assert checked.check_results and all(r.passed for r in checked.check_results)
+            assert await client.list_task_apps() == []
+            registered = await client.register_task_app("single-turn", url, secret="app-key")
+            assert registered.task_app.name == "orgs/acme/taskApps/single-turn"
+            assert [a.name for a in await client.list_task_apps()] == [registered.task_app.name]
+            assert (await client.get_task_app("single-turn")).secret_name == "orgs/acme/secrets/app-key"
+            assert (await client.check_task_app("single-turn")).all_passed
+            await client.delete_task_app("single-turn")
+            assert await client.list_task_apps() == []
+
+        spec = job_spec_pb2.JobSpec(
+            display_name="sleeper",
+            tasks=[
+                job_spec_pb2.TaskSpec(name="main", kind=job_spec_pb2.TaskSpec.KIND_COMMAND, run="sleep 30")
+            ],
+        )
+        job = await client.create_job(spec=spec, job_id="sleeper")
+        assert job.name == "orgs/acme/jobs/sleeper"
+        assert [j.name for j in await client.list_jobs()] == [job.name]
+        assert (await client.get_job("sleeper")).name == job.name
+        cancelled = await client.cancel_job("sleeper", reason="test")
+        assert cancelled.state in (job_pb2.Job.STATE_CANCELLING, job_pb2.Job.STATE_CANCELLED)
+        states = [
+            e.job_state_changed.state
+            async for e in client.watch_events("sleeper")
+            if e.type == "job.state_changed"
+        ]
+        assert states[-1] == job_pb2.Job.STATE_CANCELLED
+        assert await client.list_checkpoints("sleeper") == []
+        assert [e.seq for e in await client.list_events("sleeper", limit=2)] == [1, 2]
+        with pytest.raises(RpcError) as no_checkpoint:
+            await client.infer("sleeper", "hello", wait_s=5)
+        assert no_checkpoint.value.reason == "CHECKPOINT_NOT_FOUND"
+        with pytest.raises(ValueError, match="exactly one"):
+            await client.create_job(job_id="x")
