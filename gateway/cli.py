@@ -404,6 +404,8 @@ async def _watch(client: AsyncClient, args: argparse.Namespace, job: str) -> int
             raise
 
     def reconnecting(error: RpcError | None, seq: int) -> None:
+        if error is not None and error.code == grpc.StatusCode.NOT_FOUND:
+            return  # the job is stored but has published no event yet
         why = f" ({error.reason or error.code.name})" if error is not None else ""
         print(f"connection lost{why}; resuming after seq {seq}", file=sys.stderr, flush=True)
 

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import grpc
 from google.protobuf import duration_pb2
 from tandem.events.v1 import event_pb2, metric_pb2
 from tandem.gateway.v1 import gateway_service_pb2 as pb
@@ -426,8 +427,21 @@ class AsyncClient:
             stream: AsyncIterator[Any] = self._stub.SubscribeEvents(request, timeout=None)
             return stream
 
+        async def log_pending() -> bool:
+            try:
+                await self.get_job(name)
+            except RpcError as error:
+                if error.code == grpc.StatusCode.NOT_FOUND:
+                    return False
+                raise
+            return True
+
         async for event in resume_events(
-            open_stream, position, reconnect_for_s=reconnect_for_s, on_reconnect=on_reconnect
+            open_stream,
+            position,
+            reconnect_for_s=reconnect_for_s,
+            on_reconnect=on_reconnect,
+            log_pending=log_pending,
         ):
             yield event
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,7 @@ class Cursor:
 
 OpenStream = Callable[[int], AsyncIterator[Any]]
 OnReconnect = Callable[[RpcError | None, int], None]
+LogPending = Callable[[], Awaitable[bool]]
 
 
 async def resume_events(
@@ -58,10 +59,14 @@ async def resume_events(
     *,
     reconnect_for_s: float = 300.0,
     on_reconnect: OnReconnect | None = None,
+    log_pending: LogPending | None = None,
 ) -> AsyncIterator[event_pb2.Event]:
     """Yield each event after `cursor.seq` exactly once, reopening the stream (`open_stream(after_seq)`)
     whenever it breaks with a transient status, for up to `reconnect_for_s` seconds without progress.
-    Ends after the stream's `end` message (the job is terminal and its last event was delivered)."""
+    Ends after the stream's `end` message (the job is terminal and its last event was delivered).
+
+    A job's log exists from its first event, which its creator publishes just after storing it; NOT_FOUND
+    before any event is retried like a dropped stream while `log_pending()` says the job itself exists."""
     backoff = FIRST_BACKOFF_S
     failing_since: float | None = None
     while True:
@@ -84,7 +89,13 @@ async def resume_events(
                 failing_since, backoff = None, FIRST_BACKOFF_S
             # The server closed the stream without an end (it is draining, or a proxy timed the call out).
         except RpcError as failure:
-            if failure.code not in TRANSIENT and failure.reason != RATE_LIMITED:
+            pending = (
+                failure.code == grpc.StatusCode.NOT_FOUND
+                and cursor.seq == 0
+                and log_pending is not None
+                and await log_pending()
+            )
+            if failure.code not in TRANSIENT and failure.reason != RATE_LIMITED and not pending:
                 raise
             error = failure
         now = time.monotonic()

@@ -18,6 +18,7 @@ from tandem.scheduler.v1 import job_pb2
 from mesh.clients import open_channel
 from mesh.identity import TokenSigner, load_signing_key
 from mesh.settings import Settings
+from mesh.status import RpcError
 from tandem_client.events import Cursor, resume_events
 from tests.support.mesh import mesh_settings, running_mesh
 
@@ -177,3 +178,54 @@ async def test_a_watch_from_a_cursor_skips_what_was_seen(tmp_path: Path) -> None
         await collect(open_stream, Cursor(seq=4), seen)
         await channel.close()
     assert [e.seq for e in seen] == [5, 6, 7]
+
+
+async def test_a_watch_waits_for_the_first_event_of_a_job_that_exists(tmp_path: Path) -> None:
+    settings = mesh_settings(tmp_path)
+    async with running_mesh(settings, services=["events"]) as mesh:
+        token = TokenSigner(load_signing_key("", settings.state_dir)).issue("service", "scheduler")
+        address = mesh.address("events")
+        channel, open_stream = subscriber(address, settings, token)
+        asked: list[bool] = []
+
+        async def exists() -> bool:
+            asked.append(True)
+            return True
+
+        seen: list[event_pb2.Event] = []
+        cursor = Cursor()
+
+        async def watch() -> None:
+            async for event in resume_events(open_stream, cursor, log_pending=exists):
+                seen.append(event)
+
+        watcher = asyncio.create_task(watch())
+        await wait_for(lambda: bool(asked))  # NOT_FOUND was answered: no event log yet
+        await publish(address, settings, token, "first", close=True)
+        await asyncio.wait_for(watcher, 30)
+
+        async def absent() -> bool:
+            return False
+
+        with pytest.raises(RpcError) as missing:
+            async for _ in resume_events(
+                lambda seq: open_stream_for(address, settings, token, "orgs/acme/jobs/nope", seq),
+                Cursor(),
+                log_pending=absent,
+            ):
+                pass
+        await channel.close()
+    assert [e.message for e in seen] == ["first", ""]
+    assert missing.value.reason == "JOB_NOT_FOUND"
+
+
+def open_stream_for(
+    address: str, settings: Settings, token: str, job: str, after_seq: int
+) -> AsyncIterator[Any]:
+    async def stream() -> AsyncIterator[Any]:
+        async with open_channel(address, settings, token=token) as channel:
+            stub: Any = events_service_pb2_grpc.EventServiceStub(channel)
+            async for reply in stub.Subscribe(pb.SubscribeRequest(job=job, after_seq=after_seq)):
+                yield reply
+
+    return stream()
