@@ -6,11 +6,13 @@ Ctrl-C without repeating or missing an event."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,8 @@ from gateway.cli import build_parser, main
 from mesh.clients import open_channel
 from mesh.identity import TokenSigner, load_signing_key
 from mesh.settings import Settings
+from tandem_taskapp import create_app
+from tandem_taskapp.testing import serve_in_thread
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
 
 pytestmark = pytest.mark.timeout(120)
@@ -307,3 +311,44 @@ async def test_the_demo_runs_end_to_end(tmp_path: Path) -> None:
         "reward.png",
     ):
         assert fragment in text, text
+
+
+async def test_task_apps_and_jobs_from_the_cli(cli: Cli, tmp_path: Path) -> None:
+    key = "env-key-value-0123456789"
+    code, _, err = await cli.run("secrets", "put", "app-key", stdin=key.encode())
+    assert code == 0, err
+    with example_app(key) as url:
+        code, out, err = await cli.run("taskapp", "register", "single-turn", url, "--secret", "app-key")
+        assert code == 0, err
+        assert f"registered orgs/acme/taskApps/single-turn at {url}" in out
+        assert "pass" in out and "FAIL" not in out
+        code, out, err = await cli.run("taskapp", "list", "--json")
+        assert code == 0, err
+        assert [app["name"] for app in json.loads(out)] == ["orgs/acme/taskApps/single-turn"]
+
+        config = (ROOT / "examples" / "jobs" / "demo.toml").read_text().replace("orgs/demo/", "orgs/acme/")
+        (tmp_path / "job.toml").write_text(config)
+        code, out, err = await cli.run("rl", "start", str(tmp_path / "job.toml"), "--validate-only", "--json")
+        assert code == 0, err
+        assert json.loads(out)["spec"]["tasks"][0]["kind"] == "KIND_ONLINE_RL"
+        code, out, err = await cli.run("rl", "list", "--json")
+        assert code == 0, err
+        assert json.loads(out) == []  # validate-only stored nothing
+    (tmp_path / "bad.toml").write_text("[algorithm]\nsteps = -1\n")
+    code, _, err = await cli.run("rl", "start", str(tmp_path / "bad.toml"))
+    assert_clean_error(code, err, "INVALID")
+    code, _, err = await cli.run("infer", "no-such-job", "hello")
+    assert_clean_error(code, err, "JOB_NOT_FOUND")
+
+
+@contextlib.contextmanager
+def example_app(key: str) -> Iterator[str]:
+    """The single-turn example Task App, which passes every check, on a loopback port."""
+    found = importlib.util.spec_from_file_location(
+        "single_turn", ROOT / "examples" / "taskapps" / "single_turn.py"
+    )
+    assert found is not None and found.loader is not None
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    with serve_in_thread(create_app(module.app, key)) as url:
+        yield url
