@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shlex
 import sys
 import time
@@ -64,6 +65,7 @@ JobSpec = job_spec_pb2.JobSpec
 TaskSpec = job_spec_pb2.TaskSpec
 PRODUCER_ID = "scheduler"
 MAX_MESSAGE = 4000
+HOST_BACKENDS = frozenset({"local", "slurm"})  # run tasks on the host's own files: no mounts elsewhere
 
 
 def _seconds(duration: duration_pb2.Duration) -> float:
@@ -1081,6 +1083,12 @@ class Engine:
     def log_dir(self, job: str, task: str) -> Path:
         return self.task_dir(job, task) / "logs"
 
+    def volume_dir(self, org: str, volume: str) -> Path:
+        """A named volume on a host backend: one folder per organization and name, shared by its tasks."""
+        folder = self.config.work_dir / "volumes" / org / volume
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
     def mint_token(self, job: str, org: str, task: str, attempt: int, secrets: Sequence[str]) -> str:
         return self.signer.issue(
             "job",
@@ -1106,7 +1114,14 @@ class Engine:
         task_dir = self.task_dir(job.name, task.task)
         log_dir = self.log_dir(job.name, task.task)
         log_dir.mkdir(parents=True, exist_ok=True)
-        output = Path(expand.output_dir_for(spec_task, str(task_dir / "output")))
+        mounts = expand.file_mounts(spec_task)
+        if attempt.backend in HOST_BACKENDS:  # processes see the host's files: volumes are folders here
+            mounts, mount_env = expand.host_mounts(mounts, lambda name: str(self.volume_dir(job.org, name)))
+            index = _output_mount(spec_task)
+            output = Path(mounts[index][0]) if index is not None else task_dir / "output"
+        else:
+            mount_env = expand.mount_env(mounts)
+            output = Path(expand.output_dir_for(spec_task, str(task_dir / "output")))
         resume = newest_checkpoint(output) if spec_task.kind == TaskSpec.KIND_ONLINE_RL else None
         env = expand.task_env(
             spec_task,
@@ -1116,6 +1131,10 @@ class Engine:
             resume_from=str(resume) if resume else "",
             job_token=token,
         )
+        env.update(mount_env)
+        if attempt.backend in HOST_BACKENDS and "PATH" not in spec_task.envs:
+            # Tasks on the host find the Python environment Tandem runs in first (its `python`, `torchrun`).
+            env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         if spec_task.kind != TaskSpec.KIND_ONLINE_RL:  # `python -m trainer` runs the mesh services it needs
             for service, target in self.config.targets().items():
                 env[f"TANDEM_TARGETS__{service.upper()}"] = target
@@ -1163,8 +1182,19 @@ class Engine:
             priority=job.priority,
             time_limit_s=time_limit,
             secret_env=secret_env,
-            file_mounts=expand.file_mounts(spec_task),
+            file_mounts=mounts,
         )
+
+
+def _output_mount(task: TaskSpec) -> int | None:
+    """The mount an online_rl task's trainer writes to (`expand.output_dir_for`): its first read-write
+    volume, if it has one."""
+    if task.kind != TaskSpec.KIND_ONLINE_RL:
+        return None
+    for index, mount in enumerate(task.file_mounts):
+        if mount.WhichOneof("source") == "volume" and not mount.read_only:
+            return index
+    return None
 
 
 def newest_checkpoint(output: Path) -> Path | None:

@@ -40,7 +40,7 @@ into the environment a backend stores.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tandem.scheduler.v1 import job_spec_pb2 as js
 
@@ -161,3 +161,32 @@ def file_mounts(task: js.TaskSpec) -> list[tuple[str, str, bool]]:
         source = mount.local_path if mount.WhichOneof("source") == "local_path" else mount.volume
         out.append((mount.path, source, mount.read_only))
     return out
+
+
+def mount_env_name(path: str) -> str:
+    """`TANDEM_MOUNT_<NAME>` for a mount path: its last segment, upper-cased, other characters as `_`
+    (`/ckpt` -> `TANDEM_MOUNT_CKPT`, `/data/shared-set` -> `TANDEM_MOUNT_SHARED_SET`)."""
+    last = path.rstrip("/").rsplit("/", 1)[-1] or "ROOT"
+    return "TANDEM_MOUNT_" + "".join(c if c.isalnum() else "_" for c in last.upper())
+
+
+def host_mounts(
+    mounts: Sequence[tuple[str, str, bool]], volume_dir: Callable[[str], str]
+) -> tuple[list[tuple[str, str, bool]], dict[str, str]]:
+    """Mounts for a backend that runs tasks on the host as they are (local processes, Slurm), where a path
+    cannot be mounted elsewhere: each mount becomes its source folder at its own path (a volume is the
+    folder `volume_dir(name)`, shared by every task that names it), and `TANDEM_MOUNT_<NAME>` tells the
+    task where that is. On Kubernetes the same variables hold the mount paths, so a script that reads
+    them runs unchanged on every backend."""
+    placed: list[tuple[str, str, bool]] = []
+    env: dict[str, str] = {}
+    for path, source, read_only in mounts:
+        folder = source if source.startswith("/") else volume_dir(source)
+        placed.append((folder, folder, read_only))
+        env[mount_env_name(path)] = folder
+    return placed, env
+
+
+def mount_env(mounts: Sequence[tuple[str, str, bool]]) -> dict[str, str]:
+    """`TANDEM_MOUNT_<NAME>` for backends that really mount (Kubernetes): the path in the task itself."""
+    return {mount_env_name(path): path for path, _source, _read_only in mounts}

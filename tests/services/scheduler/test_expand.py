@@ -271,3 +271,20 @@ def test_the_eval_watcher_reports_each_checkpoint_once_and_stops_on_sigterm(tmp_
     assert rest == [{"stopped": True, "checkpoints": 2}]
     logged = [json.loads(line)["step"] for line in (tmp_path / "evals.jsonl").read_text().splitlines()]
     assert logged == [20, 40]
+
+
+def test_host_backends_turn_volumes_into_shared_folders_named_by_tandem_mount_variables() -> None:
+    mounts = [("/ckpt", "rl-checkpoints", True), ("/data/shared-set", "/srv/data", False)]
+    placed, env = X.host_mounts(mounts, lambda name: f"/var/tandem/volumes/acme/{name}")
+    assert placed == [
+        ("/var/tandem/volumes/acme/rl-checkpoints", "/var/tandem/volumes/acme/rl-checkpoints", True),
+        ("/srv/data", "/srv/data", False),
+    ]
+    assert env == {
+        "TANDEM_MOUNT_CKPT": "/var/tandem/volumes/acme/rl-checkpoints",
+        "TANDEM_MOUNT_SHARED_SET": "/srv/data",
+    }
+    assert X.mount_env(mounts) == {
+        "TANDEM_MOUNT_CKPT": "/ckpt",
+        "TANDEM_MOUNT_SHARED_SET": "/data/shared-set",
+    }

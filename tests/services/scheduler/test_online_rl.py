@@ -25,31 +25,41 @@ ROOT = Path(__file__).resolve().parents[3]
 __all__ = ["acme", "mesh", "signer"]  # fixtures
 
 
-async def test_the_demo_job_runs_through_the_scheduler(acme: Clients, tmp_path: Path) -> None:
+def short_demo(model_dir: Path) -> str:
+    """examples/jobs/demo.toml cut to 3 small steps, its model built in `model_dir`."""
     config = (ROOT / "examples" / "jobs" / "demo.toml").read_text()
     overrides = {
         "steps": "3",
         "prompts_per_step": "4",
         "group_size": "4",
         "checkpoint_interval": "3",
-        "dir": f'"{tmp_path / "model"}"',
+        "dir": f'"{model_dir}"',
     }
     for key, value in overrides.items():
         config, count = re.subn(rf"^{key} = .*$", f"{key} = {value}", config, count=1, flags=re.MULTILINE)
         assert count == 1, f"demo.toml has no {key}"
-    task = job_spec_pb2.TaskSpec(
+    return config
+
+
+def demo_task(model_dir: Path) -> job_spec_pb2.TaskSpec:
+    """The one online_rl task both backends run (local here, Slurm in test_slurm_jobs.py)."""
+    return job_spec_pb2.TaskSpec(
         name="trainer",
         kind=job_spec_pb2.TaskSpec.KIND_ONLINE_RL,
-        online_rl=job_spec_pb2.OnlineRlOptions(config_toml=config),
+        online_rl=job_spec_pb2.OnlineRlOptions(config_toml=short_demo(model_dir)),
     )
-    job = await create(acme, task, job_id="demo")
+
+
+def trainer_checkpoints(tmp_path: Path, job: str) -> list[Path]:
+    folder = tmp_path / "scheduler" / "jobs" / job.replace("/", "-") / "trainer" / "output" / "checkpoints"
+    return [p for p in folder.glob("step-*") if not p.name.endswith(".partial")]
+
+
+async def test_the_demo_job_runs_through_the_scheduler(acme: Clients, tmp_path: Path) -> None:
+    job = await create(acme, demo_task(tmp_path / "model"), job_id="demo")
     done = await wait_for(acme, job.name, *TERMINAL, within_s=840)
     assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, (
         done.failure.message,
         await log_text(acme, job.name),
     )
-    checkpoints = (
-        tmp_path / "scheduler" / "jobs" / "orgs-acme-jobs-demo" / "trainer" / "output" / "checkpoints"
-    )
-    outputs = [p for p in checkpoints.glob("step-*") if not p.name.endswith(".partial")]
-    assert outputs, await log_text(acme, job.name)
+    assert trainer_checkpoints(tmp_path, job.name), await log_text(acme, job.name)

@@ -3,7 +3,6 @@ job and the online RL demo job (3 steps) run through CreateJob to SUCCEEDED, the
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 
 from mesh.identity import TokenSigner, load_signing_key
+from tests.services.scheduler.test_online_rl import demo_task, trainer_checkpoints
 from tests.services.scheduler.test_scheduler import TERMINAL, Clients, command, create, log_text, wait_for
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
 from tests.support.slurm import SlurmCluster
@@ -48,29 +48,11 @@ async def test_a_command_job_runs_on_slurm(acme: Clients) -> None:
 
 
 async def test_the_demo_job_runs_on_slurm(acme: Clients, tmp_path: Path) -> None:
-    config = (ROOT / "examples" / "jobs" / "demo.toml").read_text()
-    for key, value in {
-        "steps": "3",
-        "prompts_per_step": "4",
-        "group_size": "4",
-        "checkpoint_interval": "3",
-        "dir": f'"{tmp_path / "model"}"',
-    }.items():
-        config, count = re.subn(rf"^{key} = .*$", f"{key} = {value}", config, count=1, flags=re.MULTILINE)
-        assert count == 1, f"demo.toml has no {key}"
-    task = job_spec_pb2.TaskSpec(
-        name="trainer",
-        kind=job_spec_pb2.TaskSpec.KIND_ONLINE_RL,
-        online_rl=job_spec_pb2.OnlineRlOptions(config_toml=config),
-    )
-    job = await create(acme, task, job_id="demo", backend=SLURM)
+    job = await create(acme, demo_task(tmp_path / "model"), job_id="demo", backend=SLURM)
     done = await wait_for(acme, job.name, *TERMINAL, within_s=840)
     assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, (
         done.failure.message,
         await log_text(acme, job.name),
     )
-    checkpoints = (
-        tmp_path / "scheduler" / "jobs" / "orgs-acme-jobs-demo" / "trainer" / "output" / "checkpoints"
-    )
-    assert [p for p in checkpoints.glob("step-*") if not p.name.endswith(".partial")]
+    assert trainer_checkpoints(tmp_path, job.name), await log_text(acme, job.name)
     await acme.close()

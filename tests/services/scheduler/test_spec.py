@@ -88,7 +88,7 @@ def test_the_eval_watcher_example_maps_onto_the_contract() -> None:
     assert [(m.path, m.volume, m.read_only) for m in watcher.file_mounts] == [
         ("/ckpt", "rl-checkpoints", True)
     ]
-    assert S.resources_of(watcher) == Resources(cpus=1.0, memory_gib=1.0)
+    assert S.resources_of(watcher) == Resources(cpus=0.5, memory_gib=1.0)  # the group fits two cores
 
 
 def test_the_managed_task_app_example_injects_the_key_and_registers() -> None:
