@@ -1155,8 +1155,8 @@ class Engine:
             output_dir=str(output),
             python=sys.executable,
         )
-        if secret_env and attempt.backend == "local":
-            # Local processes open their secrets themselves, by name, with their job token.
+        if secret_env and attempt.backend in HOST_BACKENDS:
+            # Host processes (local, Slurm) open their secrets themselves, by name, with their job token.
             from services.scheduler.backends.task_secrets import SECRETS_ENV, format_secrets  # noqa: PLC0415
 
             env[SECRETS_ENV] = format_secrets(secret_env)

@@ -8,10 +8,19 @@ from pathlib import Path
 
 import pytest
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
+from tandem.scheduler.v1 import scheduler_service_pb2 as pb
 
 from mesh.identity import TokenSigner, load_signing_key
 from tests.services.scheduler.test_online_rl import demo_task, trainer_checkpoints
-from tests.services.scheduler.test_scheduler import TERMINAL, Clients, command, create, log_text, wait_for
+from tests.services.scheduler.test_scheduler import (
+    TERMINAL,
+    Clients,
+    command,
+    create,
+    log_text,
+    seconds,
+    wait_for,
+)
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
 from tests.support.slurm import SlurmCluster
 
@@ -45,6 +54,22 @@ async def test_a_command_job_runs_on_slurm(acme: Clients) -> None:
     assert done.backend == SLURM and done.tasks[0].backend_handle.slurm.job_id
     assert f"on slurm: {job.name} rank 0" in await log_text(acme, job.name)
     await acme.close()
+
+
+async def test_a_failing_slurm_task_is_recovered_and_cancel_ends_a_running_one(acme: Clients) -> None:
+    run = 'echo "restart=$TANDEM_RESTART_COUNT"; [ "$TANDEM_RESTART_COUNT" -ge 1 ]'
+    recovery = job_spec_pb2.RecoveryPolicy(max_restarts_on_errors=2, initial_backoff=seconds(0.3))
+    job = await create(acme, command(run), backend=SLURM, recovery=recovery)
+    done = await wait_for(acme, job.name, *TERMINAL, within_s=180)
+    assert done.state == job_pb2.Job.State.STATE_SUCCEEDED and done.tasks[0].restart_count == 1
+    text = await log_text(acme, job.name)
+    assert [line for line in text.splitlines() if line.startswith("restart=")] == ["restart=0", "restart=1"]
+
+    sleeper = await create(acme, command("echo started; exec sleep 600"), backend=SLURM)
+    await wait_for(acme, sleeper.name, job_pb2.Job.State.STATE_RUNNING, within_s=120)
+    await acme.scheduler.CancelJob(pb.CancelJobRequest(name=sleeper.name))
+    cancelled = await wait_for(acme, sleeper.name, *TERMINAL, within_s=120)
+    assert cancelled.state == job_pb2.Job.State.STATE_CANCELLED
 
 
 async def test_the_demo_job_runs_on_slurm(acme: Clients, tmp_path: Path) -> None:
