@@ -13,7 +13,7 @@ from tandem.events.v1 import events_service_pb2 as events_pb
 from tandem.trainer.v1 import checkpoint_pb2
 
 from mesh import paging
-from mesh.errors import FieldViolation, NotFound, R, Unimplemented
+from mesh.errors import FieldViolation, NotFound, R
 
 LATEST = "latest"
 EVENT_TYPE = "checkpoint.saved"
@@ -25,13 +25,6 @@ ListMetrics = Callable[[events_pb.ListMetricsRequest], Awaitable[events_pb.ListM
 
 def violation(field: str, description: str) -> FieldViolation:
     return FieldViolation(field, description)
-
-
-def no_worker(checkpoint: checkpoint_pb2.Checkpoint) -> Unimplemented:
-    """The answer for a checkpoint that exists while on-demand inference workers are not wired yet."""
-    return Unimplemented(
-        f"{checkpoint.name} exists, but this gateway does not start inference workers on demand yet"
-    )
 
 
 class CheckpointIndex:

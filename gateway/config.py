@@ -23,6 +23,9 @@ class GatewaySettings(BaseSettings):
     forward_timeout_s: float = Field(
         30.0, gt=0, description="Deadline of each unary call forwarded to an internal service."
     )
+    infer_timeout_s: float = Field(
+        300.0, gt=0, description="Longest an Infer call or an HTTP completion may wait on its worker."
+    )
     http_port: int = Field(
         -1,
         ge=-1,

@@ -14,11 +14,12 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, TypeVar
 
+import aiohttp
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 from google.protobuf.message import Message
@@ -26,22 +27,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.events.v1 import events_service_pb2 as events_pb
 from tandem.events.v1 import events_service_pb2_grpc
 from tandem.gateway.v1 import gateway_service_pb2, gateway_service_pb2_grpc, org_pb2, server_info_pb2
+from tandem.scheduler.v1 import job_pb2, job_spec_pb2, scheduler_service_pb2_grpc
 from tandem.scheduler.v1 import scheduler_service_pb2 as sched_pb
-from tandem.scheduler.v1 import scheduler_service_pb2_grpc
 from tandem.taskapp.v1 import taskapp_service_pb2 as taskapp_pb
 from tandem.taskapp.v1 import taskapp_service_pb2_grpc
-from tandem.trainer.v1 import config_pb2
+from tandem.trainer.v1 import checkpoint_pb2, config_pb2
 from tandem.vault.v1 import org_key_pb2, vault_service_pb2_grpc
 from tandem.vault.v1 import vault_service_pb2 as vault_pb
 
 from gateway import checkpoints as ckpt
-from gateway import rljob
+from gateway import inference, openai_http, rljob
 from gateway.config import GatewaySettings
 from gateway.forward import Forwarded, ForwardTokens, Scope, convert
 from gateway.orgs import ADMIN_SUBJECT, KeyRow, OrgRow, Orgs, is_admin, load_admin_key
 from gateway.ratelimit import RateLimiter
 from gateway.store import MIGRATIONS
-from mesh.errors import InvalidArgument, NotFound, PermissionDenied, R
+from mesh.errors import InvalidArgument, NotFound, PermissionDenied, R, Unavailable
 from mesh.identity import Principal
 from mesh.interceptors import current_principal, principal_var
 from mesh.server import Deps, Registration
@@ -172,6 +173,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         self._scheduler = deps.clients.stub(scheduler_service_pb2_grpc.SchedulerServiceStub, "scheduler")
         self._task_apps = deps.clients.stub(taskapp_service_pb2_grpc.TaskAppServiceStub, "taskapp_proxy")
         self._events = deps.clients.stub(events_service_pb2_grpc.EventServiceStub, "events")
+        self._workers = inference.Workers()
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=config.infer_timeout_s))
         self.openai_base_url = ""
         self._started = time.time()
         self._cache: dict[str, _Observation] = {}
@@ -254,6 +257,9 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         info.server_time.CopyFrom(timestamp_pb2.Timestamp(seconds=int(time.time())))
         info.start_time.CopyFrom(timestamp_pb2.Timestamp(seconds=int(self._started)))
         return gateway_service_pb2.GetServerInfoResponse(server_info=info)
+
+    async def close(self) -> None:
+        await self.http.close()
 
     # ---- who is calling -----------------------------------------------------------------------
 
@@ -626,8 +632,77 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
                 "set exactly one of messages and prompt",
                 violations=[ckpt.violation("messages", "set exactly one of messages and prompt")],
             )
-        checkpoint = await self._checkpoints(scope).resolve(request.model)
-        raise ckpt.no_worker(checkpoint)
+        route, body = inference.openai_body(request, "")
+        checkpoint, base_url = await self.worker_for(scope, request.model)
+        body["model"] = checkpoint.name
+        status, answer = await self.post_json(base_url + route, body)
+        if status != 200:
+            raise inference.worker_error(status, answer)
+        return inference.infer_response(answer, checkpoint)
+
+    async def worker_for(self, scope: Scope, model: str) -> tuple[checkpoint_pb2.Checkpoint, str]:
+        """The checkpoint a model id names and the base URL of a ready worker serving it."""
+        checkpoint = await self._checkpoints(scope).resolve(model)
+
+        async def get_job(name: str) -> job_pb2.Job | None:
+            try:
+                reply = await self._scheduler.GetJob(
+                    sched_pb.GetJobRequest(name=name), metadata=scope.metadata, timeout=self._timeout
+                )
+            except RpcError as error:
+                if error.code == grpc.StatusCode.NOT_FOUND:
+                    return None
+                raise Forwarded(error) from None
+            return reply.job
+
+        async def create_job(org: str, job_id: str, spec: job_spec_pb2.JobSpec) -> job_pb2.Job:
+            job: job_pb2.Job = await self._submit(scope, f"orgs/{org}", job_id, spec, job_id, False)
+            return job
+
+        return checkpoint, await self._workers.endpoint(checkpoint, get_job, create_job)
+
+    async def post_json(self, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """POST to a worker; (status, JSON answer). Unreachable is UNAVAILABLE with a retry delay."""
+        try:
+            async with self.http.post(url, json=body) as response:
+                answer = await response.json(content_type=None)
+                return response.status, answer if isinstance(answer, dict) else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise Unavailable(
+                f"the inference worker did not answer: {type(exc).__name__}",
+                reason=R.ERROR_REASON_DEPENDENCY_UNAVAILABLE,
+                retry_after_s=inference.STARTING_RETRY_S,
+            ) from None
+
+    def scope_of(self, principal: Principal, name: str, reason: int) -> Scope:
+        """`_scope` for callers authenticated outside gRPC (the HTTP endpoint)."""
+        self._limiter.take(_limit_key(principal))
+        if not principal.org or principal.org != _org(name):
+            raise NotFound(f"{name} not found", reason=reason)
+        return self._tokens.scope(principal)
+
+    async def list_models(self, principal: Principal) -> list[checkpoint_pb2.Checkpoint]:
+        """The checkpoints served now and every checkpoint of the organization's newest 100 jobs, for
+        `GET /v1/models`."""
+        scope = self.scope_of(principal, f"orgs/{principal.org}", R.ERROR_REASON_ORG_NOT_FOUND)
+        jobs = await _forwarded(
+            self._scheduler.ListJobs(
+                sched_pb.ListJobsRequest(parent=f"orgs/{principal.org}"),
+                metadata=scope.metadata,
+                timeout=self._timeout,
+            )
+        )
+        found = self._workers.served(principal.org)
+        for job in jobs.jobs:
+            try:
+                found.extend(await self._checkpoints(scope).all(job.name))
+            except NotFound:  # a job whose log is gone
+                continue
+            except Forwarded as error:
+                if error.code != "NOT_FOUND":
+                    raise
+        unique = {c.name: c for c in found}
+        return sorted(unique.values(), key=lambda c: c.name)
 
 
 async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
@@ -640,4 +715,9 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     gateway_service_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
     if admin_file is not None:
         log.info("admin credential", extra={"path": str(admin_file)})
-    return Registration(service_names=[SERVICE_NAME], public_methods=PUBLIC_METHODS, on_stop=[db.close])
+    on_stop: list[Callable[[], Awaitable[None]]] = [servicer.close, db.close]
+    if config.http_port >= 0:
+        http = await openai_http.start(servicer, orgs, deps.settings.host, config.http_port)
+        servicer.openai_base_url = http.base_url
+        on_stop.insert(0, http.stop)
+    return Registration(service_names=[SERVICE_NAME], public_methods=PUBLIC_METHODS, on_stop=on_stop)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from google.protobuf import duration_pb2
 from tandem.events.v1 import event_pb2, events_service_pb2, events_service_pb2_grpc, metric_pb2
@@ -562,3 +563,84 @@ async def test_orgs_and_keys_on_both_stores(store_url: str) -> None:
         assert plaintext not in repr(rows) and orgs_module.digest(plaintext) in repr(rows)
     finally:
         await db.close()
+
+
+# ---- Infer on a real checkpoint (slow: an inference worker starts through the scheduler) --------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+async def test_infer_starts_a_worker_through_the_scheduler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer.models import build_tiny_model  # noqa: PLC0415 - torch only in this test
+
+    model = build_tiny_model(tmp_path / "step-3", vocab_size=300, hidden_size=32, layers=1, heads=2)
+    monkeypatch.setenv("TANDEM_GATEWAY_HTTP_PORT", "0")
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__CPUS", "4")
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__MEMORY_GIB", "8")
+    async with running_mesh(mesh_settings(tmp_path / "state")) as mesh:
+        admin_key = (tmp_path / "state" / ADMIN_KEY_FILE).read_text().strip()
+        signer = TokenSigner(load_signing_key("", mesh.settings.state_dir))
+        async with (
+            open_channel(mesh.address("gateway"), mesh.settings, token=admin_key) as admin_channel,
+            open_channel(
+                mesh.address("events"), mesh.settings, token=signer.issue("service", "trainer")
+            ) as events_channel,
+        ):
+            made = await gateway_service_pb2_grpc.GatewayServiceStub(admin_channel).CreateOrg(
+                pb.CreateOrgRequest(org_id="acme")
+            )
+            event = event_pb2.Event(type="checkpoint.saved", message="step 3")
+            event.checkpoint_saved.checkpoint = "orgs/acme/jobs/rl/checkpoints/step-3"
+            event.checkpoint_saved.step = 3
+            event.checkpoint_saved.uri = model.as_uri()
+            await events_service_pb2_grpc.EventServiceStub(events_channel).Publish(
+                events_service_pb2.PublishRequest(job="orgs/acme/jobs/rl", events=[event])
+            )
+        async with open_channel(mesh.address("gateway"), mesh.settings, token=made.key) as channel:
+            stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+            request = pb.InferRequest(model="orgs/acme/jobs/rl/checkpoints/latest", prompt="hello")
+            request.sampling.max_tokens = 4
+            request.sampling.temperature = 0.0
+            first = await fails(stub.Infer(request), grpc.StatusCode.UNAVAILABLE, "DEPENDENCY_UNAVAILABLE")
+            assert first.retry_after_s
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    answer = await stub.Infer(request)
+                    break
+                except RpcError as error:
+                    assert error.reason == "DEPENDENCY_UNAVAILABLE", error
+                    assert time.monotonic() < deadline, error
+                    await asyncio.sleep(error.retry_after_s or 1.0)
+            assert answer.model == "orgs/acme/jobs/rl/checkpoints/step-3"
+            assert answer.completion_tokens == len(answer.token_ids) and 1 <= answer.completion_tokens <= 4
+            jobs = (await stub.ListJobs(pb.ListJobsRequest(parent="orgs/acme"))).jobs
+            assert [j.spec.tasks[0].kind for j in jobs] == [job_spec_pb2.TaskSpec.KIND_SERVICE]
+            info = (await stub.GetServerInfo(pb.GetServerInfoRequest())).server_info
+        base = info.openai_base_url
+        assert base.endswith("/v1")
+        headers = {"Authorization": f"Bearer {made.key}"}
+        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=60) as http:
+            listed = (await http.get("/models")).json()
+            assert [m["id"] for m in listed["data"]] == ["orgs/acme/jobs/rl/checkpoints/step-3"]
+            body = {"model": "orgs/acme/jobs/rl/checkpoints/step-3", "prompt": "hello", "max_tokens": 3}
+            completion = await http.post("/completions", json=body)
+            assert completion.status_code == 200, completion.text
+            assert completion.json()["usage"]["completion_tokens"] >= 1
+            chat = await http.post(
+                "/chat/completions",
+                json={
+                    "model": body["model"],
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                },
+            )
+            assert chat.status_code == 200, chat.text
+            missing = await http.post(
+                "/completions", json={**body, "model": "orgs/acme/jobs/rl/checkpoints/x"}
+            )
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == "CHECKPOINT_NOT_FOUND"
+            wrong = await http.get("/models", headers={"Authorization": "Bearer tdm_nope"})
+            assert wrong.status_code == 401
