@@ -18,11 +18,13 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import duration_pb2
+from google.protobuf.message import Message
+from tandem.common.v1 import types_pb2
 from tandem.events.v1 import event_pb2, metric_pb2
 from tandem.gateway.v1 import gateway_service_pb2 as pb
 from tandem.gateway.v1 import gateway_service_pb2_grpc, org_pb2, server_info_pb2
@@ -49,7 +51,8 @@ INFER_DEADLINE_S = 120.0
 STALE_KEY_ID = "STALE_KEY_ID"
 DEPENDENCY_UNAVAILABLE = "DEPENDENCY_UNAVAILABLE"
 
-T = TypeVar("T")
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
 
 
 def _request_id(given: str | None) -> str:
@@ -84,7 +87,7 @@ class AsyncClient:
         self.deadline_s = deadline_s
         self._org = org.removeprefix("orgs/") if org else ""
         self._channel = open_channel(self.gateway, settings or Settings(), token=key)
-        self._stub: Any = gateway_service_pb2_grpc.GatewayServiceStub(self._channel)
+        self._stub = gateway_service_pb2_grpc.GatewayServiceStub(self._channel)  # the async stub, typed
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -95,11 +98,14 @@ class AsyncClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def _call(self, method: str, request: Any, deadline_s: float | None, **kwargs: Any) -> Any:
-        call: Callable[..., Awaitable[Any]] = getattr(self._stub, method)
-        return await call(
-            request, timeout=deadline_s if deadline_s is not None else self.deadline_s, **kwargs
-        )
+    async def _call(
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable[Req, Resp],
+        request: Req,
+        deadline_s: float | None,
+        **kw: Any,
+    ) -> Resp:
+        return await method(request, timeout=deadline_s if deadline_s is not None else self.deadline_s, **kw)
 
     # ---- names ----------------------------------------------------------------------------------
 
@@ -122,22 +128,28 @@ class AsyncClient:
         return await self._name("jobs", job)
 
     async def _pages(
-        self, method: str, request: Any, field: str, deadline_s: float | None, limit: int | None = None
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable[Req, Resp],
+        request: Req,
+        field: str,
+        deadline_s: float | None,
+        limit: int | None = None,
     ) -> list[Any]:
+        """Every item of a List RPC's `field`, following `next_page_token` (stopping once `limit` are in)."""
         items: list[Any] = []
         while True:
-            reply = await self._call(method, request, deadline_s)
+            reply: Any = await self._call(method, request, deadline_s)
             items.extend(getattr(reply, field))
             if not reply.next_page_token or (limit is not None and len(items) >= limit):
                 return items[:limit] if limit is not None else items
-            request.page_token = reply.next_page_token
+            request.page_token = reply.next_page_token  # type: ignore[attr-defined]
 
     # ---- deployment and organizations -----------------------------------------------------------
 
     async def get_server_info(self, *, deadline_s: float | None = None) -> server_info_pb2.ServerInfo:
         """Version, topology and each service's health. Needs no API key."""
-        reply = await self._call("GetServerInfo", pb.GetServerInfoRequest(), deadline_s)
-        return reply.server_info  # type: ignore[no-any-return]
+        reply = await self._call(self._stub.GetServerInfo, pb.GetServerInfoRequest(), deadline_s)
+        return reply.server_info
 
     async def create_org(
         self,
@@ -154,12 +166,12 @@ class AsyncClient:
             org_id=org_id, display_name=display_name, request_id=_request_id(request_id)
         )
         metadata = (("authorization", f"Bearer {admin_credential}"),)
-        return await self._call("CreateOrg", request, deadline_s, metadata=metadata)  # type: ignore[no-any-return]
+        return await self._call(self._stub.CreateOrg, request, deadline_s, metadata=metadata)
 
     async def get_org(self, name: str = "", *, deadline_s: float | None = None) -> org_pb2.Org:
         """The caller's organization (or `name`, `orgs/{org}`)."""
-        reply = await self._call("GetOrg", pb.GetOrgRequest(name=name), deadline_s)
-        return reply.org  # type: ignore[no-any-return]
+        reply = await self._call(self._stub.GetOrg, pb.GetOrgRequest(name=name), deadline_s)
+        return reply.org
 
     async def create_api_key(
         self,
@@ -175,13 +187,13 @@ class AsyncClient:
         )
         if ttl_s is not None:
             request.ttl.CopyFrom(_duration(ttl_s))
-        return await self._call("CreateApiKey", request, deadline_s)  # type: ignore[no-any-return]
+        return await self._call(self._stub.CreateApiKey, request, deadline_s)
 
     async def list_api_keys(
         self, *, show_inactive: bool = False, deadline_s: float | None = None
     ) -> list[org_pb2.ApiKey]:
         request = pb.ListApiKeysRequest(parent=await self._parent(), show_inactive=show_inactive)
-        return await self._pages("ListApiKeys", request, "api_keys", deadline_s)
+        return await self._pages(self._stub.ListApiKeys, request, "api_keys", deadline_s)
 
     async def revoke_api_key(
         self, name: str, *, request_id: str | None = None, deadline_s: float | None = None
@@ -189,15 +201,15 @@ class AsyncClient:
         request = pb.RevokeApiKeyRequest(
             name=await self._name("apiKeys", name), request_id=_request_id(request_id)
         )
-        return (await self._call("RevokeApiKey", request, deadline_s)).api_key  # type: ignore[no-any-return]
+        return (await self._call(self._stub.RevokeApiKey, request, deadline_s)).api_key
 
     # ---- secrets ------------------------------------------------------------------------------------
 
     async def get_public_key(self, *, deadline_s: float | None = None) -> org_key_pb2.OrgKey:
         reply = await self._call(
-            "GetPublicKey", pb.GetPublicKeyRequest(parent=await self._parent()), deadline_s
+            self._stub.GetPublicKey, pb.GetPublicKeyRequest(parent=await self._parent()), deadline_s
         )
-        return reply.key  # type: ignore[no-any-return]
+        return reply.key
 
     async def put_secret(
         self,
@@ -221,7 +233,7 @@ class AsyncClient:
                 request_id=rid if attempt == 0 else uuid.uuid4().hex,
             )
             try:
-                return await self._call("PutSecret", request, deadline_s)  # type: ignore[no-any-return]
+                return await self._call(self._stub.PutSecret, request, deadline_s)
             except RpcError as error:
                 if error.reason != STALE_KEY_ID or attempt:
                     raise
@@ -230,7 +242,7 @@ class AsyncClient:
     async def list_secrets(self, *, deadline_s: float | None = None) -> list[secret_pb2.Secret]:
         """Metadata and fingerprints of every secret; never values."""
         request = pb.ListSecretsRequest(parent=await self._parent())
-        return await self._pages("ListSecrets", request, "secrets", deadline_s)
+        return await self._pages(self._stub.ListSecrets, request, "secrets", deadline_s)
 
     async def delete_secret(
         self, secret: str, *, request_id: str | None = None, deadline_s: float | None = None
@@ -238,7 +250,7 @@ class AsyncClient:
         request = pb.DeleteSecretRequest(
             name=await self._name("secrets", secret), request_id=_request_id(request_id)
         )
-        await self._call("DeleteSecret", request, deadline_s)
+        await self._call(self._stub.DeleteSecret, request, deadline_s)
 
     # ---- Task Apps ----------------------------------------------------------------------------------
 
@@ -268,21 +280,21 @@ class AsyncClient:
             validate_only=validate_only,
             request_id=_request_id(request_id),
         )
-        return await self._call("RegisterTaskApp", request, deadline_s)  # type: ignore[no-any-return]
+        return await self._call(self._stub.RegisterTaskApp, request, deadline_s)
 
     async def check_task_app(
         self, task_app: str, *, deadline_s: float = CHECK_DEADLINE_S
     ) -> pb.CheckTaskAppResponse:
         request = pb.CheckTaskAppRequest(name=await self._name("taskApps", task_app))
-        return await self._call("CheckTaskApp", request, deadline_s)  # type: ignore[no-any-return]
+        return await self._call(self._stub.CheckTaskApp, request, deadline_s)
 
     async def list_task_apps(self, *, deadline_s: float | None = None) -> list[task_app_pb2.TaskApp]:
         request = pb.ListTaskAppsRequest(parent=await self._parent())
-        return await self._pages("ListTaskApps", request, "task_apps", deadline_s)
+        return await self._pages(self._stub.ListTaskApps, request, "task_apps", deadline_s)
 
     async def get_task_app(self, task_app: str, *, deadline_s: float | None = None) -> task_app_pb2.TaskApp:
         request = pb.GetTaskAppRequest(name=await self._name("taskApps", task_app))
-        return (await self._call("GetTaskApp", request, deadline_s)).task_app  # type: ignore[no-any-return]
+        return (await self._call(self._stub.GetTaskApp, request, deadline_s)).task_app
 
     async def delete_task_app(
         self, task_app: str, *, request_id: str | None = None, deadline_s: float | None = None
@@ -290,7 +302,7 @@ class AsyncClient:
         request = pb.DeleteTaskAppRequest(
             name=await self._name("taskApps", task_app), request_id=_request_id(request_id)
         )
-        await self._call("DeleteTaskApp", request, deadline_s)
+        await self._call(self._stub.DeleteTaskApp, request, deadline_s)
 
     # ---- jobs ---------------------------------------------------------------------------------------
 
@@ -318,7 +330,7 @@ class AsyncClient:
             request.spec.CopyFrom(spec)
         else:
             request.rl_config_toml = rl_config_toml or ""
-        return (await self._call("CreateJob", request, deadline_s)).job  # type: ignore[no-any-return]
+        return (await self._call(self._stub.CreateJob, request, deadline_s)).job
 
     async def create_rl_job(
         self,
@@ -344,21 +356,25 @@ class AsyncClient:
         )
         if max_duration_s is not None:
             request.max_duration.CopyFrom(_duration(max_duration_s))
-        return (await self._call("CreateRlJob", request, deadline_s)).job  # type: ignore[no-any-return]
+        return (await self._call(self._stub.CreateRlJob, request, deadline_s)).job
 
     async def get_job(self, job: str, *, deadline_s: float | None = None) -> job_pb2.Job:
         request = pb.GetJobRequest(name=await self.job_name(job))
-        return (await self._call("GetJob", request, deadline_s)).job  # type: ignore[no-any-return]
+        return (await self._call(self._stub.GetJob, request, deadline_s)).job
 
     async def list_jobs(
-        self, *, states: Iterable[int] = (), limit: int | None = None, deadline_s: float | None = None
+        self,
+        *,
+        states: Iterable[job_pb2.Job.State.ValueType] = (),
+        limit: int | None = None,
+        deadline_s: float | None = None,
     ) -> list[job_pb2.Job]:
         """The organization's jobs, newest first (`states`: tandem.scheduler.v1.Job.State values)."""
         request = pb.ListJobsRequest(
             parent=await self._parent(),
-            states=list(states),  # type: ignore[arg-type]
+            states=list(states),
         )
-        return await self._pages("ListJobs", request, "jobs", deadline_s, limit)
+        return await self._pages(self._stub.ListJobs, request, "jobs", deadline_s, limit)
 
     async def cancel_job(
         self, job: str, *, reason: str = "", request_id: str | None = None, deadline_s: float | None = None
@@ -366,7 +382,7 @@ class AsyncClient:
         request = pb.CancelJobRequest(
             name=await self.job_name(job), reason=reason, request_id=_request_id(request_id)
         )
-        return (await self._call("CancelJob", request, deadline_s)).job  # type: ignore[no-any-return]
+        return (await self._call(self._stub.CancelJob, request, deadline_s)).job
 
     async def stream_job_logs(
         self,
@@ -398,7 +414,7 @@ class AsyncClient:
         *,
         after_seq: int = 0,
         types: Sequence[str] = (),
-        min_level: int = 0,
+        min_level: types_pb2.Level.ValueType = types_pb2.LEVEL_UNSPECIFIED,
         end_when_terminal: bool = True,
         heartbeat_s: float | None = None,
         reconnect_for_s: float = 300.0,
@@ -414,18 +430,17 @@ class AsyncClient:
         position = cursor if cursor is not None else Cursor()
         position.seq = max(position.seq, after_seq)
 
-        def open_stream(seq: int) -> AsyncIterator[Any]:
+        def open_stream(seq: int) -> AsyncIterable[pb.SubscribeEventsResponse]:
             request = pb.SubscribeEventsRequest(
                 job=name,
                 after_seq=seq,
                 types=list(types),
-                min_level=min_level,  # type: ignore[arg-type]
+                min_level=min_level,
                 end_when_terminal=end_when_terminal,
             )
             if heartbeat_s is not None:
                 request.heartbeat_interval.CopyFrom(_duration(heartbeat_s))
-            stream: AsyncIterator[Any] = self._stub.SubscribeEvents(request, timeout=None)
-            return stream
+            return self._stub.SubscribeEvents(request, timeout=None)  # a stream has no deadline
 
         async def log_pending() -> bool:
             try:
@@ -463,7 +478,7 @@ class AsyncClient:
             types=list(types),
             descending=descending,
         )
-        return await self._pages("ListEvents", request, "events", deadline_s, limit)
+        return await self._pages(self._stub.ListEvents, request, "events", deadline_s, limit)
 
     async def list_metrics(
         self,
@@ -482,7 +497,7 @@ class AsyncClient:
         if end_step is not None:
             request.end_step = end_step
         series: dict[str, list[metric_pb2.MetricSeries.Point]] = {}
-        for page in await self._pages("ListMetrics", request, "series", deadline_s):
+        for page in await self._pages(self._stub.ListMetrics, request, "series", deadline_s):
             series.setdefault(page.name, []).extend(page.points)
         return series
 
@@ -491,7 +506,7 @@ class AsyncClient:
     ) -> list[checkpoint_pb2.Checkpoint]:
         """The job's checkpoints, newest step first (also after its trainer has exited)."""
         request = pb.ListCheckpointsRequest(parent=await self.job_name(job))
-        return await self._pages("ListCheckpoints", request, "checkpoints", deadline_s, limit)
+        return await self._pages(self._stub.ListCheckpoints, request, "checkpoints", deadline_s, limit)
 
     async def infer(
         self,
@@ -531,7 +546,7 @@ class AsyncClient:
         give_up = time.monotonic() + wait_s
         while True:
             try:
-                return await self._call("Infer", request, deadline_s)  # type: ignore[no-any-return]
+                return await self._call(self._stub.Infer, request, deadline_s)
             except RpcError as error:
                 delay = error.retry_after_s
                 if (

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,7 @@ class Cursor:
     terminal_state: int = 0  # tandem.scheduler.v1.Job.State of the StreamEnd, once received
 
 
-OpenStream = Callable[[int], AsyncIterator[Any]]
+OpenStream = Callable[[int], AsyncIterable[Any]]
 OnReconnect = Callable[[RpcError | None, int], None]
 LogPending = Callable[[], Awaitable[bool]]
 

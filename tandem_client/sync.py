@@ -18,6 +18,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from tandem.common.v1 import types_pb2
 from tandem.events.v1 import event_pb2
 
 from tandem_client.aio import DEFAULT_DEADLINE_S, AsyncClient
@@ -117,7 +118,7 @@ class Client:
         *,
         after_seq: int = 0,
         types: tuple[str, ...] = (),
-        min_level: int = 0,
+        min_level: types_pb2.Level.ValueType = types_pb2.LEVEL_UNSPECIFIED,
         end_when_terminal: bool = True,
         reconnect_for_s: float = 300.0,
         on_reconnect: OnReconnect | None = None,
