@@ -205,3 +205,34 @@ async def test_task_apps_jobs_checkpoints_and_infer(mesh: Mesh) -> None:
         assert no_checkpoint.value.reason == "CHECKPOINT_NOT_FOUND"
         with pytest.raises(ValueError, match="exactly one"):
             await client.create_job(job_id="x")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+async def test_infer_waits_for_the_worker_the_gateway_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer.models import build_tiny_model  # noqa: PLC0415 - the checkpoint a trainer would have saved
+
+    model = build_tiny_model(tmp_path / "step-3", vocab_size=300, hidden_size=32, layers=1, heads=2)
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__CPUS", "4")
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__MEMORY_GIB", "8")
+    async with running_mesh(mesh_settings(tmp_path / "state")) as mesh:
+        key = await new_org(mesh)
+        token = TokenSigner(load_signing_key("", mesh.settings.state_dir)).issue("service", "trainer")
+        async with open_channel(mesh.address("events"), mesh.settings, token=token) as channel:
+            event = event_pb2.Event(type="checkpoint.saved", message="step 3")
+            event.checkpoint_saved.checkpoint = "orgs/acme/jobs/rl/checkpoints/step-3"
+            event.checkpoint_saved.step = 3
+            event.checkpoint_saved.uri = model.as_uri()
+            stub = events_service_pb2_grpc.EventServiceStub(channel)
+            await stub.Publish(events_pb.PublishRequest(job="orgs/acme/jobs/rl", events=[event]))
+        waits: list[RpcError] = []
+        async with AsyncClient(mesh.address("gateway"), api_key=key) as client:
+            assert [c.step for c in await client.list_checkpoints("rl")] == [3]
+            answer = await client.infer(
+                "rl", "hello", max_tokens=3, temperature=0.0, wait_s=300, on_wait=waits.append
+            )
+    assert answer.model == "orgs/acme/jobs/rl/checkpoints/step-3"
+    assert 1 <= answer.completion_tokens <= 3
+    assert waits and all(w.reason == "DEPENDENCY_UNAVAILABLE" for w in waits)
