@@ -557,8 +557,18 @@ async def test_orgs_and_keys_on_both_stores(store_url: str) -> None:
         rest, end = await orgs.list_keys("acme", 1, token, show_inactive=False)
         assert [k.key_id for k in [*page, *rest]] == [second.key_id, key.key_id] and not end
         await orgs.revoke_key("acme", key.key_id)
-        with pytest.raises(Unauthenticated):
+        with pytest.raises(Unauthenticated) as revoked:
             await orgs.authenticate(plaintext)
+        assert revoked.value.reason_name == "INVALID_CREDENTIALS"
+        expiring, expiring_key = await orgs.create_key("acme", "short", key.name, ttl_s=3600)
+        await db.execute(
+            "UPDATE gateway_api_keys SET expire_time = ? WHERE key_id = ?", (time.time() - 1, expiring.key_id)
+        )
+        with pytest.raises(Unauthenticated) as expired:
+            await orgs.authenticate(expiring_key)
+        assert expired.value.reason_name == "CREDENTIALS_EXPIRED"
+        with pytest.raises(Unauthenticated):
+            await orgs.authenticate(expiring_key[:-1] + ("A" if expiring_key[-1] != "A" else "B"))
         rows = await db.fetchall("SELECT * FROM gateway_api_keys")
         assert plaintext not in repr(rows) and orgs_module.digest(plaintext) in repr(rows)
     finally:
@@ -616,6 +626,10 @@ async def test_infer_starts_a_worker_through_the_scheduler(
                     await asyncio.sleep(error.retry_after_s or 1.0)
             assert answer.model == "orgs/acme/jobs/rl/checkpoints/step-3"
             assert answer.completion_tokens == len(answer.token_ids) and 1 <= answer.completion_tokens <= 4
+            chat_request = pb.InferRequest(model=request.model, sampling=request.sampling)
+            chat_request.messages.add(role="user", content="hi")
+            chatted = await stub.Infer(chat_request)
+            assert chatted.prompt_tokens > 0 and chatted.policy_version.job == "orgs/acme/jobs/rl"
             jobs = (await stub.ListJobs(pb.ListJobsRequest(parent="orgs/acme"))).jobs
             assert [j.spec.tasks[0].kind for j in jobs] == [job_spec_pb2.TaskSpec.KIND_SERVICE]
             info = (await stub.GetServerInfo(pb.GetServerInfoRequest())).server_info
@@ -638,6 +652,10 @@ async def test_infer_starts_a_worker_through_the_scheduler(
                 },
             )
             assert chat.status_code == 200, chat.text
+            async with http.stream("POST", "/completions", json={**body, "stream": True}) as streamed:
+                assert streamed.status_code == 200
+                text = "".join([chunk async for chunk in streamed.aiter_text()])
+            assert text.rstrip().endswith("data: [DONE]"), text
             missing = await http.post(
                 "/completions", json={**body, "model": "orgs/acme/jobs/rl/checkpoints/x"}
             )
