@@ -26,6 +26,7 @@ from tandem_client import AsyncClient, Cursor
 from tandem_client.aio import API_KEY_ENV, DEFAULT_GATEWAY, GATEWAY_ENV
 
 ADMIN_KEY_ENV = "TANDEM_ADMIN_KEY"
+DEBUG_ENV = "TANDEM_DEBUG"
 EXIT_INTERRUPTED = 130
 
 EXAMPLES = """\
@@ -810,6 +811,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except OSError as error:  # a file, a port, a process: the environment, not Tandem
+        _report(f"{error.strerror or error}{f': {error.filename}' if error.filename else ''}", "")
+        return 1
+    except Exception as error:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        _report(
+            f"unexpected {type(error).__name__}: {error}",
+            f"this is a bug in the tandem command; {DEBUG_ENV}=1 shows the traceback to report",
+        )
+        return 1
     return code
 
 
