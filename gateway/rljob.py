@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from mesh.errors import FailedPrecondition, FieldViolation, InvalidArgument, R
 from trainer.config import parse_job
 
 TASK_NAME = "trainer"
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 _REFERENCE = {
     config_pb2.REFERENCE_PLACEMENT_NONE: js.PlacementOptions.REFERENCE_PLACEMENT_NONE,
     config_pb2.REFERENCE_PLACEMENT_STACKED: js.PlacementOptions.REFERENCE_PLACEMENT_STACKED,
@@ -56,6 +58,10 @@ def to_toml(config: config_pb2.TrainerConfig) -> str:
     return _dump(document)
 
 
+def _key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else json.dumps(key)
+
+
 def _scalar(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -70,7 +76,7 @@ def _scalar(value: Any) -> str:
     if isinstance(value, str):
         return json.dumps(value)  # a JSON string is a valid TOML basic string
     if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_scalar(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_key(k)} = {_scalar(v)}" for k, v in value.items()) + "}"
     if isinstance(value, Sequence):
         return "[" + ", ".join(_scalar(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
@@ -83,10 +89,10 @@ def _dump(table: Mapping[str, Any], path: tuple[str, ...] = ()) -> str:
         if isinstance(value, Mapping) and value:
             nested.append((key, value))
         else:
-            lines.append(f"{json.dumps(key)} = {_scalar(value)}")
+            lines.append(f"{_key(key)} = {_scalar(value)}")
     out = "\n".join(lines)
     for key, value in nested:
-        header = ".".join(json.dumps(part) for part in (*path, key))
+        header = ".".join(_key(part) for part in (*path, key))
         out += f"\n\n[{header}]\n" + _dump(value, (*path, key))
     return out.strip("\n") + "\n"
 

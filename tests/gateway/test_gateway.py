@@ -367,6 +367,17 @@ async def test_jobs_logs_and_events_are_forwarded_and_scoped(world: World) -> No
         grpc.StatusCode.FAILED_PRECONDITION,
         "JOB_STATE_CONFLICT",
     )
+    sleeper = job_spec_pb2.TaskSpec(name="main", kind=job_spec_pb2.TaskSpec.KIND_COMMAND, run="sleep 60")
+    long = (
+        await world.acme.CreateJob(
+            pb.CreateJobRequest(
+                parent="orgs/acme", spec=job_spec_pb2.JobSpec(display_name="long", tasks=[sleeper])
+            )
+        )
+    ).job
+    cancelled = (await world.acme.CancelJob(pb.CancelJobRequest(name=long.name, reason="test"))).job
+    assert cancelled.state in (cancelled.STATE_CANCELLING, cancelled.STATE_CANCELLED)
+    assert (await wait_terminal(world.acme, long.name)).state == cancelled.STATE_CANCELLED
 
 
 # ---- online RL ----------------------------------------------------------------------------------
