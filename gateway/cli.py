@@ -32,7 +32,7 @@ EXIT_INTERRUPTED = 130
 EXAMPLES = """\
 Start here:
   tandem demo                                   the whole flow on this machine, end to end
-  tandem up                                     run every service here (admin key in .tandem/admin.key)
+  tandem up                                     run every service here (prints the admin credential's file)
   tandem orgs create acme                       create an organization; prints its first API key
   export TANDEM_API_KEY=tdm_...                 every command below authenticates with it
 
