@@ -7,22 +7,17 @@
 
 It runs one `AsyncClient` on an event loop in a background thread it owns, so both forms share one
 implementation (deadlines, typed errors, resuming watches). Methods take the same arguments and return the
-same messages; `watch_events` is a plain iterator.
+same messages; `watch_events` and `stream_job_logs` are plain iterators.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from typing import Any, Concatenate, ParamSpec, TypeVar
-
-from tandem.common.v1 import types_pb2
-from tandem.events.v1 import event_pb2
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Concatenate, ParamSpec, TypeVar
 
 from tandem_client.aio import DEFAULT_DEADLINE_S, AsyncClient
-from tandem_client.events import Cursor, OnReconnect
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -36,6 +31,17 @@ def _blocking(
 
     call.__name__ = method.__name__
     call.__doc__ = method.__doc__
+    return call
+
+
+def _streaming(
+    method: Callable[Concatenate[AsyncClient, P], AsyncIterator[R]],
+) -> Callable[Concatenate[Client, P], Iterator[R]]:
+    def call(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> Iterator[R]:
+        return self._iterate(method(self._client, *args, **kwargs))
+
+    call.__name__ = method.__name__
+    call.__doc__ = f"As `AsyncClient.{method.__name__}`, as a plain iterator; closing it ends the stream."
     return call
 
 
@@ -112,50 +118,21 @@ class Client:
     list_checkpoints = _blocking(AsyncClient.list_checkpoints)
     infer = _blocking(AsyncClient.infer)
 
-    def watch_events(
-        self,
-        job: str,
-        *,
-        after_seq: int = 0,
-        types: tuple[str, ...] = (),
-        min_level: types_pb2.Level.ValueType = types_pb2.LEVEL_UNSPECIFIED,
-        end_when_terminal: bool = True,
-        reconnect_for_s: float = 300.0,
-        on_reconnect: OnReconnect | None = None,
-        cursor: Cursor | None = None,
-    ) -> Iterator[event_pb2.Event]:
-        """As `AsyncClient.watch_events`, one event at a time; closing the iterator ends the stream."""
-        stream = self._client.watch_events(
-            job,
-            after_seq=after_seq,
-            types=types,
-            min_level=min_level,
-            end_when_terminal=end_when_terminal,
-            reconnect_for_s=reconnect_for_s,
-            on_reconnect=on_reconnect,
-            cursor=cursor,
-        )
+    watch_events = _streaming(AsyncClient.watch_events)
+    stream_job_logs = _streaming(AsyncClient.stream_job_logs)
+
+    def _iterate(self, stream: AsyncIterator[R]) -> Iterator[R]:
         try:
             while True:
                 try:
-                    yield self._run(_next(stream))
+                    yield self._run(anext(stream))
                 except StopAsyncIteration:
                     return
         finally:
-            self._close_stream(stream)
-
-    def _close_stream(self, stream: Any) -> None:
-        if self._loop.is_closed():
-            return
-        closing: concurrent.futures.Future[None] = asyncio.run_coroutine_threadsafe(
-            stream.aclose(), self._loop
-        )
-        closing.result()
-
-
-def _next(stream: Any) -> Coroutine[Any, Any, event_pb2.Event]:
-    result: Coroutine[Any, Any, event_pb2.Event] = stream.__anext__()
-    return result
+            if not self._loop.is_closed():
+                closing = getattr(stream, "aclose", None)
+                if closing is not None:
+                    self._run(closing())
 
 
 __all__ = ["Client"]

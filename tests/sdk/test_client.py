@@ -236,3 +236,21 @@ async def test_infer_waits_for_the_worker_the_gateway_starts(
     assert answer.model == "orgs/acme/jobs/rl/checkpoints/step-3"
     assert 1 <= answer.completion_tokens <= 3
     assert waits and all(w.reason == "DEPENDENCY_UNAVAILABLE" for w in waits)
+
+
+async def test_the_blocking_client_runs_a_job_and_reads_its_log(mesh: Mesh) -> None:
+    key = await new_org(mesh)
+
+    def blocking() -> tuple[list[str], bytes]:
+        with Client(mesh.address("gateway"), api_key=key) as client:
+            task = job_spec_pb2.TaskSpec(
+                name="main", kind=job_spec_pb2.TaskSpec.KIND_COMMAND, run="echo hello-sdk"
+            )
+            job = client.create_job(spec=job_spec_pb2.JobSpec(tasks=[task]), job_id="echo")
+            types = [e.type for e in client.watch_events("echo")]
+            log = b"".join(piece.data for piece in client.stream_job_logs(job.name, task="main"))
+            return types, log
+
+    types, log = await asyncio.to_thread(blocking)
+    assert types[0] == "job.state_changed" and types[-1] == "job.state_changed"
+    assert b"hello-sdk" in log
