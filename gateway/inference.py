@@ -15,6 +15,7 @@ storage); the worker's endpoint has no key of its own and listens on loopback.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import shlex
 import socket
@@ -109,6 +110,7 @@ class Workers:
 
     def __init__(self) -> None:
         self._jobs: dict[str, _Started] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
 
     def served(self, org: str) -> list[checkpoint_pb2.Checkpoint]:
         """The checkpoints of `org` this gateway has started workers for."""
@@ -118,6 +120,13 @@ class Workers:
         self, checkpoint: checkpoint_pb2.Checkpoint, get_job: GetJob, create_job: CreateJob
     ) -> str:
         """The base URL of a ready worker serving `checkpoint`; UNAVAILABLE with a retry delay until then."""
+        lock = self._locks.setdefault(checkpoint.name, asyncio.Lock())
+        async with lock:  # concurrent first calls start one worker, not one each
+            return await self._endpoint(checkpoint, get_job, create_job)
+
+    async def _endpoint(
+        self, checkpoint: checkpoint_pb2.Checkpoint, get_job: GetJob, create_job: CreateJob
+    ) -> str:
         org = checkpoint.name.split("/")[1]
         known = self._jobs.get(checkpoint.name)
         name = known.job if known else f"orgs/{org}/jobs/{worker_job_id(checkpoint.name)}"

@@ -487,11 +487,31 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             rljob.refuse_failed_checks(app, f"{field}.task_app.name", checked.check_results)
         return rljob.job_spec(config, toml, **options)
 
+    async def _check_spec_task_apps(self, scope: Scope, spec: job_spec_pb2.JobSpec) -> None:
+        """The Task Apps named by a spec's inline online-RL configs pass their checks now. A config that does
+        not parse is left to the scheduler, which names the field."""
+        for index, task in enumerate(spec.tasks):
+            if task.WhichOneof("kind_options") != "online_rl":
+                continue
+            if task.online_rl.WhichOneof("trainer_config") != "config_toml":
+                continue
+            field = f"spec.tasks[{index}].online_rl.config_toml"
+            try:
+                config = rljob.parse_toml(task.online_rl.config_toml, field)
+            except InvalidArgument:
+                continue
+            app = rljob.task_app_of(config)
+            rljob.check_task_app(scope.org, app, f"{field}.task_app.name")
+            if app:
+                checked = await self._check_task_app(scope, app)
+                rljob.refuse_failed_checks(app, f"{field}.task_app.name", checked.check_results)
+
     async def CreateJob(self, request: pb.CreateJobRequest, context: Context) -> pb.CreateJobResponse:
         scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
         source = request.WhichOneof("source")
         if source == "spec":
             spec = request.spec
+            await self._check_spec_task_apps(scope, spec)
         elif source == "rl_config_toml":
             config = rljob.parse_toml(request.rl_config_toml, "rl_config_toml")
             spec = await self._rl_spec(scope, config, request.rl_config_toml, "rl_config_toml")
@@ -656,7 +676,15 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             return reply.job
 
         async def create_job(org: str, job_id: str, spec: job_spec_pb2.JobSpec) -> job_pb2.Job:
-            job: job_pb2.Job = await self._submit(scope, f"orgs/{org}", job_id, spec, job_id, False)
+            try:
+                job: job_pb2.Job = await self._submit(scope, f"orgs/{org}", job_id, spec, job_id, False)
+            except Forwarded as error:
+                existing = (
+                    await get_job(f"orgs/{org}/jobs/{job_id}") if error.code == "ALREADY_EXISTS" else None
+                )
+                if existing is None:  # another gateway replica started it a moment ago, or a real failure
+                    raise
+                return existing
             return job
 
         return checkpoint, await self._workers.endpoint(checkpoint, get_job, create_job)

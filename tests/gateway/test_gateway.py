@@ -421,6 +421,21 @@ async def test_create_rl_job_refuses_a_task_app_failing_its_checks(world: World)
     )
     assert error.metadata["failed_checks"] and error.metadata["task_app"] == "orgs/acme/taskApps/fake"
     assert error.violations and all(v.field == "rl_config_toml.task_app.name" for v in error.violations)
+    task = job_spec_pb2.TaskSpec(
+        name="trainer",
+        kind=job_spec_pb2.TaskSpec.KIND_ONLINE_RL,
+        online_rl=job_spec_pb2.OnlineRlOptions(config_toml=demo_toml()),
+    )
+    error = await fails(
+        world.acme.CreateJob(
+            pb.CreateJobRequest(
+                parent="orgs/acme", spec=job_spec_pb2.JobSpec(display_name="rl", tasks=[task])
+            )
+        ),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "TASK_APP_CHECK_FAILED",
+    )
+    assert {v.field for v in error.violations} == {"spec.tasks[0].online_rl.config_toml.task_app.name"}
     await fails(
         world.acme.CreateJob(
             pb.CreateJobRequest(parent="orgs/acme", rl_config_toml=demo_toml("orgs/globex/taskApps/fake"))
