@@ -391,6 +391,21 @@ async def _rl_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _rl_logs(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        stream = client.stream_job_logs(
+            args.job, task=args.task, rank=args.rank, tail_bytes=args.tail_bytes, follow=args.follow
+        )
+        async for piece in stream:
+            if args.json:
+                text = piece.data.decode(errors="replace")
+                print(json.dumps({"offset": piece.offset, "next_offset": piece.next_offset, "data": text}))
+            else:
+                sys.stdout.buffer.write(piece.data)
+            sys.stdout.flush()
+    return 0
+
+
 async def _watch(client: AsyncClient, args: argparse.Namespace, job: str) -> int:
     """Follow a job until it is terminal (or Ctrl-C), resuming across dropped connections."""
     from gateway.progress import ProgressView, job_state, total_steps  # noqa: PLC0415
@@ -656,7 +671,8 @@ def _add_rl(sub: Any, gw: argparse.ArgumentParser) -> None:
         "rl",
         "start, inspect and cancel online-RL jobs",
         "  tandem rl start examples/jobs/demo.toml --job-id demo --watch\n"
-        "  tandem rl status demo\n  tandem rl list\n  tandem rl cancel demo",
+        "  tandem rl status demo\n  tandem rl list\n"
+        "  tandem rl logs demo --task trainer --follow\n  tandem rl cancel demo",
         [],
     )
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -690,6 +706,19 @@ def _add_rl(sub: Any, gw: argparse.ArgumentParser) -> None:
     q.add_argument("job", help="job id or name")
     q.add_argument("--reason", default="", help="recorded in the job's terminal event")
     q.set_defaults(func=_async(_rl_cancel))
+    q = _sub(
+        actions,
+        "logs",
+        "print a job task's log, or follow it until the task ends",
+        "  tandem rl logs demo --task trainer --follow\n  tandem rl logs demo --task trainer --tail-bytes 4096",
+        [gw],
+    )
+    q.add_argument("job", help="job id or name")
+    q.add_argument("--task", default="", help="the task's name in the spec (optional for a one-task job)")
+    q.add_argument("--rank", type=int, default=0, help="the node rank within the task (default 0)")
+    q.add_argument("--tail-bytes", type=int, default=0, help="start this many bytes before the end")
+    q.add_argument("--follow", action="store_true", help="keep printing until the task ends")
+    q.set_defaults(func=_async(_rl_logs))
 
 
 def _add_events(sub: Any, gw: argparse.ArgumentParser) -> None:

@@ -152,9 +152,16 @@ async def run_demo(args: argparse.Namespace) -> int:
         admin = (state_dir / "admin.key").read_text().strip()
         async with AsyncClient(gateway, api_key="") as anonymous:
             created = await anonymous.create_org(ORG, admin_credential=admin, display_name="Tandem demo")
-        say(f"   {created.org.name}, first API key {created.api_key.key_prefix}... (kept in memory only)")
+        key_file = state_dir / "demo-api-key"
+        key_file.touch(mode=0o600)
+        key_file.write_text(created.key + "\n")
+        say(
+            f"   {created.org.name}, first API key {created.api_key.key_prefix}... (in {key_file}, mode 0600)"
+        )
         async with AsyncClient(gateway, api_key=created.key, org=ORG) as client:
-            job_name = await _start(client, args, gateway)
+            job_name = await _start(
+                client, args, f"TANDEM_GATEWAY={gateway} TANDEM_API_KEY=$(cat {key_file})"
+            )
             cursor = await _follow(client, job_name)
             checkpoints = await _checkpoints(client, job_name)
             await _infer(client, job_name)
@@ -162,7 +169,7 @@ async def run_demo(args: argparse.Namespace) -> int:
     return 0 if cursor.terminal_state == SUCCEEDED else 1
 
 
-async def _start(client: AsyncClient, args: argparse.Namespace, gateway: str) -> str:
+async def _start(client: AsyncClient, args: argparse.Namespace, environment: str) -> str:
     from gateway.progress import job_state  # noqa: PLC0415
 
     say(f"3. Sealing the Task App's environment key on this machine and uploading it as `{KEY_SECRET}` ...")
@@ -181,7 +188,7 @@ async def _start(client: AsyncClient, args: argparse.Namespace, gateway: str) ->
     )
     job = await client.create_job(spec=demo_spec(config), job_id=JOB_ID)
     say(f"   {job.name} is {job_state(job.state)}; the same view from another terminal:")
-    say(f"   TANDEM_GATEWAY={gateway} TANDEM_API_KEY=... tandem events watch {JOB_ID}")
+    say(f"   {environment} tandem events watch {JOB_ID}")
     return job.name
 
 

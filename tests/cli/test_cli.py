@@ -21,12 +21,13 @@ import pytest
 from tandem.common.v1 import types_pb2
 from tandem.events.v1 import event_pb2, events_service_pb2_grpc
 from tandem.events.v1 import events_service_pb2 as events_pb
-from tandem.scheduler.v1 import job_pb2
+from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 
 from gateway.cli import build_parser, main
 from mesh.clients import open_channel
 from mesh.identity import TokenSigner, load_signing_key
 from mesh.settings import Settings
+from tandem_client import AsyncClient
 from tandem_taskapp import create_app
 from tandem_taskapp.testing import serve_in_thread
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
@@ -56,6 +57,7 @@ COMMANDS = [
     ["rl", "status"],
     ["rl", "list"],
     ["rl", "cancel"],
+    ["rl", "logs"],
     ["events"],
     ["events", "watch"],
     ["checkpoints"],
@@ -339,6 +341,20 @@ async def test_task_apps_and_jobs_from_the_cli(cli: Cli, tmp_path: Path) -> None
     assert_clean_error(code, err, "INVALID")
     code, _, err = await cli.run("infer", "no-such-job", "hello")
     assert_clean_error(code, err, "JOB_NOT_FOUND")
+
+    async with AsyncClient(cli.gateway, api_key=cli.key) as client:
+        task = job_spec_pb2.TaskSpec(
+            name="main", kind=job_spec_pb2.TaskSpec.KIND_COMMAND, run="echo hello-logs"
+        )
+        await client.create_job(spec=job_spec_pb2.JobSpec(tasks=[task]), job_id="echo")
+    code, out, err = await cli.run("events", "watch", "echo")
+    assert code == 0, err
+    code, out, err = await cli.run("rl", "logs", "echo", "--task", "main")
+    assert code == 0, err
+    assert "hello-logs" in out
+    code, out, err = await cli.run("rl", "logs", "echo", "--json")
+    assert code == 0, err
+    assert "hello-logs" in "".join(json.loads(line)["data"] for line in out.splitlines())
 
 
 @contextlib.contextmanager
