@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from tandem.trainer.v1 import checkpoint_pb2
 
@@ -158,10 +159,12 @@ async def run_demo(args: argparse.Namespace) -> int:
         say(
             f"   {created.org.name}, first API key {created.api_key.key_prefix}... (in {key_file}, mode 0600)"
         )
-        async with AsyncClient(gateway, api_key=created.key, org=ORG) as client:
-            job_name = await _start(
-                client, args, f"TANDEM_GATEWAY={gateway} TANDEM_API_KEY=$(cat {key_file})"
-            )
+        async with (
+            AsyncClient(gateway, api_key=created.key, org=ORG) as client,
+            contextlib.AsyncExitStack() as stack,  # what the demo starts beside the mesh
+        ):
+            watch_env = f"TANDEM_GATEWAY={gateway} TANDEM_API_KEY=$(cat {key_file})"
+            job_name = await _start(client, args, watch_env, stack)
             cursor = await _follow(client, job_name)
             checkpoints = await _checkpoints(client, job_name)
             await _infer(client, job_name)
@@ -169,13 +172,14 @@ async def run_demo(args: argparse.Namespace) -> int:
     return 0 if cursor.terminal_state == SUCCEEDED else 1
 
 
-async def _start(client: AsyncClient, args: argparse.Namespace, environment: str) -> str:
+async def _start(
+    client: AsyncClient, args: argparse.Namespace, environment: str, stack: contextlib.AsyncExitStack
+) -> str:
     from gateway.progress import job_state  # noqa: PLC0415
 
     say(f"3. Sealing the Task App's environment key on this machine and uploading it as `{KEY_SECRET}` ...")
     env_key = secrets.token_urlsafe(24)
     stored = await client.put_secret(KEY_SECRET, env_key)
-    del env_key
     say(f"   {stored.secret.name} version {stored.version.version}, fingerprint {stored.version.fingerprint}")
 
     config_path = Path(args.config)
@@ -186,10 +190,64 @@ async def _start(client: AsyncClient, args: argparse.Namespace, environment: str
         f" a managed Task App (the scheduler serves it with `{KEY_SECRET}` and registers it as"
         f" orgs/{ORG}/taskApps/{APP_ID} once it is healthy) ..."
     )
-    job = await client.create_job(spec=demo_spec(config), job_id=JOB_ID)
+    try:
+        job = await client.create_job(spec=demo_spec(config), job_id=JOB_ID)
+    except RpcError as error:
+        if error.reason != "TASK_APP_NOT_FOUND":
+            raise
+        unsupported("a job group whose own service task registers its Task App", error)
+        say(
+            "   serving the example Task App from this machine instead, and registering it through the gateway:"
+        )
+        url = await stack.enter_async_context(example_app(env_key))
+        checked = await client.register_task_app(APP_ID, url, secret=KEY_SECRET)
+        passed = sum(r.passed for r in checked.check_results)
+        say(f"   {checked.task_app.name} at {url}: {passed}/{len(checked.check_results)} checks passed")
+        job = await client.create_job(rl_config_toml=config, job_id=JOB_ID)
+    del env_key
     say(f"   {job.name} is {job_state(job.state)}; the same view from another terminal:")
     say(f"   {environment} tandem events watch {JOB_ID}")
     return job.name
+
+
+@contextlib.asynccontextmanager
+async def example_app(env_key: str) -> AsyncIterator[str]:
+    """The example single-turn Task App in a child process (`tandem taskapp serve`), the key on its stdin."""
+    port = _free_port()
+    script = EXAMPLES / "taskapps" / "single_turn.py"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tandem_taskapp.serve",
+        str(script),
+        "--port",
+        str(port),
+        "--key-from-stdin",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    assert process.stdin is not None
+    process.stdin.write(env_key.encode() + b"\n")
+    await process.stdin.drain()
+    process.stdin.close()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=2.0) as http:
+            for _ in range(150):
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get("/health")).status_code == httpx.codes.OK:
+                        break
+                if process.returncode is not None:
+                    raise RuntimeError(f"the example Task App exited with {process.returncode}")
+                await asyncio.sleep(0.2)
+            else:
+                raise RuntimeError(f"the example Task App at {url} did not become healthy within 30 s")
+        yield url
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            await process.wait()
 
 
 async def _follow(client: AsyncClient, job_name: str) -> Cursor:

@@ -307,7 +307,6 @@ async def test_the_demo_runs_end_to_end(tmp_path: Path) -> None:
     for fragment in (
         "orgs/demo, first API key tdm_",
         "orgs/demo/secrets/single-turn-key version 1",
-        "task task-app RUNNING",
         "trainer | step     2",
         "orgs/demo/jobs/demo ended SUCCEEDED",
         "reward.png",
