@@ -51,7 +51,7 @@ def say(text: str) -> None:
 
 def unsupported(what: str, error: RpcError) -> None:
     say(
-        f"  not available on this deployment yet: {what} ({error.reason or error.code.name}: {error.message})"
+        f"   not available on this deployment yet: {what} ({error.reason or error.code.name}: {error.message})"
     )
 
 
