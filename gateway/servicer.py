@@ -489,7 +489,14 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
     async def _check_spec_task_apps(self, scope: Scope, spec: job_spec_pb2.JobSpec) -> None:
         """The Task Apps named by a spec's inline online-RL configs pass their checks now. A config that does
-        not parse is left to the scheduler, which names the field."""
+        not parse is left to the scheduler, which names the field. An app that one of the group's own
+        `service` tasks registers (`register_task_app`) exists only once the scheduler starts that task, so
+        it is not checked here."""
+        own = {
+            f"orgs/{scope.org}/taskApps/{task.service.register_task_app.app_id}"
+            for task in spec.tasks
+            if task.WhichOneof("kind_options") == "service" and task.service.register_task_app.app_id
+        }
         for index, task in enumerate(spec.tasks):
             if task.WhichOneof("kind_options") != "online_rl":
                 continue
@@ -502,7 +509,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
                 continue
             app = rljob.task_app_of(config)
             rljob.check_task_app(scope.org, app, f"{field}.task_app.name")
-            if app:
+            if app and app not in own:
                 checked = await self._check_task_app(scope, app)
                 rljob.refuse_failed_checks(app, f"{field}.task_app.name", checked.check_results)
 

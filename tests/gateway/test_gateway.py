@@ -12,6 +12,7 @@ import io
 import re
 import sqlite3
 import stat
+import tempfile
 import time
 import tomllib
 from collections.abc import AsyncIterator, Iterator
@@ -38,6 +39,7 @@ from mesh.launcher import print_addresses
 from mesh.secrets import seal_for_upload
 from mesh.status import RpcError
 from mesh.store import open_database
+from services.scheduler.spec import load_yaml
 from tandem_taskapp import create_app
 from tandem_taskapp.testing import serve_in_thread
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
@@ -688,3 +690,30 @@ async def test_infer_starts_a_worker_through_the_scheduler(
             assert missing.status_code == 404 and missing.json()["error"]["code"] == "CHECKPOINT_NOT_FOUND"
             wrong = await http.get("/models", headers={"Authorization": "Bearer tdm_nope"})
             assert wrong.status_code == 401
+
+
+async def test_a_job_group_whose_service_task_registers_its_task_app_is_accepted(world: World) -> None:
+    # The app exists only once the scheduler starts the group's service task, so the gateway does not check it.
+    text = (ROOT / "examples" / "jobs" / "managed-taskapp-rl.yaml").read_text()
+    text = text.replace("orgs/demo/", "orgs/acme/").replace("backend: kubernetes", "backend: local")
+    spec = load_yaml_text(re.sub(r"\nkubernetes:\n(  .*\n)+", "\n", text))  # a mesh with the local backend
+    # The gateway passes it on: the scheduler then answers for its 8 H100s, which this mesh has not.
+    await fails(
+        world.acme.CreateJob(pb.CreateJobRequest(parent="orgs/acme", spec=spec, validate_only=True)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "RESOURCES_UNSATISFIABLE",
+    )
+    # An app the group does not register is still checked.
+    spec.tasks[0].service.register_task_app.app_id = "other"
+    await fails(
+        world.acme.CreateJob(pb.CreateJobRequest(parent="orgs/acme", spec=spec, validate_only=True)),
+        grpc.StatusCode.NOT_FOUND,
+        "TASK_APP_NOT_FOUND",
+    )
+
+
+def load_yaml_text(text: str) -> job_spec_pb2.JobSpec:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "job.yaml"
+        path.write_text(text)
+        return load_yaml(path)
