@@ -22,8 +22,9 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
+from gateway.dashboard import Dashboard
 from gateway.orgs import Orgs
 from mesh.errors import InvalidArgument, NotFound, R, TandemError, Unauthenticated
 from mesh.identity import Principal
@@ -151,12 +152,13 @@ class OpenAIEndpoint:
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
 
-    def app(self) -> Starlette:
+    def app(self, extra: list[BaseRoute] | None = None) -> Starlette:
         return Starlette(
             routes=[
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                *(extra or []),
             ]
         )
 
@@ -173,10 +175,20 @@ class RunningHttp:
             await self.task
 
 
-async def start(servicer: GatewayServicer, orgs: Orgs, host: str, port: int) -> RunningHttp:
+async def start(
+    servicer: GatewayServicer, orgs: Orgs, host: str, port: int, dashboard_key: bytes | None = None
+) -> RunningHttp:
+    """The HTTP server: the OpenAI-compatible endpoint, and the dashboard (`gateway.dashboard`) when
+    `dashboard_key` (the HMAC key of its stream tokens) is given."""
+    extra = Dashboard(servicer, orgs, dashboard_key).routes() if dashboard_key is not None else []
     server = uvicorn.Server(
         uvicorn.Config(
-            OpenAIEndpoint(servicer, orgs).app(), host=host, port=port, log_level="warning", lifespan="off"
+            OpenAIEndpoint(servicer, orgs).app(extra),
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=2,  # open event streams must not hold up a drain
         )
     )
     task = asyncio.create_task(server.serve(), name="gateway-openai-http")

@@ -36,14 +36,14 @@ from tandem.vault.v1 import org_key_pb2, vault_service_pb2_grpc
 from tandem.vault.v1 import vault_service_pb2 as vault_pb
 
 from gateway import checkpoints as ckpt
-from gateway import inference, openai_http, rljob
+from gateway import dashboard, inference, openai_http, rljob
 from gateway.config import GatewaySettings
 from gateway.forward import Forwarded, ForwardTokens, Scope, convert
 from gateway.orgs import ADMIN_SUBJECT, KeyRow, OrgRow, Orgs, is_admin, load_admin_key
 from gateway.ratelimit import RateLimiter
 from gateway.store import MIGRATIONS
 from mesh.errors import InvalidArgument, NotFound, PermissionDenied, R, Unavailable
-from mesh.identity import Principal
+from mesh.identity import Principal, load_signing_key
 from mesh.interceptors import current_principal, principal_var
 from mesh.server import Deps, Registration
 from mesh.status import RpcError
@@ -752,7 +752,10 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
         log.info("admin credential", extra={"path": str(admin_file)})
     on_stop: list[Callable[[], Awaitable[None]]] = [servicer.close, db.close]
     if config.http_port >= 0:
-        http = await openai_http.start(servicer, orgs, deps.settings.host, config.http_port)
+        seed = load_signing_key(deps.settings.mesh_key, deps.settings.state_dir).encode()
+        http = await openai_http.start(
+            servicer, orgs, deps.settings.host, config.http_port, dashboard.stream_key(seed)
+        )
         servicer.openai_base_url = http.base_url
         on_stop.insert(0, http.stop)
     return Registration(service_names=[SERVICE_NAME], public_methods=PUBLIC_METHODS, on_stop=on_stop)
