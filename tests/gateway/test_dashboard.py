@@ -25,6 +25,7 @@ import pytest
 from tandem.events.v1 import event_pb2, events_service_pb2, events_service_pb2_grpc
 from tandem.gateway.v1 import gateway_service_pb2 as pb
 from tandem.gateway.v1 import gateway_service_pb2_grpc
+from tandem.scheduler.v1 import job_spec_pb2
 
 from gateway.orgs import ADMIN_KEY_FILE
 from mesh.clients import open_channel
@@ -42,6 +43,7 @@ class Board:
     acme_key: str
     globex_key: str
     events: events_service_pb2_grpc.EventServiceStub
+    acme: gateway_service_pb2_grpc.GatewayServiceStub
 
     async def publish(self, *events: event_pb2.Event, job: str = JOB) -> list[int]:
         reply = await self.events.Publish(events_service_pb2.PublishRequest(job=job, events=list(events)))
@@ -69,6 +71,8 @@ def saved_event(step: int) -> event_pb2.Event:
 @pytest.fixture
 async def board(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Board]:
     monkeypatch.setenv("TANDEM_GATEWAY_HTTP_PORT", "0")
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__CPUS", "4")
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__MEMORY_GIB", "8")
     async with running_mesh(mesh_settings(tmp_path)) as mesh:
         admin_key = (tmp_path / ADMIN_KEY_FILE).read_text().strip()
         signer = TokenSigner(load_signing_key("", mesh.settings.state_dir))
@@ -82,12 +86,14 @@ async def board(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
             acme = await admin.CreateOrg(pb.CreateOrgRequest(org_id="acme"))
             globex = await admin.CreateOrg(pb.CreateOrgRequest(org_id="globex"))
             info = (await admin.GetServerInfo(pb.GetServerInfoRequest())).server_info
-            yield Board(
-                info.openai_base_url.removesuffix("/v1"),
-                acme.key,
-                globex.key,
-                events_service_pb2_grpc.EventServiceStub(events_channel),
-            )
+            async with open_channel(mesh.address("gateway"), mesh.settings, token=acme.key) as acme_channel:
+                yield Board(
+                    info.openai_base_url.removesuffix("/v1"),
+                    acme.key,
+                    globex.key,
+                    events_service_pb2_grpc.EventServiceStub(events_channel),
+                    gateway_service_pb2_grpc.GatewayServiceStub(acme_channel),
+                )
 
 
 # ---- server-sent events over HTTP ---------------------------------------------------------------
@@ -234,6 +240,41 @@ async def test_pages_and_the_json_api(board: Board) -> None:
         ]
 
 
+async def run_echo_job(board: Board) -> str:
+    """A real job through the scheduler (a command task), run to its end; its name."""
+    task = job_spec_pb2.TaskSpec(name="main", kind=job_spec_pb2.TaskSpec.KIND_COMMAND, run="echo hi")
+    spec = job_spec_pb2.JobSpec(display_name="echo", tasks=[task])
+    job = (await board.acme.CreateJob(pb.CreateJobRequest(parent="orgs/acme", job_id="echo", spec=spec))).job
+    async with httpx.AsyncClient(base_url=board.base, timeout=60) as http:
+        while True:  # bounded by the test's timeout
+            got = await http.get(f"/api/v1/{job.name}", headers=bearer(board.acme_key))
+            assert got.status_code == 200, got.text
+            if got.json()["job"]["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                return job.name
+            await asyncio.sleep(0.2)
+
+
+async def test_the_jobs_list_and_a_finished_jobs_stream(board: Board) -> None:
+    name = await run_echo_job(board)
+    async with httpx.AsyncClient(base_url=board.base, timeout=60) as http:
+        jobs = (await http.get("/api/v1/jobs", headers=bearer(board.acme_key))).json()["jobs"]
+        assert [(j["name"], j["id"], j["state"]) for j in jobs] == [(name, "echo", "SUCCEEDED")]
+        assert jobs[0]["create_time"].endswith("Z") and jobs[0]["progress"] == {"tasks_done": 1, "tasks": 1}
+        assert (await http.get("/api/v1/jobs", headers=bearer(board.globex_key))).json() == {"jobs": []}
+        assert (await http.get(f"/api/v1/{name}", headers=bearer(board.globex_key))).status_code == 404
+        # A finished job's stream replays its log, then says so and ends.
+        async with stream(http, f"/api/v1/{name}/events", headers=bearer(board.acme_key)) as (_, sse):
+            seen: list[int] = []
+            while True:
+                message = await asyncio.wait_for(sse.next(), 60)
+                if message.get("event") == "end":
+                    break
+                if "id" in message:
+                    seen.append(int(message["id"]))
+            assert seen == sorted(set(seen)) and json.loads(message["data"])["state"] == "SUCCEEDED"
+            assert json.loads(message["data"])["terminal_seq"] == seen[-1]
+
+
 # ---- a real browser -------------------------------------------------------------------------------
 
 
@@ -335,6 +376,17 @@ async def test_the_job_page_draws_curves_and_lists_checkpoints_in_a_browser(
         await asyncio.to_thread(driver.refresh)
         await asyncio.to_thread(wait.until, lambda d: points(d) == 7)
         assert await asyncio.to_thread(lambda: len(driver.find_elements(By.CSS_SELECTOR, "#events li"))) == 8
+        # The jobs list shows a real job with its state; its link opens the job's page.
+        await run_echo_job(board)
+
+        def jobs_list() -> list[str]:
+            driver.get(board.base + "/")
+            return wait.until(
+                lambda d: [r.text for r in d.find_elements(By.CSS_SELECTOR, "#jobs tbody tr")] or None
+            )
+
+        listed = await asyncio.to_thread(jobs_list)
+        assert listed[0].startswith("echo SUCCEEDED ") and listed[0].endswith("1/1 tasks done")
     assert shot.stat().st_size > 0
     if os.environ.get("TANDEM_UPDATE_SCREENSHOT") == "1":
         shutil.copyfile(shot, ROOT / "docs" / "dashboard.png")
