@@ -153,7 +153,9 @@ class Dashboard:
         payload = f"{principal.org}|{principal.subject}|{job}|{expires}"
         return f"{expires}.{principal.subject}.{self._sign(payload)}", float(expires)
 
-    def _stream_principal(self, token: str, job: str) -> Principal:
+    async def _stream_principal(self, token: str, job: str) -> Principal:
+        """The principal a stream token was issued to, if it was issued for `job`, has not expired and its
+        API key is still active (a revoked key opens no more streams, even with a fresh token)."""
         expires_text, _, rest = token.partition(".")
         subject, _, signature = rest.rpartition(".")
         org = job.split("/")[1]
@@ -162,9 +164,18 @@ class Dashboard:
             raise Unauthenticated(
                 "the stream token is not valid for this job", reason=R.ERROR_REASON_INVALID_CREDENTIALS
             )
-        if int(expires_text) < time.time():
+        now = time.time()
+        if int(expires_text) < now:
             raise Unauthenticated("the stream token has expired", reason=R.ERROR_REASON_CREDENTIALS_EXPIRED)
-        return Principal(kind="user", subject=subject, org=org)
+        try:
+            key = await self._orgs.get_key(org, subject.rsplit("/", 1)[1])
+        except NotFound:
+            key = None
+        if key is None or key.revoke_time is not None or key.expired(now):
+            raise Unauthenticated(
+                "the stream token's API key is no longer valid", reason=R.ERROR_REASON_INVALID_CREDENTIALS
+            )
+        return Principal(kind="user", subject=subject, org=org, token_id=key.key_id)
 
     async def _call(
         self, principal: Principal, method: Callable[[Any, Any], Awaitable[Any]], message: Any
@@ -273,7 +284,7 @@ class Dashboard:
             job = _job_name(request)
             token = request.query_params.get("token", "")
             if token:
-                principal = self._stream_principal(token, job)
+                principal = await self._stream_principal(token, job)
             else:  # a script with the key itself, as on the rest of the API
                 principal = await self._principal(request)
             self._check_job(principal, job)

@@ -211,6 +211,14 @@ async def test_the_stream_refuses_missing_and_wrong_credentials_and_other_orgs(b
         assert elsewhere.status_code == 401
         tampered = token[:-1] + ("0" if token[-1] != "0" else "1")
         assert (await http.get(path, params={"token": tampered})).status_code == 401
+        # A revoked key opens no more streams, even with a token issued before.
+        spare = await board.acme.CreateApiKey(pb.CreateApiKeyRequest(parent="orgs/acme", display_name="tab"))
+        issued = await http.post("/api/v1/stream-tokens", json={"job": JOB}, headers=bearer(spare.key))
+        spare_token = issued.json()["token"]
+        async with stream(http, path, params={"token": spare_token}) as (response, _):
+            assert response.status_code == 200
+        await board.acme.RevokeApiKey(pb.RevokeApiKeyRequest(name=spare.api_key.name))
+        assert (await http.get(path, params={"token": spare_token})).status_code == 401
         async with stream(http, "/api/v1/orgs/globex/jobs/rl/events", headers=bearer(board.globex_key)) as (
             response,
             sse,
