@@ -25,7 +25,7 @@ import pytest
 from tandem.events.v1 import event_pb2, events_service_pb2, events_service_pb2_grpc
 from tandem.gateway.v1 import gateway_service_pb2 as pb
 from tandem.gateway.v1 import gateway_service_pb2_grpc
-from tandem.scheduler.v1 import job_spec_pb2
+from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 
 from gateway.orgs import ADMIN_KEY_FILE
 from mesh.clients import open_channel
@@ -73,6 +73,7 @@ async def board(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
     monkeypatch.setenv("TANDEM_GATEWAY_HTTP_PORT", "0")
     monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__CPUS", "4")
     monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__MEMORY_GIB", "8")
+    monkeypatch.setenv("TANDEM_SCHEDULER_CANCEL_GRACE_S", "2")
     async with running_mesh(mesh_settings(tmp_path)) as mesh:
         admin_key = (tmp_path / ADMIN_KEY_FILE).read_text().strip()
         signer = TokenSigner(load_signing_key("", mesh.settings.state_dir))
@@ -339,6 +340,14 @@ async def test_the_job_page_draws_curves_and_lists_checkpoints_in_a_browser(
     from selenium.webdriver.common.by import By  # noqa: PLC0415
     from selenium.webdriver.support.ui import WebDriverWait  # noqa: PLC0415
 
+    # A running job the scheduler owns (its state events are in its log), whose trainer we play.
+    sleeper = job_spec_pb2.TaskSpec(name="trainer", kind=job_spec_pb2.TaskSpec.KIND_COMMAND, run="sleep 120")
+    spec = job_spec_pb2.JobSpec(display_name="rl", tasks=[sleeper])
+    await board.acme.CreateJob(pb.CreateJobRequest(parent="orgs/acme", job_id="rl", spec=spec))
+    while True:  # bounded by the test's timeout
+        if (await board.acme.GetJob(pb.GetJobRequest(name=JOB))).job.state == job_pb2.Job.STATE_RUNNING:
+            break
+        await asyncio.sleep(0.2)
     await board.publish(*(step_event(s, 0.1 * s) for s in (1, 2, 3)))
 
     def points(driver: Any) -> int:
@@ -348,53 +357,59 @@ async def test_the_job_page_draws_curves_and_lists_checkpoints_in_a_browser(
     def checkpoint_rows(driver: Any) -> list[str]:
         return [row.text for row in driver.find_elements(By.CSS_SELECTOR, "#checkpoints tbody tr")]
 
-    with chrome(browser_tools) as driver:
-        wait = WebDriverWait(driver, 60)
+    def log_lines(driver: Any) -> list[str]:
+        return [li.text for li in driver.find_elements(By.CSS_SELECTOR, "#events li")]
 
-        def sign_in() -> None:
-            driver.get(board.base + "/jobs/rl")
-            key = wait.until(
-                lambda d: (
-                    d.find_element(By.ID, "key") if d.find_element(By.ID, "key").is_displayed() else None
+    def text(driver: Any, element: str) -> str:
+        return str(driver.find_element(By.ID, element).text)
+
+    try:
+        with chrome(browser_tools) as driver:
+            wait = WebDriverWait(driver, 60)
+
+            def sign_in() -> None:
+                driver.get(board.base + "/jobs/rl")
+                key = wait.until(
+                    lambda d: (
+                        d.find_element(By.ID, "key") if d.find_element(By.ID, "key").is_displayed() else None
+                    )
                 )
-            )
-            key.send_keys(board.acme_key)
-            driver.find_element(By.CSS_SELECTOR, "#login button[type=submit]").click()
-            wait.until(lambda d: points(d) == 3)
+                key.send_keys(board.acme_key)
+                driver.find_element(By.CSS_SELECTOR, "#login button[type=submit]").click()
+                wait.until(lambda d: points(d) == 3)
 
-        await asyncio.to_thread(sign_in)
-        # The trainer goes on: the curve grows while the page is open.
-        for step in (4, 5, 6, 7):
-            await board.publish(step_event(step, 0.1 * step + (0.05 if step % 2 else 0.0)))
-        await asyncio.to_thread(wait.until, lambda d: points(d) == 7)
-        assert await asyncio.to_thread(checkpoint_rows, driver) == []
-        await board.publish(saved_event(7))
-        rows = await asyncio.to_thread(wait.until, lambda d: checkpoint_rows(d) or None)
-        assert rows[0].startswith("step-7 7 ")
-        log_lines = await asyncio.to_thread(
-            lambda: [li.text for li in driver.find_elements(By.CSS_SELECTOR, "#events li")]
-        )
-        assert len(log_lines) == 8 and "checkpoint.saved" in log_lines[-1]
-        await asyncio.to_thread(
-            wait.until, lambda d: d.find_element(By.ID, "stream-state").text.startswith("live")
-        )
-        shot = tmp_path / "dashboard.png"
-        await asyncio.to_thread(driver.save_screenshot, str(shot))
-        # Reloading the tab keeps the session (sessionStorage) and replays the log once, not twice.
-        await asyncio.to_thread(driver.refresh)
-        await asyncio.to_thread(wait.until, lambda d: points(d) == 7)
-        assert await asyncio.to_thread(lambda: len(driver.find_elements(By.CSS_SELECTOR, "#events li"))) == 8
-        # The jobs list shows a real job with its state; its link opens the job's page.
-        await run_echo_job(board)
+            await asyncio.to_thread(sign_in)
+            assert await asyncio.to_thread(text, driver, "job-state") == "RUNNING"
+            # The trainer goes on: the curve grows while the page is open.
+            for step in (4, 5, 6, 7):
+                await board.publish(step_event(step, 0.1 * step + (0.05 if step % 2 else 0.0)))
+            await asyncio.to_thread(wait.until, lambda d: points(d) == 7)
+            assert await asyncio.to_thread(checkpoint_rows, driver) == []
+            await board.publish(saved_event(7))
+            rows = await asyncio.to_thread(wait.until, lambda d: checkpoint_rows(d) or None)
+            assert rows[0].startswith("step-7 7 ")
+            lines = await asyncio.to_thread(log_lines, driver)
+            assert sum("train.step" in line for line in lines) == 7 and "checkpoint.saved" in lines[-1]
+            assert any(line.endswith("job.state_changed job RUNNING") for line in lines)  # the scheduler's
+            await asyncio.to_thread(wait.until, lambda d: text(d, "stream-state").startswith("live"))
+            shot = tmp_path / "dashboard.png"
+            await asyncio.to_thread(driver.save_screenshot, str(shot))
+            # Reloading the tab keeps the session (sessionStorage) and replays the log once, not twice.
+            await asyncio.to_thread(driver.refresh)
+            await asyncio.to_thread(wait.until, lambda d: points(d) == 7)
+            assert await asyncio.to_thread(log_lines, driver) == lines
 
-        def jobs_list() -> list[str]:
-            driver.get(board.base + "/")
-            return wait.until(
-                lambda d: [r.text for r in d.find_elements(By.CSS_SELECTOR, "#jobs tbody tr")] or None
-            )
+            # The jobs list shows the job with its state.
+            def jobs_list() -> list[str]:
+                driver.get(board.base + "/")
+                return wait.until(
+                    lambda d: [r.text for r in d.find_elements(By.CSS_SELECTOR, "#jobs tbody tr")] or None
+                )
 
-        listed = await asyncio.to_thread(jobs_list)
-        assert listed[0].startswith("echo SUCCEEDED ") and listed[0].endswith("1/1 tasks done")
+            listed = await asyncio.to_thread(jobs_list)
+            assert listed[0].startswith("rl RUNNING ") and listed[0].endswith("0/1 tasks done")
+    finally:
+        await board.acme.CancelJob(pb.CancelJobRequest(name=JOB))
     assert shot.stat().st_size > 0
     if os.environ.get("TANDEM_UPDATE_SCREENSHOT") == "1":
         shutil.copyfile(shot, ROOT / "docs" / "dashboard.png")
