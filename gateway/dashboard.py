@@ -15,7 +15,8 @@ The event stream (`GET /api/v1/orgs/{org}/jobs/{job}/events`) relays the events 
 event is one SSE message whose `id:` is the event's seq and whose data is the event as proto3 JSON. A
 reconnecting browser sends `Last-Event-ID` and the stream resumes with `after_seq` set to it (the page also
 passes `?after=` when it opens a new EventSource), so an event is never repeated nor missed. While idle the
-stream sends `event: heartbeat` messages (no id) with the log's cursor; `event: end` closes a finished job.
+stream sends `event: heartbeat` messages (no id) with the log's cursor; `event: end` closes a finished job's
+stream, `event: failure` (the reason as `code`) one the events service ended with an error.
 """
 
 from __future__ import annotations
@@ -331,7 +332,9 @@ class Dashboard:
                     yield _sse([("event", "end"), ("data", json.dumps(end))])
                     return
         except TandemError as error:
-            yield _sse([("event", "error"), ("data", json.dumps({"code": error.reason_name}))])
+            # Named `failure`: EventSource's own `error` event is the connection's.
+            failure = {"code": error.reason_name, "message": error.message}
+            yield _sse([("event", "failure"), ("data", json.dumps(failure))])
         finally:
             await stream.aclose()
 

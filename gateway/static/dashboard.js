@@ -187,6 +187,12 @@ async function openStream() {
   source.onopen = () => { $("stream-state").textContent = "live"; };
   source.addEventListener("heartbeat", () => { $("stream-state").textContent = "live (idle)"; });
   source.addEventListener("end", () => { $("stream-state").textContent = "finished"; source.close(); });
+  source.addEventListener("failure", (message) => {
+    // The events service ended the stream with an error: say which, and try again a little later.
+    source.close();
+    $("stream-state").textContent = "stream failed: " + JSON.parse(message.data).code;
+    setTimeout(openStream, 5000);
+  });
   source.onerror = () => {
     // CONNECTING: the browser retries by itself with Last-Event-ID. CLOSED (an expired stream token is
     // refused with 401): open a new stream after the last event seen.

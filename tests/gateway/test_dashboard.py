@@ -160,6 +160,11 @@ async def test_the_event_stream_has_seq_ids_and_resumes_from_last_event_id(board
         async with stream(http, path, headers=resume) as (response, sse):
             got = await sse.events(4)
             assert [int(e["sse_id"]) for e in got] == [first[2], *live, *later]  # no repeat, no gap
+        # A cursor past the log's end is the events service's answer, as a `failure` message.
+        ahead = {**bearer(board.acme_key), "Last-Event-ID": str(later[-1] + 100)}
+        async with stream(http, path, headers=ahead) as (_, sse):
+            failed = await asyncio.wait_for(sse.next(), 60)
+            assert failed["event"] == "failure" and json.loads(failed["data"])["code"] == "CURSOR_AHEAD"
         # A new EventSource carries `?after=`; Last-Event-ID, when both are sent, wins.
         async with stream(http, path, headers=bearer(board.acme_key), params={"after": later[0]}) as (_, sse):
             assert [int(e["sse_id"]) for e in await sse.events(1)] == [later[1]]
