@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 import httpx
-from opentelemetry import propagate
+from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -40,9 +40,10 @@ from starlette.routing import Route
 from tandem_taskapp import schema
 from tandem_taskapp.errors import InvalidArgument, InvalidResult, PolicyError, TurnLimitReached
 from tandem_taskapp.models import MAX_SEED, Result, RolloutRequest, Turn, is_finite_number, normalize_mode
-from tandem_taskapp.policy import DEFAULT_TIMEOUT_S, Policy, policy_session
+from tandem_taskapp.policy import DEFAULT_TIMEOUT_S, Policy, episode_context, policy_session
 
 log = logging.getLogger("tandem_taskapp")
+_tracer = trace.get_tracer("tandem_taskapp")
 
 TaskInfoFn = Callable[[int], Mapping[str, Any] | Awaitable[Mapping[str, Any]]]
 RolloutFn = Callable[..., Awaitable[Result | float]]
@@ -404,6 +405,11 @@ class _Server:
             if self._session is not None:
                 owned, self._session = self._session[1], None
                 await owned.close()
+            # The episodes' spans leave before the process does: uvicorn re-raises SIGTERM once shut down,
+            # which ends the process without running exit handlers.
+            flush = getattr(trace.get_tracer_provider(), "force_flush", None)
+            if callable(flush):
+                await asyncio.to_thread(flush)
 
     # -- auth ------------------------------------------------------------------------------------------
 
@@ -561,6 +567,21 @@ class _Server:
     # -- the episode -----------------------------------------------------------------------------------
 
     async def _play(self, spec: RolloutRequest, parent: Context) -> dict[str, Any]:
+        # The episode's server span continues the caller's trace (its `traceparent`), or the trace derived
+        # from the correlation id; the policy calls are its children.
+        with _tracer.start_as_current_span(
+            "taskapp.rollout",
+            context=episode_context(parent, spec.trace_correlation_id),
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "tandem.trace_correlation_id": spec.trace_correlation_id,
+                "tandem.task_app": self.task_app.name,
+            },
+        ) as span:
+            parent = trace.set_span_in_context(span, parent)
+            return await self._play_episode(spec, parent)
+
+    async def _play_episode(self, spec: RolloutRequest, parent: Context) -> dict[str, Any]:
         app = self.task_app
         max_turns = spec.limits.max_turns or app.max_turns
         max_seconds = spec.limits.max_seconds or app.max_seconds

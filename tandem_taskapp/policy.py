@@ -65,7 +65,7 @@ class Policy:
         self._session_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
         self._timeout = timeout
         self._headers = dict(headers or {})
-        self._parent_context = _episode_context(parent_context, trace_correlation_id)
+        self._parent_context = episode_context(parent_context, trace_correlation_id)
         self._turns: list[Turn] = []
         self._history: list[Message] = []
         self.turns_used = 0
@@ -210,7 +210,7 @@ class Policy:
             propagate.inject(headers)
             return
         # No tracing SDK is configured: still send a valid traceparent, a fresh child of the episode's
-        # context (see _episode_context), so every call of the episode shares one trace.
+        # context (see episode_context), so every call of the episode shares one trace.
         parent = trace.get_current_span(self._parent_context).get_span_context()
         child = SpanContext(
             trace_id=parent.trace_id,
@@ -290,7 +290,7 @@ def _first_message(response: Mapping[str, Any]) -> Mapping[str, Any]:
     raise PolicyError("policy answered a choice without a message")
 
 
-def _episode_context(parent: Context | None, trace_correlation_id: str) -> Context:
+def episode_context(parent: Context | None, trace_correlation_id: str) -> Context:
     """The context every policy call of the episode is a child of, so the episode is one trace: the incoming
     request's trace when it carried one, else a trace whose id is derived from the correlation id."""
     if trace.get_current_span(parent).get_span_context().is_valid:

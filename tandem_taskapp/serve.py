@@ -3,7 +3,8 @@
 
 The file (or a dotted module name, optionally `module:attribute`) must define a module-level
 `app: TaskApp`. The environment key comes from `ENVIRONMENT_API_KEY`, or from the first line of standard
-input with `--key-from-stdin`; it is never logged or printed."""
+input with `--key-from-stdin`; it is never logged or printed. Spans go to `TANDEM_OTLP_ENDPOINT` or the file
+in `TANDEM_TRACE_FILE` when either is set (see `configure_tracing`)."""
 
 from __future__ import annotations
 
@@ -68,8 +69,22 @@ def serve(
     key = api_key if api_key is not None else os.environ.get(KEY_ENV) or None
     if key is None and require_key:
         raise ValueError(f"no environment key: set {KEY_ENV} or pass --key-from-stdin")
+    configure_tracing(task_app.name)
     asgi = create_app(task_app, key, public_health=public_health)
     uvicorn.run(asgi, host=host, port=port, log_level=log_level, access_log=False, server_header=False)
+
+
+def configure_tracing(service_name: str) -> None:
+    """Export this process's spans (the episodes' server spans and their policy calls) to the OTLP collector
+    in `TANDEM_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_ENDPOINT`), else to the JSON-lines file in
+    `TANDEM_TRACE_FILE`; with neither the app records no spans, and still passes each rollout's trace context
+    on to its policy calls."""
+    endpoint = os.environ.get("TANDEM_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    trace_file = os.environ.get("TANDEM_TRACE_FILE", "")
+    if endpoint or trace_file:
+        from mesh.observability import configure_tracing as configure  # noqa: PLC0415
+
+        configure(f"taskapp-{service_name}", endpoint, Path(trace_file or "traces.jsonl"))
 
 
 def _read_key(stream: TextIO) -> str:

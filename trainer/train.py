@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from opentelemetry import trace
 from tandem.events.v1 import event_pb2, events_service_pb2
 from tandem.inference.v1 import inference_service_pb2 as ipb
 from tandem.inference.v1 import trace_pb2
@@ -50,6 +51,7 @@ from trainer.progress import Progress
 from trainer.ranks import Ranks, StepShard, Update
 
 log = logging.getLogger("tandem.trainer")
+_tracer = trace.get_tracer("tandem.trainer")
 MAX_BAD_STEPS = 3  # consecutive non-finite losses before the job stops
 MAX_EMPTY_STEPS = 5  # consecutive steps without one usable group before the job stops
 WORKER_PROBE_S = 10.0  # how long a worker has to answer GetWorkerInfo after a batch with failed episodes
@@ -252,6 +254,14 @@ class Trainer:
         its result arrives. A broken stream is reopened for the episodes without a result (the correlation id
         makes the repeat idempotent: the proxy answers finished ones from its record and joins running ones)."""
         plans = {p.cid: p for group in planned for p in group}
+        # One span over the step's rollouts: the trace every rollout of the step follows through the proxy,
+        # the Task App and its policy calls to the workers.
+        with _tracer.start_as_current_span("trainer.rollouts", attributes={"tandem.episodes": len(plans)}):
+            return await self._play_stream(plans, planned, env_config)
+
+    async def _play_stream(
+        self, plans: dict[str, Planned], planned: list[list[Planned]], env_config: Any
+    ) -> list[list[Episode]]:
         done: dict[str, Episode] = {}
         answered: set[str] = set()
         sealing: list[asyncio.Task[None]] = []

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import httpx
 from google.protobuf import json_format
+from opentelemetry import propagate, trace
 from tandem.taskapp.v1 import rollout_pb2, task_app_pb2
 
 from tandem_taskapp import schema
@@ -34,6 +35,7 @@ KeyFetcher = Callable[[str], Awaitable[str]]
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 BREAKER_KINDS = frozenset({Kind.KIND_UNREACHABLE, Kind.KIND_TIMEOUT, Kind.KIND_HTTP_STATUS})
 MAX_CONNECTIONS = 1024
+_tracer = trace.get_tracer("tandem.taskapp_proxy")
 
 
 def http_session(max_connections: int = MAX_CONNECTIONS) -> aiohttp.ClientSession:
@@ -301,11 +303,31 @@ class RolloutRunner:
         key: str,
         deadline: float,
     ) -> tuple[rollout_pb2.RolloutResult, int]:
+        url = app.base_url.rstrip("/") + "/rollout"
+        with _tracer.start_as_current_span(
+            "taskapp.rollout",
+            kind=trace.SpanKind.CLIENT,
+            attributes={"tandem.trace_correlation_id": spec.trace_correlation_id, "url.full": url},
+        ) as span:
+            result, attempts = await self._attempts_traced(state, spec, key, url, deadline)
+            span.set_attribute("tandem.attempts", attempts)
+            if result.HasField("error"):
+                span.set_status(trace.StatusCode.ERROR, result.error.message)
+            return result, attempts
+
+    async def _attempts_traced(
+        self,
+        state: _AppState,
+        spec: rollout_pb2.RolloutSpec,
+        key: str,
+        url: str,
+        deadline: float,
+    ) -> tuple[rollout_pb2.RolloutResult, int]:
         headers = {"X-API-Key": key} if key else {}
         headers["X-Trace-Correlation-Id"] = spec.trace_correlation_id
         headers["Content-Type"] = "application/json"
+        propagate.inject(headers)  # the app's spans continue this rollout's trace (W3C traceparent)
         body = encode_json(spec_json(spec))  # once per episode, not per attempt
-        url = app.base_url.rstrip("/") + "/rollout"
         attempts = 0
         backoff = 0.1
         while True:

@@ -10,7 +10,7 @@ token ids), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `sto
 `seed`, `logprobs` + `top_logprobs` (chat) or `logprobs: N` (completions), `n` (1 only),
 `chat_template_kwargs`. The answer adds a `tandem` object: the weight version and the prompt and completion
 token ids. Errors have OpenAI's shape, `{"error": {"message", "type", "code"}}`, with the mesh's stable
-reason as `code`.
+reason as `code`. Each completion is a server span continuing the caller's W3C `traceparent`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import propagate, trace
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from trainer.inference.worker import InferenceWorker
 
 CORRELATION_HEADER = "x-trace-correlation-id"
+_tracer = trace.get_tracer("tandem.inference.openai")
 MAX_BODY_BYTES = 16 * 1024 * 1024
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
@@ -92,6 +95,17 @@ def _sampling(body: dict[str, Any], chat: bool) -> Sampling:
     )
 
 
+def _server_span(request: Request, name: str) -> AbstractContextManager[trace.Span]:
+    """The request's server span, a child of the caller's `traceparent` (a Task App's policy call), so a
+    generation is part of its rollout's trace."""
+    return _tracer.start_as_current_span(
+        name,
+        context=propagate.extract(request.headers),
+        kind=trace.SpanKind.SERVER,
+        attributes={"http.request.method": request.method, "url.path": request.url.path},
+    )
+
+
 class OpenAIApi:
     def __init__(self, worker: InferenceWorker) -> None:
         self.worker = worker
@@ -141,10 +155,12 @@ class OpenAIApi:
         )
 
     async def chat(self, request: Request) -> Response:
-        return await self._complete(request, chat=True)
+        with _server_span(request, "openai.chat_completions"):
+            return await self._complete(request, chat=True)
 
     async def completions(self, request: Request) -> Response:
-        return await self._complete(request, chat=False)
+        with _server_span(request, "openai.completions"):
+            return await self._complete(request, chat=False)
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
         if not self._authorized(request):

@@ -44,7 +44,8 @@ class Worker:
 def worker_env(
     model_dir: Path, folder: Path, mesh_key: str, extra: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    # The worker's own settings, not the caller's; the OTLP collector (when one is set) is shared.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") or k == "TANDEM_OTLP_ENDPOINT"}
     env.update(
         {
             "TANDEM_STATE_DIR": str(folder / "state"),
