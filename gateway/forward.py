@@ -58,9 +58,10 @@ class ForwardTokens:
 
 
 class Forwarded(TandemError):
-    """An internal service's failure, re-raised with its own code, reason and details."""
+    """An internal service's failure, re-raised with its own code, reason and details (`Forwarded.of`)."""
 
-    def __init__(self, error: RpcError) -> None:
+    @classmethod
+    def of(cls, error: RpcError) -> Forwarded:
         reason = R.ERROR_REASON_UNSPECIFIED
         if error.reason:
             try:
@@ -77,14 +78,15 @@ class Forwarded(TandemError):
                 else R.ERROR_REASON_DEPENDENCY_UNAVAILABLE
             )
         metadata = {k: v for k, v in error.metadata.items() if k != "request_id"}
-        super().__init__(
+        forwarded = cls(
             error.message,
             reason=reason,
             metadata=metadata,
             violations=error.violations,
             retry_after_s=error.retry_after_s,
         )
-        self.code = code
+        forwarded.code = code
+        return forwarded
 
 
 def convert(message: Message, target: type[M]) -> M:

@@ -151,7 +151,7 @@ async def _forwarded(call: Awaitable[T]) -> T:
     try:
         return await call
     except RpcError as error:
-        raise Forwarded(error) from None
+        raise Forwarded.of(error) from None
 
 
 MIN_KEY_TTL_S = 3600.0
@@ -593,7 +593,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             async for item in stream:
                 yield convert(item, pb.StreamJobLogsResponse)
         except RpcError as error:
-            raise Forwarded(error) from None
+            raise Forwarded.of(error) from None
 
     # ---- events (events service) --------------------------------------------------------------
 
@@ -608,7 +608,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             async for item in stream:
                 yield convert(item, pb.SubscribeEventsResponse)
         except RpcError as error:
-            raise Forwarded(error) from None
+            raise Forwarded.of(error) from None
 
     async def ListEvents(self, request: pb.ListEventsRequest, context: Context) -> pb.ListEventsResponse:
         scope = self._scope(request.job, R.ERROR_REASON_JOB_NOT_FOUND)
@@ -679,7 +679,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             except RpcError as error:
                 if error.code == grpc.StatusCode.NOT_FOUND:
                     return None
-                raise Forwarded(error) from None
+                raise Forwarded.of(error) from None
             return reply.job
 
         async def create_job(org: str, job_id: str, spec: job_spec_pb2.JobSpec) -> job_pb2.Job:

@@ -182,7 +182,8 @@ async def local_environment(job: Job, output_dir: Path, *, mesh_key: str = "") -
     mesh tokens (`TANDEM_MESH_KEY`), so callers that hold it can reach the TrainerService; a fresh one when
     empty."""
     output_dir = await asyncio.to_thread(_prepare, output_dir)
-    await asyncio.to_thread(ensure_model, job.config.model)
+    # Every process of the job reads the model from the same absolute folder, whatever its working directory.
+    job.config.model.dir = str(await asyncio.to_thread(ensure_model, job.config.model))
     target = job.config.task_app
     org = target.name.split("/")[1] if target.name else "local"
     app_id = target.name.rsplit("/", 1)[-1] if target.name else "app"

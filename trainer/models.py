@@ -205,7 +205,7 @@ def build_tiny_model(
 def ensure_model(model: config_pb2.ModelConfig) -> Path:
     """The job's model directory; built first from `model.build` when it holds no model yet. The build goes to
     a folder beside it that is renamed into place, so an interrupted build never leaves half a model."""
-    path = Path(model.dir)
+    path = Path(model.dir).absolute()  # workers and trainer ranks run from other folders
     if (path / "config.json").is_file():
         return path
     if not model.HasField("build"):
