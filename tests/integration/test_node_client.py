@@ -1,6 +1,8 @@
 """The contracts are usable outside Python: `tandem up` runs as a subprocess and tests/node/client.mjs drives
 it from Node.js with @grpc/grpc-js and @grpc/proto-loader, given nothing but the .proto files (a health
-check, the public GetServerInfo, and an unauthenticated PutSecret whose ErrorInfo reason it decodes)."""
+check, the public GetServerInfo, and an unauthenticated PutSecret whose ErrorInfo reason it decodes);
+tests/node/full_flow.mjs drives the whole flow (an organization, a sealed secret, a Task App, an online-RL
+job followed to its end, its checkpoints) the same way."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import importlib.util
 import json
 import os
 import queue
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -24,6 +28,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENT = REPO / "tests" / "node" / "client.mjs"
+FULL_FLOW = REPO / "tests" / "node" / "full_flow.mjs"
 READY_LINE = "Press Ctrl-C to stop."
 PORT_SETTINGS = ("GATEWAY", "VAULT", "SCHEDULER", "TASKAPP_PROXY", "EVENTS")
 START_TIMEOUT_S = 30.0
@@ -36,11 +41,9 @@ def _node_or_skip() -> str:
     missing = []
     if node is None:
         missing.append("`node` (Node.js 20) on PATH")
-    if (
-        not (REPO / "node_modules" / "@grpc" / "grpc-js").is_dir()
-        or not (REPO / "node_modules" / "@grpc" / "proto-loader").is_dir()
-    ):
-        missing.append("node_modules/@grpc/grpc-js and @grpc/proto-loader (run `npm ci` in the repo root)")
+    modules = ("@grpc/grpc-js", "@grpc/proto-loader", "libsodium-wrappers")
+    if not all((REPO / "node_modules" / name).is_dir() for name in modules):
+        missing.append("node_modules/" + ", ".join(modules) + " (run `npm ci` in the repo root)")
     if missing:
         message = "the Node.js client test needs " + " and ".join(missing)
         if os.environ.get("CI"):
@@ -199,3 +202,102 @@ def test_node_client_drives_the_mesh_from_the_protos_alone(tmp_path: Path) -> No
 
         assert mesh.stop(STOP_TIMEOUT_S) == 0, mesh.text()
         assert "Tandem stopped." in mesh.text()
+
+
+def _tiny_config(path: Path, org: str, model_dir: Path) -> None:
+    """examples/jobs/demo.toml cut to 2 steps of 4 prompts x 4 episodes, a checkpoint each step, the model
+    built in `model_dir`, the Task App of organization `org`."""
+    text = (REPO / "examples" / "jobs" / "demo.toml").read_text()
+    for pattern, value in {
+        r"^name = .*$": f'name = "orgs/{org}/taskApps/single-turn"',
+        r"^dir = .*$": f'dir = "{model_dir}"',
+        r"^steps = .*$": "steps = 2",
+        r"^group_size = .*$": "group_size = 4",
+        r"^prompts_per_step = .*$": "prompts_per_step = 4",
+        r"^checkpoint_interval = .*$": "checkpoint_interval = 1",
+    }.items():
+        text, count = re.subn(pattern, value, text, count=1, flags=re.MULTILINE)
+        assert count == 1, pattern
+    path.write_text(text)
+
+
+@contextmanager
+def _example_app(key: str) -> Iterator[str]:
+    """The example single-turn Task App served on a free port with `key`."""
+    port = _free_ports(1)[0]
+    script = REPO / "examples" / "taskapps" / "single_turn.py"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tandem_taskapp.serve", str(script), "--port", str(port)],
+        cwd=REPO,
+        env={**os.environ, "ENVIRONMENT_API_KEY": key},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert process.poll() is None and time.monotonic() < deadline, (
+                "the example Task App did not start"
+            )
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=STOP_TIMEOUT_S)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_node_client_runs_the_full_flow_from_the_protos_alone(tmp_path: Path) -> None:
+    node = _node_or_skip()
+    org = "node"
+    config = tmp_path / "job.toml"
+    _tiny_config(config, org, tmp_path / "model")
+    key = secrets.token_urlsafe(24)
+    state_dir = tmp_path / "state"
+    with running_mesh(state_dir) as mesh, _example_app(key) as app_url:
+        mesh.wait_ready(START_TIMEOUT_S)
+        result = subprocess.run(
+            [
+                node,
+                str(FULL_FLOW),
+                "--gateway",
+                mesh.target("GATEWAY"),
+                "--state-dir",
+                str(state_dir),
+                "--protos",
+                str(REPO / "protos"),
+                "--task-app-url",
+                app_url,
+                "--config",
+                str(config),
+                "--org",
+                org,
+                "--job-timeout-s",
+                "360",
+            ],
+            cwd=REPO,
+            env={**os.environ, "TANDEM_ENV_KEY": key},
+            capture_output=True,
+            text=True,
+            timeout=420,
+            check=False,
+        )
+        report = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\nmesh:\n{mesh.text()}"
+        assert result.returncode == 0, report
+        summary: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+        assert summary["org"] == f"orgs/{org}"
+        assert summary["secret"] == f"orgs/{org}/secrets/single-turn-key"
+        assert summary["task_app"] == f"orgs/{org}/taskApps/single-turn" and summary["checks"] > 0
+        assert summary["job"] == f"orgs/{org}/jobs/node-rl"
+        assert summary["terminal_state"] == "STATE_SUCCEEDED", report
+        assert summary["job_states"][-1] == "STATE_SUCCEEDED", report
+        # The trainer's step events reach the job's stream only where the trainer publishes them to the
+        # scheduling mesh; when they do, they come in step order.
+        assert summary["train_steps"] in ([], [1, 2]), report
+        assert summary["checkpoints"] == [] or {c["step"] for c in summary["checkpoints"]} == {1, 2}, report
+        print(json.dumps(summary))
+        assert mesh.stop(STOP_TIMEOUT_S) == 0, mesh.text()
