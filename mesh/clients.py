@@ -44,15 +44,18 @@ def _with_metadata(
 class _Identity:
     """Caches this process's service token and renews it well before it expires."""
 
-    def __init__(self, signer: TokenSigner | None, subject: str, token: str = "") -> None:
+    def __init__(self, signer: TokenSigner | None, subject: str, token: str | Callable[[], str] = "") -> None:
         self._signer = signer
         self._subject = subject
-        self._token = token
+        self._source = token if callable(token) else None  # a token someone else renews (a job's)
+        self._token = "" if callable(token) else token
         self._renew_at = float("inf") if token else 0.0
 
     def metadata(self) -> list[tuple[str, str]]:
         extra: list[tuple[str, str]] = []
-        if self._signer is not None and time.time() >= self._renew_at:
+        if self._source is not None:
+            self._token = self._source()
+        elif self._signer is not None and time.time() >= self._renew_at:
             self._token = self._signer.issue("service", self._subject, ttl_s=TOKEN_TTL_S)
             self._renew_at = time.time() + TOKEN_TTL_S / 2
         if self._token:
@@ -149,9 +152,10 @@ def open_channel(
     *,
     signer: TokenSigner | None = None,
     subject: str = "client",
-    token: str = "",
+    token: str | Callable[[], str] = "",
 ) -> grpc.aio.Channel:
-    """A channel whose calls carry identity and deadlines. Pass `signer` (mesh services) or a `token`."""
+    """A channel whose calls carry identity and deadlines. Pass `signer` (mesh services) or a `token` (or a
+    function that answers the current one, for a token that is renewed while the channel is open)."""
     from opentelemetry.instrumentation.grpc import aio_client_interceptors  # noqa: PLC0415
 
     identity = _Identity(signer, subject, token)

@@ -21,7 +21,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import httpx
 from tandem.events.v1 import events_service_pb2_grpc
 from tandem.inference.v1 import inference_service_pb2 as ipb
 from tandem.inference.v1 import inference_service_pb2_grpc
+from tandem.scheduler.v1 import scheduler_service_pb2, scheduler_service_pb2_grpc
 from tandem.taskapp.v1 import task_app_pb2, taskapp_service_pb2, taskapp_service_pb2_grpc
 from tandem.vault.v1 import vault_service_pb2, vault_service_pb2_grpc
 from transformers.utils import logging as transformers_logging
@@ -39,7 +41,7 @@ from mesh.identity import TokenSigner, load_signing_key
 from mesh.observability import configure_logging
 from mesh.secrets import seal_for_upload
 from mesh.server import RunningService, serve
-from mesh.settings import Ports, Settings
+from mesh.settings import Ports, Settings, Targets
 from mesh.status import RpcError
 from trainer.config import Job, load_job
 from trainer.control import Control
@@ -101,13 +103,20 @@ def _task_app(script: Path, key: str) -> Iterator[str]:
             proc.wait()
 
 
-@contextlib.asynccontextmanager
-async def _mesh(state_dir: Path, mesh_key: str) -> AsyncIterator[Settings]:
-    settings = Settings(
+def _local_settings(state_dir: Path, mesh_key: str) -> Settings:
+    """Settings for what this process starts on loopback (its own services, workers and TrainerService):
+    ports picked at start, and no targets from the environment (those name the scheduler's mesh)."""
+    return Settings(
         state_dir=state_dir,
         mesh_key=mesh_key,
         ports=Ports(gateway=0, vault=0, scheduler=0, taskapp_proxy=0, events=0),
+        targets=Targets(),
     )
+
+
+@contextlib.asynccontextmanager
+async def _mesh(state_dir: Path, mesh_key: str) -> AsyncIterator[Settings]:
+    settings = _local_settings(state_dir, mesh_key)
     stop = asyncio.Event()
     ready = asyncio.Event()
 
@@ -175,18 +184,122 @@ def _prepare(folder: Path) -> Path:
     return folder
 
 
+@dataclass
+class ScheduledMesh:
+    """The mesh that scheduled this job: its name, the task's job token (renewed by `_renew`) and the
+    settings whose targets (`TANDEM_TARGETS__*`) reach the mesh's services."""
+
+    job: str
+    token: str
+    settings: Settings
+
+    def current_token(self) -> str:
+        return self.token
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def scheduled_mesh(environ: Mapping[str, str] = os.environ) -> ScheduledMesh | None:
+    """The one rule of the two modes: scheduled when the environment names a mesh (`TANDEM_JOB`,
+    `TANDEM_JOB_TOKEN`, `TANDEM_TARGETS__EVENTS` and `TANDEM_TARGETS__TASKAPP_PROXY`, as the scheduler
+    provides), embedded (every service on loopback) otherwise."""
+    names = ("TANDEM_JOB", "TANDEM_JOB_TOKEN", "TANDEM_TARGETS__EVENTS", "TANDEM_TARGETS__TASKAPP_PROXY")
+    if not all(environ.get(name) for name in names):
+        return None
+    targets = Targets(**{s: environ.get(f"TANDEM_TARGETS__{s.upper()}", "") for s in Targets.model_fields})
+    return ScheduledMesh(environ["TANDEM_JOB"], environ["TANDEM_JOB_TOKEN"], Settings(targets=targets))
+
+
+async def _renew(mesh: ScheduledMesh) -> None:
+    """Keep the job token fresh for a job that outlives it: RefreshJobToken at half of each token's
+    remaining life (and at start, which tells when the scheduler's token expires)."""
+    if not mesh.settings.targets.scheduler:
+        return
+    async with open_channel(mesh.settings.target("scheduler"), mesh.settings) as channel:
+        scheduler = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
+        while True:
+            try:
+                reply = await scheduler.RefreshJobToken(
+                    scheduler_service_pb2.RefreshJobTokenRequest(job_token=mesh.token)
+                )
+                mesh.token = reply.job_token
+                wait = max(10.0, (reply.expire_time.ToSeconds() - time.time()) / 2)
+            except RpcError as error:
+                log.warning("could not renew the job token (%s); trying again in a minute", error.reason)
+                wait = 60.0
+            await asyncio.sleep(wait)
+
+
+async def _registered(proxy: Any, name: str) -> bool:
+    """Whether the scheduler's mesh has the Task App `name` for this job's organization."""
+    try:
+        await proxy.GetTaskApp(taskapp_service_pb2.GetTaskAppRequest(name=name))
+    except RpcError as error:
+        if error.reason == "TASK_APP_NOT_FOUND":
+            return False
+        raise
+    return True
+
+
+async def _embedded(
+    stack: contextlib.AsyncExitStack, job: Job, output_dir: Path, mesh_key: str
+) -> tuple[Settings, str]:
+    """The embedded events, vault and taskapp-proxy on loopback, with the config's Task App registered there
+    (its `base_url`, else the example app it names, played from examples/taskapps); stopped with `stack`.
+    Answers their settings and the app's name."""
+    target = job.config.task_app
+    org = target.name.split("/")[1] if target.name else "local"
+    app_id = target.name.rsplit("/", 1)[-1] if target.name else "app"
+    key = secrets.token_hex(16)
+    url = target.base_url or stack.enter_context(_task_app(_example_script(target.name), key))
+    settings = await stack.enter_async_context(_mesh(output_dir / "mesh", mesh_key))
+    algorithm = job.config.algorithm
+    batch = algorithm.prompts_per_step * algorithm.group_size * (job.max_staleness + 1)
+    return settings, await _register(settings, org, app_id, url, key, batch)
+
+
+async def _start_workers(
+    job: Job, replicas: Sequence[Sequence[int]], output_dir: Path, mesh_key: str, workers: list[Worker]
+) -> None:
+    """The inference workers of the placement plan, one per replica (its GPUs), added to `workers` as each
+    starts, so that the caller stops the ones started when a later one fails."""
+    for index, gpus in enumerate(replicas):
+        extra = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
+        extra["TANDEM_WORKER_MODEL_PATH"] = job.config.model.dir
+        if job.config.model.dtype:
+            extra["TANDEM_WORKER_DTYPE"] = job.config.model.dtype
+        folder = output_dir / f"worker-{index}"
+        workers.append(
+            await asyncio.to_thread(start_worker, Path(job.config.model.dir), folder, mesh_key, extra)
+        )
+
+
+async def _endpoint(worker: Worker, channel: Any) -> WorkerEndpoint:
+    stub = inference_service_pb2_grpc.InferenceServiceStub(channel)
+    info = await stub.GetWorkerInfo(ipb.GetWorkerInfoRequest())
+    return WorkerEndpoint(stub, worker.openai_base_url, info.worker_info.model)
+
+
 @contextlib.asynccontextmanager
-async def local_environment(job: Job, output_dir: Path, *, mesh_key: str = "") -> AsyncIterator[Environment]:
-    """Everything the job talks to, on loopback, stopped on the way out, and the trainer's own
-    TrainerService (its address in `<output>/trainer.json`). `mesh_key` is the seed of the key that signs
-    mesh tokens (`TANDEM_MESH_KEY`), so callers that hold it can reach the TrainerService; a fresh one when
-    empty."""
+async def local_environment(
+    job: Job, output_dir: Path, *, mesh_key: str = "", mesh: ScheduledMesh | None = None
+) -> AsyncIterator[Environment]:
+    """Everything the job talks to, stopped on the way out, and the trainer's own TrainerService (its
+    address in `<output>/trainer.json`). Embedded (`mesh` None): events, vault and taskapp-proxy on
+    loopback. Scheduled: events go to `mesh`'s stream of its job, and rollouts through its taskapp-proxy when
+    the config's Task App is registered there; an example app that is not is played on loopback, as
+    embedded. The inference workers always run here. `mesh_key` is the seed of the key that signs this
+    process's own tokens (its workers' and its TrainerService's; `TANDEM_MESH_KEY`), so callers that hold
+    it can reach the TrainerService; a fresh one when empty."""
     output_dir = await asyncio.to_thread(_prepare, output_dir)
     # Every process of the job reads the model from the same absolute folder, whatever its working directory.
     job.config.model.dir = str(await asyncio.to_thread(ensure_model, job.config.model))
     target = job.config.task_app
     org = target.name.split("/")[1] if target.name else "local"
-    app_id = target.name.rsplit("/", 1)[-1] if target.name else "app"
     mesh_key = mesh_key or secrets.token_hex(32)
     topology = job.config.topology
     placed = plan(
@@ -195,67 +308,64 @@ async def local_environment(job: Job, output_dir: Path, *, mesh_key: str = "") -
         topology.tensor_parallel_size if topology.HasField("tensor_parallel_size") else 1,
         job.reference,
     )
-    key = secrets.token_hex(16)
     workers: list[Worker] = []
     ranks: Ranks | None = None  # trainer ranks 1..N-1 (this process is rank 0)
     channels = []
-    with contextlib.ExitStack() as stack:
-        url = target.base_url or stack.enter_context(_task_app(_example_script(target.name), key))
-        async with _mesh(output_dir / "mesh", mesh_key) as settings:
-            try:
-                algorithm = job.config.algorithm
-                batch = algorithm.prompts_per_step * algorithm.group_size * (job.max_staleness + 1)
-                task_app = await _register(settings, org, app_id, url, key, batch)
-                for index, gpus in enumerate(placed.inference):
-                    extra = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
-                    extra["TANDEM_WORKER_MODEL_PATH"] = job.config.model.dir
-                    if job.config.model.dtype:
-                        extra["TANDEM_WORKER_DTYPE"] = job.config.model.dtype
-                    workers.append(
-                        await asyncio.to_thread(
-                            start_worker,
-                            Path(job.config.model.dir),
-                            output_dir / f"worker-{index}",
-                            mesh_key,
-                            extra,
-                        )
-                    )
-                devices = devices_for(job, placed.trainer)
-                ranks = await asyncio.to_thread(start_ranks, job, output_dir, devices)
-                signer = TokenSigner(load_signing_key(mesh_key, settings.state_dir))
-                endpoints = []
-                for worker in workers:
-                    channel = open_channel(worker.grpc_address, settings, signer=signer, subject="trainer")
-                    channels.append(channel)
-                    stub = inference_service_pb2_grpc.InferenceServiceStub(channel)
-                    info = await stub.GetWorkerInfo(ipb.GetWorkerInfoRequest())
-                    endpoints.append(WorkerEndpoint(stub, worker.openai_base_url, info.worker_info.model))
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            proxy_channel = events_channel = None
+            if mesh is not None:
+                stack.push_async_callback(_stop, asyncio.create_task(_renew(mesh), name="job-token"))
+                remote = mesh.settings
+                events_channel = open_channel(remote.target("events"), remote, token=mesh.current_token)
+                proxy_channel = open_channel(remote.target("taskapp_proxy"), remote, token=mesh.current_token)
+                channels += [events_channel, proxy_channel]
+                task_app = target.name
+                if not target.name or not await _registered(
+                    taskapp_service_pb2_grpc.TaskAppServiceStub(proxy_channel), target.name
+                ):
+                    proxy_channel = None
+            if proxy_channel is None:
+                settings, task_app = await _embedded(stack, job, output_dir, mesh_key)
+            else:
+                settings = _local_settings(output_dir / "mesh", mesh_key)
+            signer = TokenSigner(load_signing_key(mesh_key, settings.state_dir))
+            await _start_workers(job, placed.inference, output_dir, mesh_key, workers)
+            ranks = await asyncio.to_thread(start_ranks, job, output_dir, devices_for(job, placed.trainer))
+            endpoints = []
+            for worker in workers:
+                channels.append(open_channel(worker.grpc_address, settings, signer=signer, subject="trainer"))
+                endpoints.append(await _endpoint(worker, channels[-1]))
+            if proxy_channel is None:
                 proxy_channel = open_channel(
                     settings.target("taskapp_proxy"), settings, signer=signer, subject="trainer"
                 )
+                channels.append(proxy_channel)
+            if events_channel is None:
                 events_channel = open_channel(
                     settings.target("events"), settings, signer=signer, subject="trainer"
                 )
-                channels += [proxy_channel, events_channel]
-                name, control = f"orgs/{org}/jobs/run-{secrets.token_hex(3)}", Control()
-                async with serving(control, name, output_dir, settings):
-                    yield Environment(
-                        proxy=taskapp_service_pb2_grpc.TaskAppServiceStub(proxy_channel),
-                        workers=endpoints,
-                        task_app=task_app,
-                        job=name,
-                        output_dir=output_dir,
-                        events=events_service_pb2_grpc.EventServiceStub(events_channel),
-                        control=control,
-                        ranks=ranks,
-                    )
-            finally:
-                for channel in channels:
-                    await channel.close()
-                if ranks is not None:
-                    await asyncio.to_thread(ranks.close)
-                for worker in workers:
-                    await asyncio.to_thread(stop_worker, worker)
+                channels.append(events_channel)
+            name = mesh.job if mesh is not None else f"orgs/{org}/jobs/run-{secrets.token_hex(3)}"
+            control = Control()
+            async with serving(control, name, output_dir, settings):
+                yield Environment(
+                    proxy=taskapp_service_pb2_grpc.TaskAppServiceStub(proxy_channel),
+                    workers=endpoints,
+                    task_app=task_app,
+                    job=name,
+                    output_dir=output_dir,
+                    events=events_service_pb2_grpc.EventServiceStub(events_channel),
+                    control=control,
+                    ranks=ranks,
+                )
+        finally:
+            for channel in channels:
+                await channel.close()
+            if ranks is not None:
+                await asyncio.to_thread(ranks.close)
+            for worker in workers:
+                await asyncio.to_thread(stop_worker, worker)
 
 
 async def run_job(job: Job, output_dir: Path) -> list[StepReport]:
@@ -265,7 +375,8 @@ async def run_job(job: Job, output_dir: Path) -> list[StepReport]:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             for sig in (signal.SIGINT, signal.SIGTERM):
                 asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
-    async with local_environment(job, output_dir, mesh_key=os.environ.get("TANDEM_MESH_KEY", "")) as env:
+    mesh_key = os.environ.get("TANDEM_MESH_KEY", "")
+    async with local_environment(job, output_dir, mesh_key=mesh_key, mesh=scheduled_mesh()) as env:
         trainer = Trainer(job, env)
 
         def show(report: StepReport) -> None:

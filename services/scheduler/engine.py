@@ -1135,9 +1135,10 @@ class Engine:
         if attempt.backend in HOST_BACKENDS and "PATH" not in spec_task.envs:
             # Tasks on the host find the Python environment Tandem runs in first (its `python`, `torchrun`).
             env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        if spec_task.kind != TaskSpec.KIND_ONLINE_RL:  # `python -m trainer` runs the mesh services it needs
-            for service, target in self.config.targets().items():
-                env[f"TANDEM_TARGETS__{service.upper()}"] = target
+        # Where the mesh's services are; with them and the job token `python -m trainer` publishes to the
+        # job's stream, plays rollouts through the proxy and renews its token (trainer/launch.py).
+        for service, target in self.config.targets().items():
+            env[f"TANDEM_TARGETS__{service.upper()}"] = target
         config_file = ""
         if (
             spec_task.kind == TaskSpec.KIND_ONLINE_RL

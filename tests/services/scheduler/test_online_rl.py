@@ -1,5 +1,6 @@
 """The done-when test: the online RL demo job (examples/jobs/demo.toml cut to 3 steps) runs through the
-scheduler as an `online_rl` task on the local backend, SUCCEEDS and leaves a checkpoint."""
+scheduler as an `online_rl` task on the local backend, SUCCEEDS, leaves a checkpoint and reports to the job's
+stream. tests/gateway/test_scheduled_trainer.py runs it against a Task App registered in the mesh."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from tandem.events.v1 import events_service_pb2
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 
 from tests.services.scheduler.test_scheduler import (
@@ -63,3 +65,8 @@ async def test_the_demo_job_runs_through_the_scheduler(acme: Clients, tmp_path: 
         await log_text(acme, job.name),
     )
     assert trainer_checkpoints(tmp_path, job.name), await log_text(acme, job.name)
+    # The config's example app is not registered in this mesh (it names orgs/demo), so the trainer plays it
+    # on loopback, but its events are the job's: they are in the job's own stream.
+    listed = await acme.events.ListEvents(events_service_pb2.ListEventsRequest(job=job.name, page_size=1000))
+    types = [e.type for e in listed.events]
+    assert types.count("train.step") == 3 and "checkpoint.saved" in types, types
