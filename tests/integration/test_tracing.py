@@ -1,6 +1,7 @@
 """One OpenTelemetry trace follows a step's rollouts across processes: `python -m trainer` (the trainer and the
 embedded mesh's taskapp-proxy) → the example Task App's own process → its policy calls to the inference
-worker's process. Every process writes its spans to its own JSON-lines file (no collector configured)."""
+worker's process. With no collector configured the trainer's process and the Task App it starts write their spans to
+TANDEM_TRACE_FILE, the worker to the traces.jsonl of its state folder."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ max_tokens = 1
 
 
 SERVICES = {
-    "tandem-events+vault+taskapp_proxy": "trainer+mesh",
+    "tandem-trainer": "trainer+mesh",
     "taskapp-copy-letter": "taskapp",
     "tandem-inference": "worker",
 }
