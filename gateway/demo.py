@@ -324,8 +324,8 @@ async def _checkpoints(client: AsyncClient, job_name: str) -> list[checkpoint_pb
         )
     if not checkpoints:
         say(
-            "   none listed by the gateway: it lists a job's checkpoint.saved events, which the trainer under"
-            " the scheduler does not publish to this mesh yet (its folders are beside the reward plot below)"
+            "   none listed by the gateway: the job announced no checkpoint.saved event (a job that failed"
+            " before its first checkpoint)"
         )
     return checkpoints
 

@@ -54,6 +54,7 @@ from trainer.train import Environment, StepReport, Trainer, WorkerEndpoint
 
 log = logging.getLogger("tandem.launch")
 MESH = ("events", "vault", "taskapp_proxy")
+TASK_APP_WAIT_S = 120.0  # scheduled mode: how long an app of the job's organization may take to be registered
 
 
 def _example_script(app: str) -> Path:
@@ -234,15 +235,23 @@ async def _renew(mesh: ScheduledMesh) -> None:
             await asyncio.sleep(wait)
 
 
-async def _registered(proxy: Any, name: str) -> bool:
-    """Whether the scheduler's mesh has the Task App `name` for this job's organization."""
-    try:
-        await proxy.GetTaskApp(taskapp_service_pb2.GetTaskAppRequest(name=name))
-    except RpcError as error:
-        if error.reason == "TASK_APP_NOT_FOUND":
-            return False
-        raise
-    return True
+async def _registered(proxy: Any, name: str, job: str) -> bool:
+    """Whether the scheduler's mesh has the Task App `name` for this job's organization. An app of the job's
+    own organization may be a managed Task App of its job group, which the scheduler registers once it is
+    healthy while this task is starting: it is waited for, up to `TASK_APP_WAIT_S`."""
+    same_org = name.split("/")[1] == job.split("/")[1]
+    deadline = time.monotonic() + (TASK_APP_WAIT_S if same_org else 0.0)
+    while True:
+        try:
+            await proxy.GetTaskApp(taskapp_service_pb2.GetTaskAppRequest(name=name))
+        except RpcError as error:
+            if error.reason != "TASK_APP_NOT_FOUND":
+                raise
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(1.0)
+        else:
+            return True
 
 
 async def _embedded(
@@ -322,7 +331,7 @@ async def local_environment(
                 channels += [events_channel, proxy_channel]
                 task_app = target.name
                 if not target.name or not await _registered(
-                    taskapp_service_pb2_grpc.TaskAppServiceStub(proxy_channel), target.name
+                    taskapp_service_pb2_grpc.TaskAppServiceStub(proxy_channel), target.name, mesh.job
                 ):
                     proxy_channel = None
             if proxy_channel is None:

@@ -307,11 +307,15 @@ async def test_the_demo_runs_end_to_end(tmp_path: Path) -> None:
     for fragment in (
         "orgs/demo, first API key tdm_",
         "orgs/demo/secrets/single-turn-key version 1",
-        "trainer | step     2",
+        "2/2  reward",  # the trainer's train.step events, in the job's own stream
+        "checkpoint step-2 saved at step 2",
         "orgs/demo/jobs/demo ended SUCCEEDED",
+        "   step-2  step 2  reward",  # ListCheckpoints
+        "(from orgs/demo/jobs/demo/checkpoints/step-2)",  # Infer on it
         "reward.png",
     ):
         assert fragment in text, text
+    assert "serving the example Task App from this machine instead" not in text  # the managed app ran
 
 
 async def test_task_apps_and_jobs_from_the_cli(cli: Cli, tmp_path: Path) -> None:
