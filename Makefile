@@ -8,7 +8,7 @@ NPM_STAMP := node_modules/.installed
 HAND_WRITTEN := $(wildcard mesh services gateway trainer tandem_taskapp tandem_client examples scripts benchmarks tests)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast up demo bench-events bench-vault bench-weights bench-async bench-scheduler clean
+.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast up demo train-demo bench-events bench-vault bench-weights bench-async bench-scheduler clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -69,8 +69,11 @@ test-fast: setup  ## the suite without tests marked slow
 up: setup  ## run every service in this process (state in ./.tandem); Ctrl-C stops
 	$(VENV)/bin/tandem up
 
-demo: setup  ## the main job: an online RL run on this CPU (mesh, Task App, worker, trainer), a policy that learns
-	$(PY) -m trainer --config examples/jobs/demo.toml --output runs/demo-$$(date +%Y%m%d-%H%M%S)
+demo: setup  ## the main job: `tandem demo`, the whole flow through the gateway on this CPU (mesh, org, sealed key, managed Task App, online RL, checkpoints, inference)
+	$(VENV)/bin/tandem demo
+
+train-demo: setup  ## the demo's online RL job alone (`python -m trainer`), without the gateway and scheduler
+	$(PY) -m trainer --config examples/jobs/demo.toml --output runs/train-demo-$$(date +%Y%m%d-%H%M%S)
 
 bench-events: setup  ## events service: ingest, fan-out to 50 subscribers, latency, each against a no-storage baseline
 	$(PY) benchmarks/events.py

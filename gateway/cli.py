@@ -808,7 +808,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--state-dir", help="where the demo's mesh keeps its state (default: a new runs/demo-* folder)"
     )
-    p.add_argument("--config", default="examples/jobs/demo.toml", help="the online-RL config to run")
+    p.add_argument(
+        "--config",
+        default="",
+        help="the online-RL config to run (default: examples/jobs/demo.toml of the installed checkout)",
+    )
     p.add_argument("--steps", type=int, default=0, help="override [algorithm] steps (default: the config's)")
     p.add_argument(
         "--model-dir",

@@ -182,7 +182,7 @@ async def _start(
     stored = await client.put_secret(KEY_SECRET, env_key)
     say(f"   {stored.secret.name} version {stored.version.version}, fingerprint {stored.version.fingerprint}")
 
-    config_path = Path(args.config)
+    config_path = Path(args.config) if args.config else EXAMPLES / "jobs" / "demo.toml"
     model_dir = Path.cwd() / args.model_dir  # absolute: the trainer runs in a folder of its own
     config = demo_config(config_path, steps=args.steps, model_dir=model_dir)
     say(
