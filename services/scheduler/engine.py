@@ -1132,6 +1132,12 @@ class Engine:
             job_token=token,
         )
         env.update(mount_env)
+        # One trace follows a rollout from the trainer on: its spans go to the mesh's collector, or to a file
+        # beside the task's logs when there is none.
+        if os.environ.get("TANDEM_OTLP_ENDPOINT"):
+            env.setdefault("TANDEM_OTLP_ENDPOINT", os.environ["TANDEM_OTLP_ENDPOINT"])
+        elif spec_task.kind == TaskSpec.KIND_ONLINE_RL:
+            env.setdefault("TANDEM_TRACE_FILE", str(task_dir / "traces.jsonl"))
         if attempt.backend in HOST_BACKENDS and "PATH" not in spec_task.envs:
             # Tasks on the host find the Python environment Tandem runs in first (its `python`, `torchrun`).
             env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])

@@ -6,6 +6,7 @@ checkpoint it wrote."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -53,3 +54,9 @@ async def test_a_scheduled_trainer_reports_to_the_jobs_stream(world: World, tmp_
 
     listed = (await world.acme.ListCheckpoints(pb.ListCheckpointsRequest(parent=job.name))).checkpoints
     assert listed and listed[0].name == f"{job.name}/checkpoints/step-3", listed
+
+    # The scheduled trainer traces its rollouts too (no collector here: a file beside the task's logs), the
+    # root of each rollout's trace through the proxy, the Task App and the worker.
+    traces = folder.parents[2] / "traces.jsonl"
+    names = {json.loads(line)["name"] for line in traces.read_text().splitlines() if line.strip()}
+    assert "trainer.rollouts" in names, names
