@@ -48,6 +48,7 @@ from mesh.interceptors import current_principal, principal_var
 from mesh.server import Deps, Registration
 from mesh.status import RpcError
 from mesh.store import open_database
+from mesh.timestamps import stamp as _stamp
 
 log = logging.getLogger("tandem.gateway")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -103,14 +104,6 @@ def _peer_host(context: Context) -> str:
 def _org(name: str) -> str:
     """The organization id of `orgs/{org}/...` (the contract's patterns have checked the shape)."""
     return name.split("/")[1]
-
-
-def _stamp(seconds: float | None) -> timestamp_pb2.Timestamp | None:
-    if seconds is None:
-        return None
-    stamp = timestamp_pb2.Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
 
 
 def _org_proto(row: OrgRow) -> org_pb2.Org:

@@ -35,13 +35,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from google.protobuf import duration_pb2, timestamp_pb2
+from google.protobuf import duration_pb2
 from tandem.common.v1 import types_pb2
 from tandem.events.v1 import event_pb2, events_service_pb2
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 
 from mesh.errors import R
 from mesh.identity import TokenSigner
+from mesh.timestamps import stamp as _stamp
 from services.scheduler import expand
 from services.scheduler import lifecycle as lc
 from services.scheduler.backends.base import (
@@ -105,14 +106,6 @@ def attempt_key(job: str, task: str, attempt: int) -> str:
 
 def is_primary(task: TaskSpec) -> bool:
     return task.role != TaskSpec.ROLE_AUXILIARY
-
-
-def _stamp(seconds: float | None) -> timestamp_pb2.Timestamp | None:
-    if seconds is None:
-        return None
-    stamp = timestamp_pb2.Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
 
 
 def failure_proto(failure: FailureInfo | None) -> job_pb2.Failure | None:

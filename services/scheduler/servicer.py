@@ -45,6 +45,7 @@ from mesh.interceptors import current_principal
 from mesh.server import Deps, Registration
 from mesh.status import RpcError
 from mesh.store import open_database
+from mesh.timestamps import stamp as _stamp
 from services.scheduler import lifecycle as lc
 from services.scheduler import spec as specs
 from services.scheduler.backends.base import Backend, BackendUnavailable, NodeInventory
@@ -64,14 +65,6 @@ BACKEND_NAMES = {
 BACKEND_ENUMS = {name: value for value, name in BACKEND_NAMES.items()}
 LOG_CHUNK = 1024 * 1024
 HEARTBEAT_S = 15.0
-
-
-def _stamp(seconds: float | None) -> timestamp_pb2.Timestamp | None:
-    if seconds is None:
-        return None
-    stamp = timestamp_pb2.Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
 
 
 def job_proto(record: JobRecord) -> job_pb2.Job:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
-from google.protobuf import timestamp_pb2
 from tandem.events.v1 import events_service_pb2_grpc
 from tandem.vault.v1 import audit_pb2, org_key_pb2, secret_pb2, vault_service_pb2, vault_service_pb2_grpc
 
@@ -23,6 +22,7 @@ from mesh.identity import Principal, TokenVerifier
 from mesh.interceptors import current_principal
 from mesh.server import Deps, Registration
 from mesh.store import open_database
+from mesh.timestamps import stamp as _stamp
 from services.vault import crypto
 from services.vault.config import VaultSettings
 from services.vault.forwarder import AuditForwarder
@@ -34,14 +34,6 @@ pb = vault_service_pb2
 Context = grpc.aio.ServicerContext[Any, Any]
 ActorKind = audit_pb2.AuditEvent.Actor.Kind
 _ACTOR_KINDS = {"user": ActorKind.KIND_API_KEY, "service": ActorKind.KIND_SERVICE, "job": ActorKind.KIND_JOB}
-
-
-def _stamp(seconds: float | None) -> timestamp_pb2.Timestamp | None:
-    if seconds is None:
-        return None
-    stamp = timestamp_pb2.Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
 
 
 def _version_proto(org: str, secret_id: str, row: dict[str, Any]) -> secret_pb2.SecretVersion:
