@@ -43,6 +43,8 @@ JOB_TIMEOUT_S = 3600.0
 INFER_WAIT_S = 300.0
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SUCCEEDED = job_pb2.Job.STATE_SUCCEEDED
+FINISHED = (job_pb2.Job.STATE_SUCCEEDED, job_pb2.Job.STATE_FAILED, job_pb2.Job.STATE_CANCELLED)
+STOP_WAIT_S = 30.0  # for the demo's remaining jobs to end once cancelled
 
 
 def say(text: str) -> None:
@@ -164,12 +166,28 @@ async def run_demo(args: argparse.Namespace) -> int:
             contextlib.AsyncExitStack() as stack,  # what the demo starts beside the mesh
         ):
             watch_env = f"TANDEM_GATEWAY={gateway} TANDEM_API_KEY=$(cat {key_file})"
-            job_name = await _start(client, args, watch_env, stack)
-            cursor = await _follow(client, job_name)
-            checkpoints = await _checkpoints(client, job_name)
-            await _infer(client, job_name)
-            _plot(state_dir, checkpoints)
+            try:
+                job_name = await _start(client, args, watch_env, stack)
+                cursor = await _follow(client, job_name)
+                checkpoints = await _checkpoints(client, job_name)
+                await _infer(client, job_name)
+                _plot(state_dir, checkpoints)
+            finally:
+                await _stop_jobs(client)
     return 0 if cursor.terminal_state == SUCCEEDED else 1
+
+
+async def _stop_jobs(client: AsyncClient) -> None:
+    """Cancel whatever the demo's organization still runs (the inference worker the gateway started for the
+    checkpoint) and wait for it to end, so the demo leaves no process behind when its mesh stops."""
+    active = [j for j in await client.list_jobs() if j.state not in FINISHED]
+    for job in active:
+        with contextlib.suppress(RpcError):
+            await client.cancel_job(job.name, reason="tandem demo is done")
+    deadline = time.monotonic() + STOP_WAIT_S
+    while active and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        active = [j for j in await client.list_jobs() if j.state not in FINISHED]
 
 
 async def _start(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,3 +47,22 @@ async def running_mesh(settings: Settings, services: Sequence[str] = MESH_SERVIC
     finally:
         stop.set()
         await task
+        # A scheduler's tasks outlive it on purpose (a restarted scheduler reattaches); a test's must not.
+        kill_tasks_under(settings.state_dir)
+
+
+def kill_tasks_under(folder: Path) -> None:
+    """SIGKILL the process group of every process whose command line names `folder`: the local backend's
+    task wrappers name their exit files there, and each leads its task's group (a session of its own)."""
+    own = os.getpgrp()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if str(folder.absolute()) not in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                continue
+            group = os.getpgid(int(proc.name))
+            if group != own:
+                os.killpg(group, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue

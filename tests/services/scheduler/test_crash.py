@@ -25,6 +25,7 @@ from mesh.clients import open_channel
 from mesh.identity import TokenSigner
 from mesh.settings import Settings
 from mesh.status import RpcError
+from tests.support.mesh import kill_tasks_under
 from tests.support.postgres import free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -117,18 +118,6 @@ async def test_sigkill_during_a_submission_storm_loses_and_duplicates_nothing(
         await storm_kill_and_check(client, env, starts, tmp_path)
     finally:
         kill_tasks_under(tmp_path)  # a failed check must not leave the storm's tasks running
-
-
-def kill_tasks_under(folder: Path) -> None:
-    """SIGKILL every process whose command line names `folder` (the tasks this test's jobs started)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if str(folder) in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                os.kill(int(proc.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            continue
 
 
 async def storm_kill_and_check(client: Target, env: dict[str, str], starts: Path, tmp_path: Path) -> None:
