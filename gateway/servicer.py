@@ -261,6 +261,13 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         self._limiter.take(_limit_key(principal))
         return principal
 
+    async def _relay(
+        self, call: Callable[..., Awaitable[T]], request: Any, inner: type[Any], scope: Scope
+    ) -> T:
+        """`request` as the internal service's message `inner`, sent with the caller's scope and a deadline;
+        the service's failure re-raised as its own."""
+        return await _forwarded(call(convert(request, inner), metadata=scope.metadata, timeout=self._timeout))
+
     def _scope(self, name: str, reason: int) -> Scope:
         """The caller, if `name` lies in its organization; NOT_FOUND with `reason` otherwise."""
         principal = self._caller()
@@ -359,31 +366,19 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
     async def PutSecret(self, request: pb.PutSecretRequest, context: Context) -> pb.PutSecretResponse:
         scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
-        reply = await _forwarded(
-            self._vault.PutSecret(
-                convert(request, vault_pb.PutSecretRequest), metadata=scope.metadata, timeout=self._timeout
-            )
-        )
+        reply = await self._relay(self._vault.PutSecret, request, vault_pb.PutSecretRequest, scope)
         return convert(reply, pb.PutSecretResponse)
 
     async def ListSecrets(self, request: pb.ListSecretsRequest, context: Context) -> pb.ListSecretsResponse:
         scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
-        reply = await _forwarded(
-            self._vault.ListSecrets(
-                convert(request, vault_pb.ListSecretsRequest), metadata=scope.metadata, timeout=self._timeout
-            )
-        )
+        reply = await self._relay(self._vault.ListSecrets, request, vault_pb.ListSecretsRequest, scope)
         return convert(reply, pb.ListSecretsResponse)
 
     async def DeleteSecret(
         self, request: pb.DeleteSecretRequest, context: Context
     ) -> pb.DeleteSecretResponse:
         scope = self._scope(request.name, R.ERROR_REASON_SECRET_NOT_FOUND)
-        await _forwarded(
-            self._vault.DeleteSecret(
-                convert(request, vault_pb.DeleteSecretRequest), metadata=scope.metadata, timeout=self._timeout
-            )
-        )
+        await self._relay(self._vault.DeleteSecret, request, vault_pb.DeleteSecretRequest, scope)
         return pb.DeleteSecretResponse()
 
     # ---- Task Apps (taskapp-proxy) ------------------------------------------------------------
@@ -392,12 +387,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         self, request: pb.RegisterTaskAppRequest, context: Context
     ) -> pb.RegisterTaskAppResponse:
         scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
-        reply = await _forwarded(
-            self._task_apps.RegisterTaskApp(
-                convert(request, taskapp_pb.RegisterTaskAppRequest),
-                metadata=scope.metadata,
-                timeout=self._timeout,
-            )
+        reply = await self._relay(
+            self._task_apps.RegisterTaskApp, request, taskapp_pb.RegisterTaskAppRequest, scope
         )
         return convert(reply, pb.RegisterTaskAppResponse)
 
@@ -418,35 +409,21 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         self, request: pb.ListTaskAppsRequest, context: Context
     ) -> pb.ListTaskAppsResponse:
         scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
-        reply = await _forwarded(
-            self._task_apps.ListTaskApps(
-                convert(request, taskapp_pb.ListTaskAppsRequest),
-                metadata=scope.metadata,
-                timeout=self._timeout,
-            )
+        reply = await self._relay(
+            self._task_apps.ListTaskApps, request, taskapp_pb.ListTaskAppsRequest, scope
         )
         return convert(reply, pb.ListTaskAppsResponse)
 
     async def GetTaskApp(self, request: pb.GetTaskAppRequest, context: Context) -> pb.GetTaskAppResponse:
         scope = self._scope(request.name, R.ERROR_REASON_TASK_APP_NOT_FOUND)
-        reply = await _forwarded(
-            self._task_apps.GetTaskApp(
-                convert(request, taskapp_pb.GetTaskAppRequest), metadata=scope.metadata, timeout=self._timeout
-            )
-        )
+        reply = await self._relay(self._task_apps.GetTaskApp, request, taskapp_pb.GetTaskAppRequest, scope)
         return convert(reply, pb.GetTaskAppResponse)
 
     async def DeleteTaskApp(
         self, request: pb.DeleteTaskAppRequest, context: Context
     ) -> pb.DeleteTaskAppResponse:
         scope = self._scope(request.name, R.ERROR_REASON_TASK_APP_NOT_FOUND)
-        await _forwarded(
-            self._task_apps.DeleteTaskApp(
-                convert(request, taskapp_pb.DeleteTaskAppRequest),
-                metadata=scope.metadata,
-                timeout=self._timeout,
-            )
-        )
+        await self._relay(self._task_apps.DeleteTaskApp, request, taskapp_pb.DeleteTaskAppRequest, scope)
         return pb.DeleteTaskAppResponse()
 
     # ---- jobs (scheduler) ---------------------------------------------------------------------
@@ -550,29 +527,17 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
     async def GetJob(self, request: pb.GetJobRequest, context: Context) -> pb.GetJobResponse:
         scope = self._scope(request.name, R.ERROR_REASON_JOB_NOT_FOUND)
-        reply = await _forwarded(
-            self._scheduler.GetJob(
-                convert(request, sched_pb.GetJobRequest), metadata=scope.metadata, timeout=self._timeout
-            )
-        )
+        reply = await self._relay(self._scheduler.GetJob, request, sched_pb.GetJobRequest, scope)
         return pb.GetJobResponse(job=reply.job)
 
     async def ListJobs(self, request: pb.ListJobsRequest, context: Context) -> pb.ListJobsResponse:
         scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
-        reply = await _forwarded(
-            self._scheduler.ListJobs(
-                convert(request, sched_pb.ListJobsRequest), metadata=scope.metadata, timeout=self._timeout
-            )
-        )
+        reply = await self._relay(self._scheduler.ListJobs, request, sched_pb.ListJobsRequest, scope)
         return convert(reply, pb.ListJobsResponse)
 
     async def CancelJob(self, request: pb.CancelJobRequest, context: Context) -> pb.CancelJobResponse:
         scope = self._scope(request.name, R.ERROR_REASON_JOB_NOT_FOUND)
-        reply = await _forwarded(
-            self._scheduler.CancelJob(
-                convert(request, sched_pb.CancelJobRequest), metadata=scope.metadata, timeout=self._timeout
-            )
-        )
+        reply = await self._relay(self._scheduler.CancelJob, request, sched_pb.CancelJobRequest, scope)
         return pb.CancelJobResponse(job=reply.job)
 
     async def StreamJobLogs(
@@ -605,20 +570,12 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
     async def ListEvents(self, request: pb.ListEventsRequest, context: Context) -> pb.ListEventsResponse:
         scope = self._scope(request.job, R.ERROR_REASON_JOB_NOT_FOUND)
-        reply = await _forwarded(
-            self._events.ListEvents(
-                convert(request, events_pb.ListEventsRequest), metadata=scope.metadata, timeout=self._timeout
-            )
-        )
+        reply = await self._relay(self._events.ListEvents, request, events_pb.ListEventsRequest, scope)
         return convert(reply, pb.ListEventsResponse)
 
     async def ListMetrics(self, request: pb.ListMetricsRequest, context: Context) -> pb.ListMetricsResponse:
         scope = self._scope(request.job, R.ERROR_REASON_JOB_NOT_FOUND)
-        reply = await _forwarded(
-            self._events.ListMetrics(
-                convert(request, events_pb.ListMetricsRequest), metadata=scope.metadata, timeout=self._timeout
-            )
-        )
+        reply = await self._relay(self._events.ListMetrics, request, events_pb.ListMetricsRequest, scope)
         return convert(reply, pb.ListMetricsResponse)
 
     # ---- checkpoints and inference ------------------------------------------------------------

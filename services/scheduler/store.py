@@ -280,17 +280,9 @@ class JobStore:
         try:
             async with self.db.transaction() as tx:
                 if job.request_id:
-                    earlier = await tx.fetchone(
-                        "SELECT fingerprint, job FROM sched_requests WHERE org = ? AND request_id = ?",
-                        (job.org, job.request_id),
-                    )
+                    earlier = await _earlier_request(tx, job, fingerprint)
                     if earlier is not None:
-                        if earlier["fingerprint"] != fingerprint:
-                            raise AlreadyExists(
-                                "request_id was used for another CreateJob request",
-                                reason=R.ERROR_REASON_REQUEST_ID_REUSED,
-                            )
-                        found = await self._load(tx, earlier["job"])
+                        found = await self._load(tx, earlier)
                         assert found is not None
                         return found, False
                     await tx.execute(
@@ -313,18 +305,9 @@ class JobStore:
         except IntegrityError:
             # A concurrent call with the same request id or job id won the race: answer as it would.
             if job.request_id:
-                earlier = await self.db.fetchone(
-                    "SELECT fingerprint, job FROM sched_requests WHERE org = ? AND request_id = ?",
-                    (job.org, job.request_id),
-                )
+                earlier = await _earlier_request(self.db, job, fingerprint)
                 if earlier is not None:
-                    if earlier["fingerprint"] != fingerprint:
-                        raise AlreadyExists(
-                            "request_id was used for another CreateJob request",
-                            reason=R.ERROR_REASON_REQUEST_ID_REUSED,
-                        ) from None
-                    found = await self.get(earlier["job"])
-                    return found, False
+                    return await self.get(earlier), False
             raise AlreadyExists(f"{job.name} already exists", reason=R.ERROR_REASON_ALREADY_EXISTS) from None
 
     async def find_request(self, org: str, request_id: str) -> str | None:
@@ -499,3 +482,18 @@ class JobStore:
                 f"DELETE FROM sched_outbox WHERE id IN ({', '.join('?' * len(ids))})",  # noqa: S608 - placeholders
                 tuple(ids),
             )
+
+
+async def _earlier_request(tx: Executor, job: JobRow, fingerprint: str) -> str | None:
+    """The job an earlier CreateJob with this request id made; REQUEST_ID_REUSED if its body differed."""
+    earlier = await tx.fetchone(
+        "SELECT fingerprint, job FROM sched_requests WHERE org = ? AND request_id = ?",
+        (job.org, job.request_id),
+    )
+    if earlier is None:
+        return None
+    if earlier["fingerprint"] != fingerprint:
+        raise AlreadyExists(
+            "request_id was used for another CreateJob request", reason=R.ERROR_REASON_REQUEST_ID_REUSED
+        )
+    return str(earlier["job"])
