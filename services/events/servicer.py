@@ -204,6 +204,7 @@ class EventServiceServicer(events_service_pb2_grpc.EventServiceServicer):
                 after = cursor.last_number
         found: list[event_pb2.Event] = []
         scanned_to = after if not request.descending else before
+        newest = info.last_seq  # events committed while this page is read raise it: never below a listed seq
         exhausted = False
         while len(found) < size and not exhausted:
             batch = await self._log.read_stored(
@@ -216,6 +217,7 @@ class EventServiceServicer(events_service_pb2_grpc.EventServiceServicer):
             exhausted = len(batch) < READ_BATCH
             for event in batch:
                 scanned_to = event.seq
+                newest = max(newest, event.seq)
                 if request.descending:
                     before = event.seq
                 else:
@@ -230,7 +232,7 @@ class EventServiceServicer(events_service_pb2_grpc.EventServiceServicer):
             events=found,
             next_page_token=token,
             first_retained_seq=info.first_retained_seq,
-            last_seq=info.last_seq,
+            last_seq=newest,
         )
 
     async def Subscribe(

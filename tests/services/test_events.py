@@ -98,6 +98,24 @@ async def test_concurrent_publishers_get_unique_gapless_seqs(
     assert seqs == list(range(1, 101))
 
 
+async def test_a_listing_during_publishes_reports_a_last_seq_no_older_than_its_events(
+    scheduler: events_service_pb2_grpc.EventServiceStub,
+) -> None:
+    await publish(scheduler, ev(message="first"))
+
+    async def publish_more() -> None:
+        for i in range(60):
+            await publish(scheduler, ev(message=str(i)))
+
+    writer = asyncio.create_task(publish_more())
+    while not writer.done():
+        listed = await scheduler.ListEvents(pb.ListEventsRequest(job=JOB, page_size=1000))
+        assert listed.last_seq >= max(e.seq for e in listed.events)
+        descending = await scheduler.ListEvents(pb.ListEventsRequest(job=JOB, descending=True, page_size=5))
+        assert descending.last_seq >= descending.events[0].seq
+    await writer
+
+
 async def test_producer_retries_are_applied_once(scheduler: events_service_pb2_grpc.EventServiceStub) -> None:
     batch = [ev(message=f"m{i}", producer_id="trainer-0", producer_seq=i) for i in range(1, 4)]
     first = await publish(scheduler, *batch)
