@@ -8,8 +8,8 @@
         for event in tandem.watch_events(job.name):   # resumes after a dropped connection
             print(event.seq, event.type, event.message)
 
-Named `tandem_client` because `tandem` is the package of the generated protos (`tandem.gateway.v1`, ...),
-which `make gen` writes and nobody edits; as `tandem_taskapp` is the Task App SDK.
+Also reachable as `tandem.Client` and `tandem.AsyncClient`: `tandem` is the package of the generated protos
+(`tandem.gateway.v1`, ...), which `make gen` writes, and its top loads these names from here on first use.
 """
 
 from mesh.status import RpcError

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import tandem
 from tandem.events.v1 import event_pb2, events_service_pb2_grpc
 from tandem.events.v1 import events_service_pb2 as events_pb
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
@@ -58,6 +59,14 @@ async def test_server_info_needs_no_key_in_either_form(mesh: Mesh) -> None:
             return client.get_server_info().version
 
     assert await asyncio.to_thread(blocking) == info.version
+
+
+async def test_the_sdk_is_tandem_client(mesh: Mesh) -> None:
+    assert (tandem.Client, tandem.AsyncClient, tandem.RpcError) == (Client, AsyncClient, RpcError)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = tandem.Nope  # type: ignore[attr-defined]
+    async with tandem.AsyncClient(mesh.address("gateway"), api_key="") as client:
+        assert "tandem.gateway.v1" in (await client.get_server_info()).api_packages
 
 
 async def test_the_gateway_and_key_come_from_the_environment(
