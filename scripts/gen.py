@@ -21,37 +21,9 @@ PROTOS = ROOT / "protos"
 OUT = ROOT / "gen" / "python"
 WELL_KNOWN = Path(grpc_tools.__file__).parent / "_proto"
 # The top package: the generated contracts below it, and the Python SDK's clients as `tandem.Client` and
-# `tandem.AsyncClient`. Loaded on first use, since tandem_client itself imports `tandem.gateway.v1`.
-TOP_INIT = '''"""Tandem: the contracts generated from protos/ (`tandem.<area>.v1`) and the Python SDK.
-
-    import tandem
-
-    with tandem.Client() as client:  # the gateway from TANDEM_GATEWAY, key from TANDEM_API_KEY
-        print([job.name for job in client.list_jobs()])
-
-`tandem.Client`, `tandem.AsyncClient` and the rest of the SDK live in `tandem_client`. Written by scripts/gen.py.
-"""
-
-from typing import Any
-
-SDK = ("AsyncClient", "Client", "Cursor", "RpcError", "checkpoint_name")
-
-
-def __getattr__(name: str) -> Any:
-    if name in SDK:
-        import tandem_client
-
-        return getattr(tandem_client, name)
-    raise AttributeError(f"module 'tandem' has no attribute {name!r}")
-'''
-TOP_STUB = """from tandem_client import AsyncClient as AsyncClient
-from tandem_client import Client as Client
-from tandem_client import Cursor as Cursor
-from tandem_client import RpcError as RpcError
-from tandem_client import checkpoint_name as checkpoint_name
-
-SDK: tuple[str, ...]
-"""
+# `tandem.AsyncClient` (templates beside this script; loaded on first use, as tandem_client imports the contracts).
+TOP_INIT = Path(__file__).with_name("tandem_top.py.in")
+TOP_STUB = Path(__file__).with_name("tandem_top.pyi.in")
 
 
 def generate(out: Path) -> None:
@@ -80,8 +52,8 @@ def generate(out: Path) -> None:
         init = folder / "__init__.py"
         if not init.exists():
             init.write_text("")
-    (out / "tandem" / "__init__.py").write_text(TOP_INIT)
-    (out / "tandem" / "__init__.pyi").write_text(TOP_STUB)
+    shutil.copyfile(TOP_INIT, out / "tandem" / "__init__.py")
+    shutil.copyfile(TOP_STUB, out / "tandem" / "__init__.pyi")
 
 
 def differences(a: Path, b: Path) -> list[str]:
