@@ -26,6 +26,12 @@ class GatewaySettings(BaseSettings):
     infer_timeout_s: float = Field(
         300.0, gt=0, description="Longest an Infer call or an HTTP completion may wait on its worker."
     )
+    infer_idle_s: float = Field(
+        900.0,
+        ge=0,
+        description="An on-demand checkpoint worker with no generation for this long stops and gives its "
+        "GPU back; the next call for that checkpoint starts a new one. 0: workers run until cancelled.",
+    )
     http_port: int = Field(
         -1,
         ge=-1,

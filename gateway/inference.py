@@ -4,19 +4,26 @@ endpoint.
 
 The worker job is `orgs/{org}/jobs/infer-<hash of the checkpoint>`: one task running
 `python -m trainer.inference.worker` on the checkpoint folder, whose service port is the worker's HTTP
-port (readiness: `GET /v1/models`). The scheduler reports the task's `endpoint` once it is ready; until
-then a call fails with UNAVAILABLE / DEPENDENCY_UNAVAILABLE and a RetryInfo. A worker job that ended is
-replaced by a new one on the next call (one whose worker failed, at most once a minute).
+port (readiness: `GET /health`). The scheduler reports the task's `endpoint` once it is ready; until
+then a call fails with UNAVAILABLE / DEPENDENCY_UNAVAILABLE and a RetryInfo. A worker with no generation for
+`TANDEM_GATEWAY_INFER_IDLE_S` (15 minutes) exits, and its job SUCCEEDS; a worker job that ended is replaced by
+a new one on the next call (one whose worker failed, at most once a minute).
+
+Each worker job gets a key of its own (`INFERENCE_WORKER_KEY` in the task's envs, read back from the
+job record, so a restarted gateway still has it); the worker refuses calls without it, so another process on
+its host cannot use it behind the gateway's back. Anyone who can read the job (the organization) can read
+the key, which gives no more than Infer does.
 
 Shortcuts: the worker runs the gateway's own Python on the scheduler's default backend with the CPU torch
 engine, so the checkpoint folder must be readable where the job runs (the `local` backend, or shared
-storage); the worker's endpoint has no key of its own and listens on loopback.
+storage); it listens on loopback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import secrets
 import shlex
 import socket
 import sys
@@ -35,6 +42,7 @@ from tandem.trainer.v1 import checkpoint_pb2
 from mesh.errors import FailedPrecondition, InvalidArgument, NotFound, R, Unavailable
 
 WORKER_TASK = "worker"
+KEY_ENV = "INFERENCE_WORKER_KEY"  # TANDEM_* envs are the scheduler's; the run script passes it on
 STARTING_RETRY_S = 5.0
 FAILED_RETRY_S = 60.0
 READINESS_TIMEOUT_S = 600
@@ -67,23 +75,28 @@ def checkpoint_path(checkpoint: checkpoint_pb2.Checkpoint) -> str:
     return unquote(parsed.path)
 
 
-def worker_spec(checkpoint: checkpoint_pb2.Checkpoint, python: str = sys.executable) -> job_spec_pb2.JobSpec:
-    """The one-task SERVICE job that serves `checkpoint`."""
+def worker_spec(
+    checkpoint: checkpoint_pb2.Checkpoint, idle_exit_s: float = 0.0, python: str = sys.executable
+) -> job_spec_pb2.JobSpec:
+    """The one-task SERVICE job that serves `checkpoint`, exiting after `idle_exit_s` without a call (0: never)."""
     exports = {
         "TANDEM_WORKER_MODEL_PATH": checkpoint_path(checkpoint),
         "TANDEM_WORKER_MODEL_ID": checkpoint.name,
+        "TANDEM_WORKER_IDLE_EXIT_S": f"{idle_exit_s:g}",
     }
     lines = [f"export {k}={shlex.quote(v)}" for k, v in exports.items()]
     lines.append('export TANDEM_WORKER_HTTP_PORT="$TANDEM_SERVICE_PORT"')
+    lines.append(f'export TANDEM_WORKER_OPENAI_API_KEY="${KEY_ENV}"')
     lines.append(f"exec {shlex.quote(python)} -m trainer.inference.worker")
     task = job_spec_pb2.TaskSpec(
         name=WORKER_TASK,
         kind=job_spec_pb2.TaskSpec.KIND_SERVICE,
         role=job_spec_pb2.TaskSpec.ROLE_PRIMARY,
         run="\n".join(lines),
+        envs={KEY_ENV: secrets.token_urlsafe(32)},
         service=job_spec_pb2.ServiceOptions(
             port=free_port(),
-            health_path="/v1/models",
+            health_path="/health",
             readiness_timeout=duration_pb2.Duration(seconds=READINESS_TIMEOUT_S),
         ),
     )
@@ -98,6 +111,18 @@ def worker_job_id(checkpoint: str) -> str:
     return "infer-" + hashlib.sha256(checkpoint.encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """A ready worker: its OpenAI-compatible base URL and the key it wants as `Authorization: Bearer`."""
+
+    base_url: str
+    key: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
+
+
 @dataclass
 class _Started:
     job: str
@@ -108,7 +133,8 @@ class _Started:
 class Workers:
     """Where each checkpoint's worker is, starting it when there is none."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_exit_s: float = 0.0) -> None:
+        self._idle_exit_s = idle_exit_s
         self._jobs: dict[str, _Started] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -118,7 +144,7 @@ class Workers:
 
     async def endpoint(
         self, checkpoint: checkpoint_pb2.Checkpoint, get_job: GetJob, create_job: CreateJob
-    ) -> str:
+    ) -> Endpoint:
         """The base URL of a ready worker serving `checkpoint`; UNAVAILABLE with a retry delay until then."""
         lock = self._locks.setdefault(checkpoint.name, asyncio.Lock())
         async with lock:  # concurrent first calls start one worker, not one each
@@ -126,7 +152,7 @@ class Workers:
 
     async def _endpoint(
         self, checkpoint: checkpoint_pb2.Checkpoint, get_job: GetJob, create_job: CreateJob
-    ) -> str:
+    ) -> Endpoint:
         org = checkpoint.name.split("/")[1]
         known = self._jobs.get(checkpoint.name)
         name = known.job if known else f"orgs/{org}/jobs/{worker_job_id(checkpoint.name)}"
@@ -145,13 +171,14 @@ class Workers:
             name = f"{name.rsplit('/', 1)[0]}/{worker_job_id(checkpoint.name)}-{int(time.time()) % 100000}"
             job = None
         if job is None:
-            job = await create_job(org, name.rsplit("/", 1)[1], worker_spec(checkpoint))
+            job = await create_job(org, name.rsplit("/", 1)[1], worker_spec(checkpoint, self._idle_exit_s))
             self._jobs[checkpoint.name] = _Started(job.name, time.time(), checkpoint)
         else:
             self._jobs.setdefault(checkpoint.name, _Started(job.name, time.time(), checkpoint))
         for task in job.tasks:
             if task.task == WORKER_TASK and task.endpoint and job.state == job_pb2.Job.STATE_RUNNING:
-                return task.endpoint.rstrip("/")
+                spec = next((t for t in job.spec.tasks if t.name == WORKER_TASK), None)
+                return Endpoint(task.endpoint.rstrip("/"), spec.envs.get(KEY_ENV, "") if spec else "")
         raise Unavailable(
             f"an inference worker for {checkpoint.name} is starting ({job_pb2.Job.State.Name(job.state)})",
             reason=R.ERROR_REASON_DEPENDENCY_UNAVAILABLE,

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from gateway.dashboard import Dashboard
+from gateway.inference import Endpoint
 from gateway.orgs import Orgs
 from mesh.errors import InvalidArgument, NotFound, R, TandemError, Unauthenticated
 from mesh.identity import Principal
@@ -124,18 +125,18 @@ class OpenAIEndpoint:
                     reason=R.ERROR_REASON_CHECKPOINT_NOT_FOUND,
                 )
             scope = self._servicer.scope_of(principal, model, R.ERROR_REASON_JOB_NOT_FOUND)
-            checkpoint, base_url = await self._servicer.worker_for(scope, model)
+            checkpoint, worker = await self._servicer.worker_for(scope, model)
             body["model"] = checkpoint.name
             if body.get("stream"):
-                return await self._stream(base_url + route, body)
-            status, answer = await self._servicer.post_json(base_url + route, body)
+                return await self._stream(worker, route, body)
+            status, answer = await self._servicer.post_json(worker, route, body)
         except TandemError as error:
             return _error(error)
         return JSONResponse(answer, status_code=status)
 
-    async def _stream(self, url: str, body: dict[str, Any]) -> Response:
+    async def _stream(self, worker: Endpoint, route: str, body: dict[str, Any]) -> Response:
         session = self._servicer.http
-        response = await session.post(url, json=body)
+        response = await session.post(worker.base_url + route, json=body, headers=worker.headers)
         if response.status != 200:
             answer = await response.read()
             response.release()

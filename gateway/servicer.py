@@ -166,7 +166,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         self._scheduler = deps.clients.stub(scheduler_service_pb2_grpc.SchedulerServiceStub, "scheduler")
         self._task_apps = deps.clients.stub(taskapp_service_pb2_grpc.TaskAppServiceStub, "taskapp_proxy")
         self._events = deps.clients.stub(events_service_pb2_grpc.EventServiceStub, "events")
-        self._workers = inference.Workers()
+        self._workers = inference.Workers(config.infer_idle_s)
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=config.infer_timeout_s))
         self.openai_base_url = ""
         self._started = time.time()
@@ -610,15 +610,17 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
                 violations=[ckpt.violation("messages", "set exactly one of messages and prompt")],
             )
         route, body = inference.openai_body(request, "")
-        checkpoint, base_url = await self.worker_for(scope, request.model)
+        checkpoint, worker = await self.worker_for(scope, request.model)
         body["model"] = checkpoint.name
-        status, answer = await self.post_json(base_url + route, body)
+        status, answer = await self.post_json(worker, route, body)
         if status != 200:
             raise inference.worker_error(status, answer)
         return inference.infer_response(answer, checkpoint)
 
-    async def worker_for(self, scope: Scope, model: str) -> tuple[checkpoint_pb2.Checkpoint, str]:
-        """The checkpoint a model id names and the base URL of a ready worker serving it."""
+    async def worker_for(
+        self, scope: Scope, model: str
+    ) -> tuple[checkpoint_pb2.Checkpoint, inference.Endpoint]:
+        """The checkpoint a model id names and a ready worker serving it."""
         checkpoint = await self._checkpoints(scope).resolve(model)
 
         async def get_job(name: str) -> job_pb2.Job | None:
@@ -646,10 +648,12 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
 
         return checkpoint, await self._workers.endpoint(checkpoint, get_job, create_job)
 
-    async def post_json(self, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async def post_json(
+        self, worker: inference.Endpoint, route: str, body: dict[str, Any]
+    ) -> tuple[int, dict[str, Any]]:
         """POST to a worker; (status, JSON answer). Unreachable is UNAVAILABLE with a retry delay."""
         try:
-            async with self.http.post(url, json=body) as response:
+            async with self.http.post(worker.base_url + route, json=body, headers=worker.headers) as response:
                 answer = await response.json(content_type=None)
                 return response.status, answer if isinstance(answer, dict) else {}
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:

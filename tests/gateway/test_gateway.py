@@ -321,8 +321,10 @@ def echo_task() -> job_spec_pb2.TaskSpec:
     )
 
 
-async def wait_terminal(stub: gateway_service_pb2_grpc.GatewayServiceStub, name: str) -> job_pb2.Job:
-    deadline = time.monotonic() + 60
+async def wait_terminal(
+    stub: gateway_service_pb2_grpc.GatewayServiceStub, name: str, timeout_s: float = 60
+) -> job_pb2.Job:
+    deadline = time.monotonic() + timeout_s
     while True:
         job = (await stub.GetJob(pb.GetJobRequest(name=name))).job
         if job.state in (job.STATE_SUCCEEDED, job.STATE_FAILED, job.STATE_CANCELLED):
@@ -615,6 +617,7 @@ async def test_infer_starts_a_worker_through_the_scheduler(
 
     model = build_tiny_model(tmp_path / "step-3", vocab_size=300, hidden_size=32, layers=1, heads=2)
     monkeypatch.setenv("TANDEM_GATEWAY_HTTP_PORT", "0")
+    monkeypatch.setenv("TANDEM_GATEWAY_INFER_IDLE_S", "20")  # longer than any gap between this test's calls
     monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__CPUS", "4")
     monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__MEMORY_GIB", "8")
     async with running_mesh(mesh_settings(tmp_path / "state")) as mesh:
@@ -660,6 +663,12 @@ async def test_infer_starts_a_worker_through_the_scheduler(
             assert chatted.prompt_tokens > 0 and chatted.policy_version.job == "orgs/acme/jobs/rl"
             jobs = (await stub.ListJobs(pb.ListJobsRequest(parent="orgs/acme"))).jobs
             assert [j.spec.tasks[0].kind for j in jobs] == [job_spec_pb2.TaskSpec.KIND_SERVICE]
+            # Behind the gateway's back, the worker wants its job's key; its probe needs none.
+            direct = jobs[0].tasks[0].endpoint.rstrip("/")
+            async with httpx.AsyncClient(timeout=60) as raw:
+                assert (await raw.get(direct + "/v1/models")).status_code == 401
+                assert (await raw.post(direct + "/v1/completions", json={"prompt": "x"})).status_code == 401
+                assert (await raw.get(direct + "/health")).status_code == 200
             info = (await stub.GetServerInfo(pb.GetServerInfoRequest())).server_info
         base = info.openai_base_url
         assert base.endswith("/v1")
@@ -690,6 +699,14 @@ async def test_infer_starts_a_worker_through_the_scheduler(
             assert missing.status_code == 404 and missing.json()["error"]["code"] == "CHECKPOINT_NOT_FOUND"
             wrong = await http.get("/models", headers={"Authorization": "Bearer tdm_nope"})
             assert wrong.status_code == 401
+        # Left idle, the worker stops and its job succeeds; the next call starts a new worker.
+        async with open_channel(mesh.address("gateway"), mesh.settings, token=made.key) as channel:
+            stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+            idle = await wait_terminal(stub, jobs[0].name, timeout_s=180)
+            assert idle.state == idle.STATE_SUCCEEDED, idle
+            await fails(stub.Infer(request), grpc.StatusCode.UNAVAILABLE, "DEPENDENCY_UNAVAILABLE")
+            names = [j.name for j in (await stub.ListJobs(pb.ListJobsRequest(parent="orgs/acme"))).jobs]
+            assert len(names) == 2 and jobs[0].name in names, names
 
 
 async def test_a_job_group_whose_service_task_registers_its_task_app_is_accepted(world: World) -> None:

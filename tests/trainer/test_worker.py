@@ -18,8 +18,11 @@ from tandem.inference.v1 import inference_service_pb2 as pb
 
 from mesh.status import RpcError
 from tests.support.workers import Worker, start_worker, stop_worker, worker_stub
-from trainer.inference.engine import PauseMode
+from trainer.inference.config import WorkerSettings
+from trainer.inference.engine import PauseMode, Sampling
 from trainer.inference.publisher import WeightPublisher, WeightSyncError
+from trainer.inference.torch_engine import TorchEngine
+from trainer.inference.worker import InferenceWorker
 from trainer.models import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -280,3 +283,28 @@ def test_a_missing_model_directory_stops_the_worker_with_a_clear_error(mesh_key:
     with pytest.raises(RuntimeError) as info:
         start_worker(tmp_path / "no-such-model", tmp_path / "w", mesh_key, timeout_s=60)
     assert "no-such-model" in str(info.value)
+
+
+async def test_the_idle_clock_stops_while_a_generation_runs(model_dir: Path) -> None:
+    engine = await TorchEngine.load(str(model_dir))
+    worker = InferenceWorker(engine, WorkerSettings(model_path=model_dir, idle_exit_s=30))
+    try:
+        stream = worker.generate([1, 2, 3], Sampling(max_tokens=4, temperature=0))
+        await anext(stream)  # the generation is under way
+        assert worker.idle_s() == 0.0
+        async for _ in stream:
+            pass
+        idle = worker.idle_s()
+        assert idle > 0.0
+        await asyncio.sleep(0.01)
+        assert worker.idle_s() > idle  # counting again from the end of the generation
+    finally:
+        await worker.close()
+
+
+def test_a_worker_with_an_idle_limit_exits_by_itself(model_dir: Path, mesh_key: str, tmp_path: Path) -> None:
+    worker = start_worker(model_dir, tmp_path / "w", mesh_key, {"TANDEM_WORKER_IDLE_EXIT_S": "1"})
+    try:
+        assert worker.proc.wait(timeout=120) == 0  # no call came: it stopped cleanly, status 0
+    finally:
+        stop_worker(worker)

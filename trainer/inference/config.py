@@ -43,6 +43,12 @@ class WorkerSettings(BaseSettings):
     transfer_timeout_s: float = Field(
         300.0, gt=0, description="Longest wait on the weight-transfer collective (join, each bucket)."
     )
+    idle_exit_s: float = Field(
+        0.0,
+        ge=0,
+        description="Exit (status 0) after this long with no generation in flight or asked for; 0: never. "
+        "The gateway's on-demand checkpoint workers use it to give their GPU back.",
+    )
     ready_file: Path | None = Field(
         None, description="Where to write the worker's addresses as JSON once it serves (for launchers)."
     )

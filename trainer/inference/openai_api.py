@@ -135,6 +135,10 @@ class OpenAIApi:
             raise InvalidArgument("the correlation id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
         return cid
 
+    async def health(self, request: Request) -> Response:
+        """200 while the worker serves; needs no key (for readiness probes, as vLLM's `/health`)."""
+        return Response(status_code=200)
+
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
             return _error(401, "a valid API key is required", "INVALID_CREDENTIALS", "authentication_error")
@@ -354,6 +358,7 @@ def openai_app(worker: InferenceWorker) -> Starlette:
     api = OpenAIApi(worker)
     return Starlette(
         routes=[
+            Route("/health", api.health, methods=["GET"]),
             Route("/v1/models", api.models, methods=["GET"]),
             Route("/v1/chat/completions", api.chat, methods=["POST"]),
             Route("/v1/completions", api.completions, methods=["POST"]),

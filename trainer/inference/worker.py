@@ -130,6 +130,8 @@ class InferenceWorker:
         self._resumed.set()
         self._pause_mode: PauseMode | None = None
         self._expiry: asyncio.Task[None] | None = None
+        self._in_flight = 0  # generations running now
+        self._last_active = time.monotonic()
 
     def start(self) -> None:
         self._expiry = asyncio.create_task(self._expire_loop(), name="trace-expiry")
@@ -141,6 +143,10 @@ class InferenceWorker:
                 await self._expiry
         await self.sync.close()
         await self.engine.close()
+
+    def idle_s(self) -> float:
+        """Seconds since the last generation ended (or the worker started); 0 while one runs."""
+        return 0.0 if self._in_flight else time.monotonic() - self._last_active
 
     async def _expire_loop(self) -> None:
         interval = min(max(self.settings.trace_idle_timeout_s / 4, 0.05), 30.0)
@@ -167,6 +173,17 @@ class InferenceWorker:
     ) -> AsyncIterator[TokenChunk | Finished]:
         """One generation, recorded as a turn of `correlation_id`'s trace (when given) before its last
         item is yielded. Waits out a pause for up to `pause_queue_s`."""
+        self._in_flight += 1
+        try:
+            async for item in self._generate(prompt_token_ids, sampling, correlation_id):
+                yield item
+        finally:
+            self._in_flight -= 1
+            self._last_active = time.monotonic()
+
+    async def _generate(
+        self, prompt_token_ids: Sequence[int], sampling: Sampling, correlation_id: str
+    ) -> AsyncIterator[TokenChunk | Finished]:
         if not prompt_token_ids:
             raise InvalidArgument("the prompt is empty")
         context = self.engine.info.max_context_tokens
@@ -558,7 +575,26 @@ async def run_worker(
             }
             worker_settings.ready_file.write_text(json.dumps(payload))
 
-    await serve(["inference"], settings, on_ready=ready, stop_event=stop, setups={"inference": setup})
+    stop = stop or asyncio.Event()
+    idle = (
+        asyncio.create_task(_stop_when_idle(worker, stop), name="idle-exit")
+        if worker_settings.idle_exit_s
+        else None
+    )
+    try:
+        await serve(["inference"], settings, on_ready=ready, stop_event=stop, setups={"inference": setup})
+    finally:
+        if idle is not None:
+            idle.cancel()
+
+
+async def _stop_when_idle(worker: InferenceWorker, stop: asyncio.Event) -> None:
+    """Set `stop` once the worker has had no generation for `idle_exit_s`."""
+    limit = worker.settings.idle_exit_s
+    while (idle := worker.idle_s()) < limit:  # noqa: ASYNC110 - a clock to read, not an event to await
+        await asyncio.sleep(min(max(limit - idle, 0.05), 5.0))
+    log.info("no generation for %.0f s: the worker stops", limit)
+    stop.set()
 
 
 def main() -> None:
