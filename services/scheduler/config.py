@@ -39,6 +39,11 @@ class KubernetesSettings(BaseModel):
     enabled: bool = Field(False, description="Run jobs on Kubernetes too (adds `kubernetes` to `backends`).")
     image: str = Field("", description="The container image tasks run in (Tandem installed).")
     namespace: str = Field("default", description="Namespace for the Jobs the scheduler creates.")
+    namespaces: list[str] = Field(
+        default_factory=list,
+        description="Other namespaces a job's `kubernetes.namespace` may name (the scheduler needs the same "
+        "rights in each); any other is refused.",
+    )
     service_account: str = Field("", description="Service account of the task pods; empty for the default.")
 
 

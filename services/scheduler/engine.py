@@ -1183,7 +1183,23 @@ class Engine:
             time_limit_s=time_limit,
             secret_env=secret_env,
             file_mounts=mounts,
+            options=backend_options(spec),
         )
+
+
+def backend_options(spec: JobSpec) -> dict[str, str]:
+    """The job's `slurm` or `kubernetes` block as `LaunchSpec.options`: only what is set, node selector
+    labels as `node_selector.<label>`."""
+    which = spec.WhichOneof("backend_options")
+    if which == "slurm":
+        chosen = {"partition": spec.slurm.partition, "account": spec.slurm.account, "qos": spec.slurm.qos}
+        return {k: v for k, v in chosen.items() if v}
+    if which == "kubernetes":
+        k8s = spec.kubernetes
+        chosen = {"namespace": k8s.namespace, "priority_class_name": k8s.priority_class_name}
+        chosen.update({f"node_selector.{label}": value for label, value in k8s.node_selector.items()})
+        return {k: v for k, v in chosen.items() if v}
+    return {}
 
 
 def _output_mount(task: TaskSpec) -> int | None:

@@ -534,7 +534,10 @@ def make_backends(config: SchedulerSettings, work_dir: Path) -> dict[str, Backen
 
             k = config.kubernetes
             backends[name] = KubernetesBackend(
-                image=k.image, namespace=k.namespace, service_account=k.service_account
+                image=k.image,
+                namespace=k.namespace,
+                namespaces=k.namespaces,
+                service_account=k.service_account,
             )
     return backends
 

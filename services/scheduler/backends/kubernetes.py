@@ -25,6 +25,10 @@ What one attempt becomes (details and the reasons in `services/scheduler/KUBERNE
   only) and starts through `services.scheduler.backends.task_secrets`, which opens them from the vault in
   the pod. No value is ever written into a pod spec or a Kubernetes Secret.
 
+A job's `kubernetes` block (`LaunchSpec.options`) wins for its attempts: `namespace` (one of the
+deployment's `namespaces`; another is refused), `priority_class_name` (instead of the band's class) and
+`node_selector.<label>` entries (over the backend's node selector).
+
 `cancel` marks the Job (a `tandem.dev/cancelled` annotation), deletes its pods with the grace period and
 puts the Job past a one-second deadline; the Job stays, Failed, so polls read the end (EXITED, 143) until
 its TTL removes it.
@@ -78,6 +82,7 @@ LABEL_JOB = "tandem.dev/job"
 LABEL_TASK = "tandem.dev/task"
 LABEL_ATTEMPT = "tandem.dev/attempt"
 LABEL_KEY = "tandem.dev/key"
+NODE_SELECTOR_OPTION = "node_selector."  # LaunchSpec.options keys of a job's own node selector labels
 ANNOTATION_KEY = "tandem.dev/key"
 ANNOTATION_JOB = "tandem.dev/job"
 ANNOTATION_CANCELLED = "tandem.dev/cancelled"  # set by cancel: the attempt's end reads as cancelled
@@ -167,6 +172,7 @@ class KubernetesBackend:
         *,
         image: str,
         namespace: str = "default",
+        namespaces: Sequence[str] = (),
         service_account: str = "",
         image_pull_policy: str = "IfNotPresent",
         image_pull_secrets: Sequence[str] = (),
@@ -183,6 +189,8 @@ class KubernetesBackend:
         """
         image: the container image every task runs in (Tandem installed for secrets and the trainer).
         namespace: where Jobs, Services and pods are created.
+        namespaces: other namespaces a job may choose (`kubernetes.namespace`); the scheduler needs the same
+            rights in each, and `find` looks in each.
         service_account: the pods' ServiceAccount; empty means the namespace's default.
         image_pull_policy: Always, IfNotPresent or Never.
         image_pull_secrets: names of existing docker-registry Secrets for pulling `image`.
@@ -205,6 +213,7 @@ class KubernetesBackend:
         if configuration is None:
             configuration = _load_configuration()
         self.namespace = namespace
+        self.namespaces = (namespace, *[n for n in dict.fromkeys(namespaces) if n != namespace])
         self.image = image
         self.service_account = service_account
         self.image_pull_policy = image_pull_policy
@@ -237,6 +246,15 @@ class KubernetesBackend:
             LABEL_KEY: label_value(spec.key),
         }
 
+    def namespace_for(self, spec: LaunchSpec) -> str:
+        """Where the attempt's objects go: the job's `kubernetes.namespace` when it is one of ours."""
+        chosen = spec.options.get("namespace") or self.namespace
+        if chosen not in self.namespaces:
+            raise LaunchRefused(
+                f"namespace {chosen!r} is not one this scheduler runs jobs in ({', '.join(self.namespaces)})"
+            )
+        return chosen
+
     def job_object(self, spec: LaunchSpec) -> Json:
         """The Job for one attempt, as sent to the API."""
         name = object_name(spec.key)
@@ -261,9 +279,18 @@ class KubernetesBackend:
         node_selector = dict(self.node_selector)
         if spec.resources.gpu_type:
             node_selector[self.gpu_type_label] = spec.resources.gpu_type
+        node_selector.update(
+            {
+                k.removeprefix(NODE_SELECTOR_OPTION): v
+                for k, v in spec.options.items()
+                if k.startswith(NODE_SELECTOR_OPTION)
+            }
+        )
         if node_selector:
             pod_spec["nodeSelector"] = node_selector
-        pod_spec["priorityClassName"] = priority_band(spec.priority).name
+        pod_spec["priorityClassName"] = (
+            spec.options.get("priority_class_name") or priority_band(spec.priority).name
+        )
         volumes = self._volumes(spec)
         if volumes:
             pod_spec["volumes"] = volumes
@@ -285,7 +312,7 @@ class KubernetesBackend:
             "kind": "Job",
             "metadata": {
                 "name": name,
-                "namespace": self.namespace,
+                "namespace": self.namespace_for(spec),
                 "labels": labels,
                 "annotations": annotations,
             },
@@ -297,7 +324,7 @@ class KubernetesBackend:
         name = object_name(spec.key)
         metadata: Json = {
             "name": name,
-            "namespace": self.namespace,
+            "namespace": self.namespace_for(spec),
             "labels": self.labels(spec),
             "annotations": {ANNOTATION_KEY: spec.key, ANNOTATION_JOB: spec.job},
         }
@@ -402,16 +429,17 @@ class KubernetesBackend:
             raise LaunchRefused(f"num_nodes must be at least 1, not {spec.num_nodes}")
         if _has_log_dir(spec.log_dir):  # logs() copies the pods' logs here
             await asyncio.to_thread(Path(spec.log_dir).mkdir, parents=True, exist_ok=True)
-        if self.manage_priority_classes:
+        namespace = self.namespace_for(spec)
+        if self.manage_priority_classes and not spec.options.get("priority_class_name"):
             await self._ensure_priority_class(priority_band(spec.priority))
         job = self.job_object(spec)
         name = job["metadata"]["name"]
         try:
             created = await self._call(
-                self._batch.create_namespaced_job, self.namespace, job, refusal=True, conflict_ok=True
+                self._batch.create_namespaced_job, namespace, job, refusal=True, conflict_ok=True
             )
         except _Conflict:
-            created = await self._call(self._batch.read_namespaced_job, name, self.namespace)
+            created = await self._call(self._batch.read_namespaced_job, name, namespace)
             if created["metadata"].get("annotations", {}).get(ANNOTATION_KEY) != spec.key:
                 raise LaunchRefused(f"Job {name} exists and belongs to another attempt") from None
         uid = str(created["metadata"].get("uid", ""))
@@ -421,16 +449,23 @@ class KubernetesBackend:
             with contextlib.suppress(_Conflict):  # already there: an earlier launch of this key made it
                 await self._call(
                     self._core.create_namespaced_service,
-                    self.namespace,
+                    namespace,
                     self.service_object(spec, uid),
                     refusal=True,
                     conflict_ok=True,
                 )
-        return self._handle(spec.key, name, uid, max(1, spec.num_nodes), service, spec.log_dir)
+        return self._handle(spec.key, name, uid, max(1, spec.num_nodes), service, spec.log_dir, namespace)
 
     async def find(self, key: str) -> Handle | None:
+        for namespace in self.namespaces:
+            found = await self._find_in(namespace, key)
+            if found is not None:
+                return found
+        return None
+
+    async def _find_in(self, namespace: str, key: str) -> Handle | None:
         listed = await self._call(
-            self._batch.list_namespaced_job, self.namespace, label_selector=self._selector(key)
+            self._batch.list_namespaced_job, namespace, label_selector=self._selector(key)
         )
         for job in listed.get("items", []):
             metadata = job.get("metadata", {})
@@ -448,6 +483,7 @@ class KubernetesBackend:
                 nodes,
                 str(pod_spec.get("subdomain", "")),
                 Path(log_dir) if log_dir else None,
+                namespace,
             )
         return None
 
@@ -582,11 +618,11 @@ class KubernetesBackend:
     # -- helpers ---------------------------------------------------------------------------------------------
 
     def _handle(
-        self, key: str, name: str, uid: str, nodes: int, service: str, log_dir: Path | None
+        self, key: str, name: str, uid: str, nodes: int, service: str, log_dir: Path | None, namespace: str
     ) -> Handle:
         handle: Handle = {
             "backend": self.name,
-            "namespace": self.namespace,
+            "namespace": namespace,
             "key": key,
             "job": name,
             "uid": uid,

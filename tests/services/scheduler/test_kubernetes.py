@@ -232,6 +232,39 @@ async def test_find_by_key_and_relaunch_returns_the_existing_handle(
     assert await backend.find("orgs-acme-jobs-j1.trainer.1") is None
 
 
+async def test_a_jobs_own_namespace_node_selector_and_priority_class_win(
+    kube_api: FakeKubeApi, tmp_path: Path
+) -> None:
+    backend = make_backend(kube_api, namespaces=["team-a"], node_selector={"pool": "gpu", "zone": "a"})
+    options = {
+        "namespace": "team-a",
+        "priority_class_name": "research-high",
+        "node_selector.pool": "h100",
+        "node_selector.example.com/rack": "r7",
+    }
+    task = spec(tmp_path, num_nodes=2, options=options)
+    validate(backend.job_object(task))
+    handle = await backend.launch(task)
+    assert handle["namespace"] == "team-a"
+    job = kube_api.job("team-a", handle["job"])
+    pod_spec = job["spec"]["template"]["spec"]
+    assert pod_spec["nodeSelector"] == {"pool": "h100", "zone": "a", "example.com/rack": "r7"}
+    assert pod_spec["priorityClassName"] == "research-high"
+    assert ("services", "team-a", handle["service"]) in kube_api.objects
+    assert not [k for k in kube_api.objects if k[1] == NS]  # nothing in the default namespace
+    assert not [k for k in kube_api.objects if k[0] == "priorityclasses"]  # the job names its own
+    assert await backend.find(task.key) == handle  # a restarted scheduler finds it in its namespace
+    kube_api.start_job("team-a", handle["job"])
+    assert (await backend.poll(handle)).phase is Phase.RUNNING
+    await backend.cancel(handle, grace_s=0)
+    assert not kube_api.pods("team-a", handle["job"])
+    with pytest.raises(LaunchRefused, match="'kube-system' is not one this scheduler runs jobs in"):
+        await backend.launch(
+            spec(tmp_path, key="orgs-acme-jobs-j2.trainer.0", options={"namespace": "kube-system"})
+        )
+    assert not [k for k in kube_api.objects if k[1] == "kube-system"]
+
+
 async def test_a_scheduler_that_died_after_creating_the_job_gets_its_service_on_relaunch(
     backend: KubernetesBackend,
     kube_api: FakeKubeApi,

@@ -56,6 +56,23 @@ async def test_a_command_job_runs_on_slurm(acme: Clients) -> None:
     await acme.close()
 
 
+async def test_the_jobs_slurm_options_reach_sbatch(acme: Clients) -> None:
+    run = 'echo "partition=$SLURM_JOB_PARTITION"'
+    chosen = await create(
+        acme, command(run), backend=SLURM, slurm=job_spec_pb2.SlurmOptions(partition="debug")
+    )
+    done = await wait_for(acme, chosen.name, *TERMINAL, within_s=120)
+    assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure.message
+    assert "partition=debug" in await log_text(acme, chosen.name)
+    missing = await create(
+        acme, command(run), backend=SLURM, slurm=job_spec_pb2.SlurmOptions(partition="no-such-partition")
+    )
+    refused = await wait_for(acme, missing.name, *TERMINAL, within_s=120)
+    assert refused.state == job_pb2.Job.State.STATE_FAILED
+    assert "partition" in refused.failure.message.lower(), refused.failure
+    await acme.close()
+
+
 async def test_a_failing_slurm_task_is_recovered_and_cancel_ends_a_running_one(acme: Clients) -> None:
     run = 'echo "restart=$TANDEM_RESTART_COUNT"; [ "$TANDEM_RESTART_COUNT" -ge 1 ]'
     recovery = job_spec_pb2.RecoveryPolicy(max_restarts_on_errors=2, initial_backoff=seconds(0.3))
