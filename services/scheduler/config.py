@@ -45,6 +45,11 @@ class KubernetesSettings(BaseModel):
         "rights in each); any other is refused.",
     )
     service_account: str = Field("", description="Service account of the task pods; empty for the default.")
+    kubeconfig: str = Field(
+        "",
+        description="A kubeconfig file to reach the cluster with; empty: the pod's in-cluster credentials, "
+        "else $KUBECONFIG or ~/.kube/config.",
+    )
 
 
 class SchedulerSettings(BaseSettings):

@@ -119,12 +119,12 @@ def _task_proto(record: JobRecord, task: TaskRow) -> job_pb2.TaskStatus:
         elif current.backend == "slurm" and handle.get("job_id"):
             status.backend_handle.slurm.job_id = str(handle["job_id"])
             status.backend_handle.slurm.cluster = str(handle.get("cluster", ""))
-        elif current.backend == "kubernetes" and handle.get("name"):
-            k8s = status.backend_handle.kubernetes
-            k8s.api_version = str(handle.get("api_version", ""))
-            k8s.kind = str(handle.get("kind", ""))
+        elif current.backend == "kubernetes" and handle.get("job"):
+            k8s = status.backend_handle.kubernetes  # the backend's handle: one batch/v1 Job (kubernetes.py)
+            k8s.api_version = "batch/v1"
+            k8s.kind = "Job"
             k8s.namespace = str(handle.get("namespace", ""))
-            k8s.name = str(handle["name"])
+            k8s.name = str(handle["job"])
             k8s.uid = str(handle.get("uid", ""))
     return status
 
@@ -530,7 +530,10 @@ def make_backends(config: SchedulerSettings, work_dir: Path) -> dict[str, Backen
                 env={"SLURM_CONF": str(s.conf)} if s.conf else None,
             )
         else:
-            from services.scheduler.backends.kubernetes import KubernetesBackend  # noqa: PLC0415
+            from services.scheduler.backends.kubernetes import (  # noqa: PLC0415
+                KubernetesBackend,
+                load_configuration,
+            )
 
             k = config.kubernetes
             backends[name] = KubernetesBackend(
@@ -538,6 +541,7 @@ def make_backends(config: SchedulerSettings, work_dir: Path) -> dict[str, Backen
                 namespace=k.namespace,
                 namespaces=k.namespaces,
                 service_account=k.service_account,
+                configuration=load_configuration(k.kubeconfig),
             )
     return backends
 

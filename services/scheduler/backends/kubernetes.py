@@ -211,7 +211,7 @@ class KubernetesBackend:
             added capabilities.
         """
         if configuration is None:
-            configuration = _load_configuration()
+            configuration = load_configuration()
         self.namespace = namespace
         self.namespaces = (namespace, *[n for n in dict.fromkeys(namespaces) if n != namespace])
         self.image = image
@@ -782,10 +782,15 @@ def _has_log_dir(log_dir: Path) -> bool:
     return str(log_dir) not in ("", ".")
 
 
-def _load_configuration() -> k8s.Configuration:
+def load_configuration(kubeconfig: str = "") -> k8s.Configuration:
+    """The client configuration: from the `kubeconfig` file when one is named, else the pod's in-cluster
+    credentials when running in one, else the default kubeconfig ($KUBECONFIG or ~/.kube/config)."""
     from kubernetes import config  # noqa: PLC0415
 
     configuration = k8s.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call]
+        return configuration
     try:
         config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     except config.ConfigException:
