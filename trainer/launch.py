@@ -1,8 +1,8 @@
 """Run a whole online-RL job on this machine: `python -m trainer --config job.toml [--output DIR]`.
 
 `local_environment` starts what the job needs on loopback and stops all of it on the way out (normal end,
-error or Ctrl-C): the embedded mesh services the trainer uses (events, vault, taskapp-proxy, in this
-process), the Task App (an example app named by the config's `task_app.name`, e.g.
+error or Ctrl-C): the embedded mesh services the trainer uses (events, vault, taskapp-proxy, in a process
+of their own: `trainer/mesh_process.py`), the Task App (an example app named by the config's `task_app.name`, e.g.
 `orgs/demo/taskApps/single-turn` plays `examples/taskapps/single_turn.py`, or the app at `task_app.base_url`),
 registered through the proxy with a fresh key sealed into the vault, and the inference workers the placement
 plan asks for (`python -m trainer.inference.worker`, one per replica). The trainer then runs in this process,
@@ -40,12 +40,12 @@ from mesh.errors import InvalidArgument
 from mesh.identity import TokenSigner, load_signing_key
 from mesh.observability import configure_logging
 from mesh.secrets import seal_for_upload
-from mesh.server import RunningService, serve
-from mesh.settings import Ports, Settings, Targets
+from mesh.settings import Settings, Targets
 from mesh.status import RpcError
 from trainer.config import Job, load_job
 from trainer.control import Control
 from trainer.inference.process import ROOT, Worker, die_with_parent, start_worker, stop_worker
+from trainer.mesh_process import local_settings, mesh_process
 from trainer.models import ensure_model
 from trainer.placement import plan
 from trainer.ranks import Ranks, devices_for, start_ranks
@@ -53,7 +53,6 @@ from trainer.service import serving
 from trainer.train import Environment, StepReport, Trainer, WorkerEndpoint
 
 log = logging.getLogger("tandem.launch")
-MESH = ("events", "vault", "taskapp_proxy")
 TASK_APP_WAIT_S = 120.0  # scheduled mode: how long an app of the job's organization may take to be registered
 
 
@@ -102,42 +101,6 @@ def _task_app(script: Path, key: str) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _local_settings(state_dir: Path, mesh_key: str) -> Settings:
-    """Settings for what this process starts on loopback (its own services, workers and TrainerService):
-    ports picked at start, and no targets from the environment (those name the scheduler's mesh)."""
-    return Settings(
-        state_dir=state_dir,
-        mesh_key=mesh_key,
-        ports=Ports(gateway=0, vault=0, scheduler=0, taskapp_proxy=0, events=0),
-        targets=Targets(),
-    )
-
-
-@contextlib.asynccontextmanager
-async def _mesh(state_dir: Path, mesh_key: str) -> AsyncIterator[Settings]:
-    settings = _local_settings(state_dir, mesh_key)
-    stop = asyncio.Event()
-    ready = asyncio.Event()
-
-    def on_ready(running: list[RunningService]) -> None:
-        ready.set()
-
-    task = asyncio.create_task(
-        serve(list(MESH), settings, on_ready=on_ready, stop_event=stop, handle_signals=False)
-    )
-    waiter = asyncio.create_task(ready.wait())
-    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        waiter.cancel()
-        task.result()
-        raise RuntimeError("the mesh services stopped while starting")
-    try:
-        yield settings
-    finally:
-        stop.set()
-        await task
 
 
 async def _register(settings: Settings, org: str, app_id: str, url: str, key: str, concurrency: int) -> str:
@@ -265,7 +228,7 @@ async def _embedded(
     app_id = target.name.rsplit("/", 1)[-1] if target.name else "app"
     key = secrets.token_hex(16)
     url = target.base_url or stack.enter_context(_task_app(_example_script(target.name), key))
-    settings = await stack.enter_async_context(_mesh(output_dir / "mesh", mesh_key))
+    settings = await stack.enter_async_context(mesh_process(output_dir / "mesh", mesh_key))
     algorithm = job.config.algorithm
     batch = algorithm.prompts_per_step * algorithm.group_size * (job.max_staleness + 1)
     return settings, await _register(settings, org, app_id, url, key, batch)
@@ -337,7 +300,7 @@ async def local_environment(
             if proxy_channel is None:
                 settings, task_app = await _embedded(stack, job, output_dir, mesh_key)
             else:
-                settings = _local_settings(output_dir / "mesh", mesh_key)
+                settings = local_settings(output_dir / "mesh", mesh_key)
             signer = TokenSigner(load_signing_key(mesh_key, settings.state_dir))
             await _start_workers(job, placed.inference, output_dir, mesh_key, workers)
             ranks = await asyncio.to_thread(start_ranks, job, output_dir, devices_for(job, placed.trainer))

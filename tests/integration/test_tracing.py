@@ -1,7 +1,7 @@
-"""One OpenTelemetry trace follows a step's rollouts across processes: `python -m trainer` (the trainer and the
-embedded mesh's taskapp-proxy) → the example Task App's own process → its policy calls to the inference
-worker's process. With no collector configured the trainer's process and the Task App it starts write their spans to
-TANDEM_TRACE_FILE, the worker to the traces.jsonl of its state folder."""
+"""One OpenTelemetry trace follows a step's rollouts across processes: `python -m trainer` → the embedded mesh's
+taskapp-proxy (a process of its own) → the example Task App's own process → its policy calls to the inference
+worker's process. With no collector configured the trainer's process, its mesh and the Task App it starts write
+their spans to TANDEM_TRACE_FILE, the worker to the traces.jsonl of its state folder."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ max_tokens = 1
 
 
 SERVICES = {
-    "tandem-trainer": "trainer+mesh",
+    "tandem-trainer": "trainer",
+    "tandem-events+vault+taskapp_proxy": "mesh",
     "taskapp-copy-letter": "taskapp",
     "tandem-inference": "worker",
 }
@@ -56,8 +57,8 @@ def test_a_rollout_is_one_trace_from_the_trainer_to_the_worker(tmp_path: Path) -
     config.write_text(JOB.format(model=tmp_path / "model"))
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "OTEL_"))}
-    # The trainer's process (with the embedded mesh) and the Task App it starts share this file; each inference
-    # worker writes the one in its own state folder.
+    # The trainer's process, its mesh and the Task App it starts share this file; each inference worker writes
+    # the one in its own state folder.
     env["TANDEM_TRACE_FILE"] = str(tmp_path / "traces.jsonl")
     done = subprocess.run(
         [sys.executable, "-m", "trainer", "--config", str(config), "--output", str(out), "--gpus", "0"],
@@ -76,8 +77,8 @@ def test_a_rollout_is_one_trace_from_the_trainer_to_the_worker(tmp_path: Path) -
             service = span["resource"]["attributes"]["service.name"]
             by_process.setdefault(SERVICES.get(service, service), []).append(span)
     assert set(SERVICES.values()) <= set(by_process), sorted(by_process)
-    roots = [s for s in by_process["trainer+mesh"] if s["name"] == "trainer.rollouts"]
-    assert len(roots) == 1, [s["name"] for s in by_process["trainer+mesh"]]
+    roots = [s for s in by_process["trainer"] if s["name"] == "trainer.rollouts"]
+    assert len(roots) == 1, [s["name"] for s in by_process["trainer"]]
     trace_id = roots[0]["context"]["trace_id"]
     chain = {
         name: [s for s in spans if s["context"]["trace_id"] == trace_id] for name, spans in by_process.items()
@@ -89,11 +90,8 @@ def test_a_rollout_is_one_trace_from_the_trainer_to_the_worker(tmp_path: Path) -
     assert [s["name"] for s in every if s["parent_id"] is None] == ["trainer.rollouts"]
 
     names = {name: {s["name"] for s in spans} for name, spans in chain.items()}
-    assert {
-        "trainer.rollouts",
-        "/tandem.taskapp.v1.TaskAppService/StreamRollouts",
-        "taskapp.rollout",
-    } <= names["trainer+mesh"]
+    assert {"trainer.rollouts", "/tandem.taskapp.v1.TaskAppService/StreamRollouts"} <= names["trainer"]
+    assert {"/tandem.taskapp.v1.TaskAppService/StreamRollouts", "taskapp.rollout"} <= names["mesh"]
     assert {"taskapp.rollout", "policy.chat_completions"} <= names["taskapp"]
     assert "openai.chat_completions" in names["worker"]
     # All four episodes (2 prompts x 2) joined the step's trace in the Task App and in the worker; the
