@@ -32,6 +32,13 @@ class GatewaySettings(BaseSettings):
         description="An on-demand checkpoint worker with no generation for this long stops and gives its "
         "GPU back; the next call for that checkpoint starts a new one. 0: workers run until cancelled.",
     )
+    tls_cert_file: str = Field(
+        "",
+        description="PEM certificate (chain) of the gateway's public endpoints; with `tls_key_file` the gRPC "
+        "port and the HTTP endpoint serve TLS to clients without a client certificate. Empty: the mesh's "
+        "settings (mTLS when TANDEM_TLS__* are set, else plaintext).",
+    )
+    tls_key_file: str = Field("", description="PEM private key of `tls_cert_file`.")
     http_port: int = Field(
         -1,
         ge=-1,

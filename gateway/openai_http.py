@@ -177,10 +177,16 @@ class RunningHttp:
 
 
 async def start(
-    servicer: GatewayServicer, orgs: Orgs, host: str, port: int, dashboard_key: bytes | None = None
+    servicer: GatewayServicer,
+    orgs: Orgs,
+    host: str,
+    port: int,
+    dashboard_key: bytes | None = None,
+    tls: tuple[str, str] | None = None,
 ) -> RunningHttp:
     """The HTTP server: the OpenAI-compatible endpoint, and the dashboard (`gateway.dashboard`) when
-    `dashboard_key` (the HMAC key of its stream tokens) is given."""
+    `dashboard_key` (the HMAC key of its stream tokens) is given; HTTPS with `tls` (certificate and key
+    files)."""
     extra = Dashboard(servicer, orgs, dashboard_key).routes() if dashboard_key is not None else []
     server = uvicorn.Server(
         uvicorn.Config(
@@ -190,6 +196,8 @@ async def start(
             log_level="warning",
             lifespan="off",
             timeout_graceful_shutdown=2,  # open event streams must not hold up a drain
+            ssl_certfile=tls[0] if tls else None,
+            ssl_keyfile=tls[1] if tls else None,
         )
     )
     task = asyncio.create_task(server.serve(), name="gateway-openai-http")
@@ -199,4 +207,4 @@ async def start(
             raise RuntimeError("the gateway's OpenAI-compatible endpoint did not start")
         await asyncio.sleep(0.01)
     bound = server.servers[0].sockets[0].getsockname()[1]
-    return RunningHttp(f"http://{host}:{bound}/v1", server, task)
+    return RunningHttp(f"{'https' if tls else 'http'}://{host}:{bound}/v1", server, task)

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
@@ -705,11 +706,30 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     if admin_file is not None:
         log.info("admin credential", extra={"path": str(admin_file)})
     on_stop: list[Callable[[], Awaitable[None]]] = [servicer.close, db.close]
+    public_tls = bool(config.tls_cert_file or config.tls_key_file)
+    if public_tls and not (config.tls_cert_file and config.tls_key_file):
+        raise ValueError("TANDEM_GATEWAY_TLS_CERT_FILE and TANDEM_GATEWAY_TLS_KEY_FILE go together")
     if config.http_port >= 0:
         seed = load_signing_key(deps.settings.mesh_key, deps.settings.state_dir).encode()
         http = await openai_http.start(
-            servicer, orgs, deps.settings.host, config.http_port, dashboard.stream_key(seed)
+            servicer,
+            orgs,
+            deps.settings.host,
+            config.http_port,
+            dashboard.stream_key(seed),
+            tls=(config.tls_cert_file, config.tls_key_file) if public_tls else None,
         )
         servicer.openai_base_url = http.base_url
         on_stop.insert(0, http.stop)
-    return Registration(service_names=[SERVICE_NAME], public_methods=PUBLIC_METHODS, on_stop=on_stop)
+    return Registration(
+        service_names=[SERVICE_NAME],
+        public_methods=PUBLIC_METHODS,
+        on_stop=on_stop,
+        server_credentials=_public_credentials(config) if public_tls else None,
+    )
+
+
+def _public_credentials(config: GatewaySettings) -> grpc.ServerCredentials:
+    """Server-side TLS for clients outside the mesh: no client certificate is asked for (API keys are)."""
+    key, chain = Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes()
+    return grpc.ssl_server_credentials([(key, chain)])

@@ -153,9 +153,11 @@ def open_channel(
     signer: TokenSigner | None = None,
     subject: str = "client",
     token: str | Callable[[], str] = "",
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> grpc.aio.Channel:
     """A channel whose calls carry identity and deadlines. Pass `signer` (mesh services) or a `token` (or a
-    function that answers the current one, for a token that is renewed while the channel is open)."""
+    function that answers the current one, for a token that is renewed while the channel is open).
+    `credentials` (TLS to a public endpoint such as the gateway's) win over the mesh's mTLS settings."""
     from opentelemetry.instrumentation.grpc import aio_client_interceptors  # noqa: PLC0415
 
     identity = _Identity(signer, subject, token)
@@ -166,6 +168,10 @@ def open_channel(
         _BidiInterceptor(identity),
         *aio_client_interceptors(),  # type: ignore[no-untyped-call]
     ]
+    if credentials is not None:
+        return grpc.aio.secure_channel(
+            target, credentials, channel_options(settings), interceptors=interceptors
+        )
     tls = settings.tls
     if tls.enabled:
         assert tls.cert_file and tls.key_file and tls.ca_file

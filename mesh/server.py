@@ -50,6 +50,9 @@ class Registration:
     service_names: Sequence[str]
     public_methods: Sequence[str] = ()
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # Credentials for this service's own port instead of the mesh's (the gateway's public TLS, for clients
+    # that have no mesh certificate); None: the mesh's mTLS when configured, else plaintext.
+    server_credentials: grpc.ServerCredentials | None = None
 
 
 Setup = Callable[[grpc.aio.Server, Deps], Awaitable[Registration]]
@@ -128,7 +131,7 @@ async def start_service(
     reflection.enable_server_reflection(names, server)
 
     bind = f"{settings.host}:{settings.port(service)}"
-    credentials = _server_credentials(settings)
+    credentials = registration.server_credentials or _server_credentials(settings)
     port = server.add_secure_port(bind, credentials) if credentials else server.add_insecure_port(bind)
     await server.start()
     for name in ["", *registration.service_names]:

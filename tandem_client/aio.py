@@ -19,6 +19,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -42,6 +43,8 @@ from tandem_client.events import Cursor, OnReconnect, resume_events
 
 GATEWAY_ENV = "TANDEM_GATEWAY"
 API_KEY_ENV = "TANDEM_API_KEY"
+TLS_ENV = "TANDEM_GATEWAY_TLS"  # "1": TLS with the system's roots
+CA_FILE_ENV = "TANDEM_GATEWAY_CA_FILE"  # a PEM bundle the gateway's certificate chains to (implies TLS)
 DEFAULT_GATEWAY = "127.0.0.1:50050"
 DEFAULT_DEADLINE_S = 30.0
 # Registering or checking a Task App runs its conformance checks (rollouts included) before answering.
@@ -59,6 +62,24 @@ def _request_id(given: str | None) -> str:
     return given if given is not None else uuid.uuid4().hex
 
 
+def tls_credentials(
+    tls: bool | None = None, ca_file: str | Path | None = None
+) -> grpc.ChannelCredentials | None:
+    """The channel credentials for the gateway: None (plaintext, or the mesh's mTLS settings) unless TLS is
+    asked for, by argument or by `TANDEM_GATEWAY_TLS` / `TANDEM_GATEWAY_CA_FILE`."""
+    ca = ca_file or os.environ.get(CA_FILE_ENV, "")
+    wanted = (
+        tls if tls is not None else (os.environ.get(TLS_ENV, "").lower() in ("1", "true", "yes") or bool(ca))
+    )
+    if not wanted:
+        return None
+    try:
+        roots = Path(ca).read_bytes() if ca else None
+    except OSError as error:
+        raise ValueError(f"cannot read the CA file {ca}: {error.strerror}") from None
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
 def _duration(seconds: float) -> duration_pb2.Duration:
     value = duration_pb2.Duration()
     value.FromNanoseconds(int(seconds * 1e9))
@@ -69,8 +90,10 @@ class AsyncClient:
     """A connection to one Tandem gateway, authenticated with one organization API key.
 
     `gateway` defaults to `TANDEM_GATEWAY`, then 127.0.0.1:50050; `api_key` to `TANDEM_API_KEY`. `org` is
-    learnt from the key (GetOrg) on first need unless given. Use it as an async context manager, or call
-    `close()`.
+    learnt from the key (GetOrg) on first need unless given. `tls` (default `TANDEM_GATEWAY_TLS`) speaks TLS
+    to a gateway that serves it (`TANDEM_GATEWAY_TLS_CERT_FILE`, or an ingress in front), checked against
+    the system's roots or `ca_file` (default `TANDEM_GATEWAY_CA_FILE`; giving one implies TLS). Use it as
+    an async context manager, or call `close()`.
     """
 
     def __init__(
@@ -81,12 +104,15 @@ class AsyncClient:
         org: str | None = None,
         deadline_s: float = DEFAULT_DEADLINE_S,
         settings: Settings | None = None,
+        tls: bool | None = None,
+        ca_file: str | Path | None = None,
     ) -> None:
         self.gateway = gateway or os.environ.get(GATEWAY_ENV) or DEFAULT_GATEWAY
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
         self.deadline_s = deadline_s
         self._org = org.removeprefix("orgs/") if org else ""
-        self._channel = open_channel(self.gateway, settings or Settings(), token=key)
+        credentials = tls_credentials(tls, ca_file)
+        self._channel = open_channel(self.gateway, settings or Settings(), token=key, credentials=credentials)
         self._stub = gateway_service_pb2_grpc.GatewayServiceStub(self._channel)  # the async stub, typed
 
     async def __aenter__(self) -> AsyncClient:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Concatenate, ParamSpec, TypeVar
 
 from tandem_client.aio import DEFAULT_DEADLINE_S, AsyncClient
@@ -55,13 +56,15 @@ class Client:
         *,
         org: str | None = None,
         deadline_s: float = DEFAULT_DEADLINE_S,
+        tls: bool | None = None,
+        ca_file: str | Path | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tandem-client", daemon=True)
         self._thread.start()
 
         async def make() -> AsyncClient:  # the channel belongs to the loop it is created on
-            return AsyncClient(gateway, api_key, org=org, deadline_s=deadline_s)
+            return AsyncClient(gateway, api_key, org=org, deadline_s=deadline_s, tls=tls, ca_file=ca_file)
 
         self._client = self._run(make())
         self.gateway = self._client.gateway
