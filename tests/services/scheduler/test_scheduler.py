@@ -624,6 +624,7 @@ async def test_a_managed_task_app_is_registered_when_ready_and_deleted_when_it_e
             assert time.monotonic() < deadline
             await asyncio.sleep(0.1)
     assert got.task_app.base_url == running.tasks[1].endpoint
+    assert got.task_app.managing_job == job.name  # the scheduler's, so the app reads as managed
     taken = await expect(
         acme.scheduler.CreateJob(
             pb.CreateJobRequest(parent=ORG, spec=job_spec_pb2.JobSpec(tasks=[command("true"), service]))
