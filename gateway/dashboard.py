@@ -138,11 +138,8 @@ class Dashboard:
     # ---- credentials --------------------------------------------------------------------------
 
     async def _principal(self, request: Request) -> Principal:
-        scheme, _, credential = request.headers.get("authorization", "").partition(" ")
-        if not credential:
-            raise Unauthenticated("this call requires an API key", reason=R.ERROR_REASON_MISSING_CREDENTIALS)
-        principal = await self._orgs.authenticate(credential) if scheme.lower() == "bearer" else None
-        if principal is None or not principal.org:
+        principal = await self._orgs.authenticate_bearer(request.headers.get("authorization", ""))
+        if not principal.org:  # the admin credential: it has no organization's jobs to show
             raise Unauthenticated("credentials are not recognised", reason=R.ERROR_REASON_INVALID_CREDENTIALS)
         return principal
 

@@ -27,7 +27,7 @@ from starlette.routing import BaseRoute, Route
 from gateway.dashboard import Dashboard
 from gateway.inference import Endpoint
 from gateway.orgs import Orgs
-from mesh.errors import InvalidArgument, NotFound, R, TandemError, Unauthenticated
+from mesh.errors import InvalidArgument, NotFound, R, TandemError
 from mesh.identity import Principal
 
 if TYPE_CHECKING:
@@ -68,13 +68,7 @@ class OpenAIEndpoint:
         self._orgs = orgs
 
     async def _principal(self, request: Request) -> Principal:
-        scheme, _, credential = request.headers.get("authorization", "").partition(" ")
-        if not credential:
-            raise Unauthenticated("this call requires an API key", reason=R.ERROR_REASON_MISSING_CREDENTIALS)
-        principal = await self._orgs.authenticate(credential) if scheme.lower() == "bearer" else None
-        if principal is None:
-            raise Unauthenticated("credentials are not recognised", reason=R.ERROR_REASON_INVALID_CREDENTIALS)
-        return principal
+        return await self._orgs.authenticate_bearer(request.headers.get("authorization", ""))
 
     async def models(self, request: Request) -> Response:
         try:

@@ -114,6 +114,17 @@ class Orgs:
 
     # ---- authentication -----------------------------------------------------------------------
 
+    async def authenticate_bearer(self, authorization: str) -> Principal:
+        """The principal of an HTTP `Authorization: Bearer <key>` header (the gateway's HTTP endpoints);
+        UNAUTHENTICATED when it is missing or not a key this gateway knows."""
+        scheme, _, credential = authorization.partition(" ")
+        if not credential:
+            raise Unauthenticated("this call requires an API key", reason=R.ERROR_REASON_MISSING_CREDENTIALS)
+        principal = await self.authenticate(credential) if scheme.lower() == "bearer" else None
+        if principal is None:
+            raise Unauthenticated("credentials are not recognised", reason=R.ERROR_REASON_INVALID_CREDENTIALS)
+        return principal
+
     async def authenticate(self, credential: str) -> Principal | None:
         """The principal of an API key or the admin credential; None for anything that is neither (the
         next authenticator may know it). A wrong, revoked or expired key raises UNAUTHENTICATED."""

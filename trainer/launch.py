@@ -44,7 +44,7 @@ from mesh.settings import Settings, Targets
 from mesh.status import RpcError
 from trainer.config import Job, load_job
 from trainer.control import Control
-from trainer.inference.process import ROOT, Worker, die_with_parent, start_worker, stop_worker
+from trainer.inference.process import ROOT, Worker, die_with_parent, start_worker, stop_process, stop_worker
 from trainer.mesh_process import local_settings, mesh_process
 from trainer.models import ensure_model
 from trainer.placement import plan
@@ -95,12 +95,7 @@ def _task_app(script: Path, key: str) -> Iterator[str]:
             time.sleep(0.1)
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 15)
 
 
 async def _register(settings: Settings, org: str, app_id: str, url: str, key: str, concurrency: int) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 from mesh.observability import configure_logging
 from mesh.server import RunningService, serve
 from mesh.settings import Ports, Settings, Targets
-from trainer.inference.process import ROOT, die_with_parent
+from trainer.inference.process import ROOT, die_with_parent, stop_process
 
 MESH = ("events", "vault", "taskapp_proxy")
 START_TIMEOUT_S = 120.0
@@ -74,7 +74,7 @@ async def mesh_process(state_dir: Path, mesh_key: str) -> AsyncIterator[Settings
             setattr(settings.ports, name, int(port))
         yield settings
     finally:
-        await asyncio.to_thread(_stop, proc)
+        await asyncio.to_thread(stop_process, proc)
 
 
 def _start(state_dir: Path, ready: Path, output: Path, mesh_key: str) -> subprocess.Popen[bytes]:
@@ -89,16 +89,6 @@ def _start(state_dir: Path, ready: Path, output: Path, mesh_key: str) -> subproc
             stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent,  # noqa: PLW1509 - only sets the parent-death signal
         )
-
-
-def _stop(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, TCPStore
 from mesh.observability import configure_logging
 from trainer.config import Job
 from trainer.grpo import Aggregation, LossStats, finite
-from trainer.inference.process import ROOT, die_with_parent
+from trainer.inference.process import ROOT, die_with_parent, stop_process
 from trainer.inference.weights import checksum_digest, tensor_checksum
 
 log = logging.getLogger("tandem.ranks")
@@ -312,13 +312,7 @@ class Ranks:
             if self._finished:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.proc.wait(timeout=10)
-            if child.proc.poll() is None:
-                child.proc.terminate()
-                try:
-                    child.proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    child.proc.kill()
-                    child.proc.wait()
+            stop_process(child.proc, 15)
         self.children = []
         self._module = self._wrapped = None
         if self.world_size > 1 and dist.is_initialized():

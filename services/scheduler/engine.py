@@ -46,6 +46,7 @@ from mesh.timestamps import stamp as _stamp
 from services.scheduler import expand
 from services.scheduler import lifecycle as lc
 from services.scheduler.backends.base import (
+    NODE_SELECTOR_OPTION,
     Backend,
     BackendUnavailable,
     LaunchRefused,
@@ -1197,7 +1198,7 @@ def backend_options(spec: JobSpec) -> dict[str, str]:
     if which == "kubernetes":
         k8s = spec.kubernetes
         chosen = {"namespace": k8s.namespace, "priority_class_name": k8s.priority_class_name}
-        chosen.update({f"node_selector.{label}": value for label, value in k8s.node_selector.items()})
+        chosen.update({f"{NODE_SELECTOR_OPTION}{label}": value for label, value in k8s.node_selector.items()})
         return {k: v for k, v in chosen.items() if v}
     return {}
 

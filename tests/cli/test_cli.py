@@ -6,13 +6,11 @@ Ctrl-C without repeating or missing an event."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import importlib.util
 import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +26,8 @@ from mesh.clients import open_channel
 from mesh.identity import TokenSigner, load_signing_key
 from mesh.settings import Settings
 from tandem_client import AsyncClient
-from tandem_taskapp import create_app
-from tandem_taskapp.testing import serve_in_thread
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
+from tests.support.taskapps import example_app_in_thread
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
@@ -322,7 +319,7 @@ async def test_task_apps_and_jobs_from_the_cli(cli: Cli, tmp_path: Path) -> None
     key = "env-key-value-0123456789"
     code, _, err = await cli.run("secrets", "put", "app-key", stdin=key.encode())
     assert code == 0, err
-    with example_app(key) as url:
+    with example_app_in_thread(key) as url:
         code, out, err = await cli.run("taskapp", "register", "single-turn", url, "--secret", "app-key")
         assert code == 0, err
         assert f"registered orgs/acme/taskApps/single-turn at {url}" in out
@@ -358,16 +355,3 @@ async def test_task_apps_and_jobs_from_the_cli(cli: Cli, tmp_path: Path) -> None
     code, out, err = await cli.run("rl", "logs", "echo", "--json")
     assert code == 0, err
     assert "hello-logs" in "".join(json.loads(line)["data"] for line in out.splitlines())
-
-
-@contextlib.contextmanager
-def example_app(key: str) -> Iterator[str]:
-    """The single-turn example Task App, which passes every check, on a loopback port."""
-    found = importlib.util.spec_from_file_location(
-        "single_turn", ROOT / "examples" / "taskapps" / "single_turn.py"
-    )
-    assert found is not None and found.loader is not None
-    module = importlib.util.module_from_spec(found)
-    found.loader.exec_module(module)
-    with serve_in_thread(create_app(module.app, key)) as url:
-        yield url

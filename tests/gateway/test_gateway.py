@@ -6,8 +6,6 @@ online-RL jobs from a trainer config, checkpoints and Infer."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import importlib.util
 import io
 import re
 import sqlite3
@@ -15,7 +13,7 @@ import stat
 import tempfile
 import time
 import tomllib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,9 +38,8 @@ from mesh.secrets import seal_for_upload
 from mesh.status import RpcError
 from mesh.store import open_database
 from services.scheduler.spec import load_yaml
-from tandem_taskapp import create_app
-from tandem_taskapp.testing import serve_in_thread
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
+from tests.support.taskapps import example_app_in_thread
 from trainer.config import parse_job
 
 pytestmark = pytest.mark.timeout(120)
@@ -265,19 +262,6 @@ async def test_secrets_are_forwarded_and_scoped(world: World) -> None:
 # ---- Task Apps ----------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def example_app() -> Iterator[str]:
-    """The single-turn example Task App, which passes every check, served on a loopback port."""
-    found = importlib.util.spec_from_file_location(
-        "single_turn", ROOT / "examples" / "taskapps" / "single_turn.py"
-    )
-    assert found is not None and found.loader is not None
-    module = importlib.util.module_from_spec(found)
-    found.loader.exec_module(module)
-    with serve_in_thread(create_app(module.app, APP_KEY)) as url:
-        yield url
-
-
 async def register(world: World, url: str, app_id: str = "fake") -> None:
     await put(world.acme, "orgs/acme", "env-key", APP_KEY.encode())
     await world.acme.RegisterTaskApp(
@@ -290,7 +274,7 @@ async def register(world: World, url: str, app_id: str = "fake") -> None:
 
 
 async def test_task_apps_are_forwarded_and_scoped(world: World) -> None:
-    with example_app() as url:
+    with example_app_in_thread(APP_KEY) as url:
         await register(world, url)
         name = "orgs/acme/taskApps/fake"
         checked = await world.acme.CheckTaskApp(pb.CheckTaskAppRequest(name=name))
@@ -415,7 +399,7 @@ async def test_create_rl_job_names_the_bad_config_field(world: World) -> None:
 
 
 async def test_create_rl_job_refuses_a_task_app_failing_its_checks(world: World) -> None:
-    with example_app() as url:
+    with example_app_in_thread(APP_KEY) as url:
         await register(world, url)
     # The app is gone now: its checks fail.
     error = await fails(
@@ -450,7 +434,7 @@ async def test_create_rl_job_refuses_a_task_app_failing_its_checks(world: World)
 
 
 async def test_create_rl_job_builds_a_one_task_online_rl_group(world: World, tmp_path: Path) -> None:
-    with example_app() as url:
+    with example_app_in_thread(APP_KEY) as url:
         await register(world, url)
         toml = demo_toml().replace('dir = "runs/demo-model"', f'dir = "{tmp_path / "model"}"')
         job = (

@@ -4,9 +4,7 @@ keys, sealed secret uploads, typed errors, and watching a job's events through t
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import importlib.util
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -20,9 +18,8 @@ from mesh.clients import open_channel
 from mesh.identity import TokenSigner, load_signing_key
 from mesh.status import RpcError
 from tandem_client import AsyncClient, Client, Cursor
-from tandem_taskapp import create_app
-from tandem_taskapp.testing import serve_in_thread
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
+from tests.support.taskapps import example_app_in_thread
 
 pytestmark = pytest.mark.timeout(90)
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,23 +158,10 @@ async def test_the_blocking_client_watches_events_through_the_gateway(mesh: Mesh
         assert await asyncio.wait_for(watcher, 30) == [2, 3, 4]
 
 
-@contextlib.contextmanager
-def example_app(key: str) -> Iterator[str]:
-    """The single-turn example Task App, which passes every check, on a loopback port."""
-    found = importlib.util.spec_from_file_location(
-        "single_turn", ROOT / "examples" / "taskapps" / "single_turn.py"
-    )
-    assert found is not None and found.loader is not None
-    module = importlib.util.module_from_spec(found)
-    found.loader.exec_module(module)
-    with serve_in_thread(create_app(module.app, key)) as url:
-        yield url
-
-
 async def test_task_apps_jobs_checkpoints_and_infer(mesh: Mesh) -> None:
     async with AsyncClient(mesh.address("gateway"), api_key=await new_org(mesh)) as client:
         await client.put_secret("app-key", APP_KEY)
-        with example_app(APP_KEY) as url:
+        with example_app_in_thread(APP_KEY) as url:
             checked = await client.register_task_app("single-turn", url, secret="app-key", validate_only=True)
             assert checked.check_results and all(r.passed for r in checked.check_results)
             assert await client.list_task_apps() == []

@@ -1,13 +1,14 @@
 """A scriptable Task App for proxy tests: real HTTP on a loopback port (Starlette + uvicorn), behaviour
-chosen by the episode's seed, every request recorded."""
+chosen by the episode's seed, every request recorded; and the repository's example apps served in-thread."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -16,7 +17,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tandem_taskapp import create_app
+from tandem_taskapp.serve import load_task_app
+from tandem_taskapp.testing import serve_in_thread
 from tests.support.postgres import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 OK, FAIL_500, HANG, MALFORMED, NAN_REWARD, WRONG_ID, SLOW, FLAKY = range(8)
 
@@ -126,3 +132,12 @@ async def serve_app(app: Any) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await task
+
+
+@contextlib.contextmanager
+def example_app_in_thread(key: str, script: str = "single_turn.py") -> Iterator[str]:
+    """An example Task App from examples/taskapps (the single-turn one, which passes every check by default)
+    served in this process on a loopback port; yields its base URL."""
+    app = load_task_app(str(ROOT / "examples" / "taskapps" / script))
+    with serve_in_thread(create_app(app, key)) as url:
+        yield url

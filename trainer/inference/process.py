@@ -96,11 +96,16 @@ def start_worker(
     return Worker(proc, info["grpc"], info["openai_base_url"], info["incarnation"], log_path)
 
 
-def stop_worker(worker: Worker, timeout_s: float = 20.0) -> None:
-    if worker.proc.poll() is None:
-        worker.proc.terminate()
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
+    """SIGTERM a child we started, SIGKILL it after `grace_s`, and reap it; nothing if it has ended."""
+    if proc.poll() is None:
+        proc.terminate()
         try:
-            worker.proc.wait(timeout=timeout_s)
+            proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            worker.proc.kill()
-            worker.proc.wait()
+            proc.kill()
+            proc.wait()
+
+
+def stop_worker(worker: Worker, timeout_s: float = 20.0) -> None:
+    stop_process(worker.proc, timeout_s)

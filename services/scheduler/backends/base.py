@@ -81,6 +81,9 @@ class NodeAssignment:
     gpu_indices: tuple[int, ...] = ()
 
 
+NODE_SELECTOR_OPTION = "node_selector."  # LaunchSpec.options keys of a job's own Kubernetes node labels
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """Everything a backend needs to run one attempt of one task."""

@@ -61,6 +61,7 @@ import urllib3
 from kubernetes import client as k8s
 
 from services.scheduler.backends.base import (
+    NODE_SELECTOR_OPTION,
     BackendUnavailable,
     Handle,
     LaunchRefused,
@@ -82,7 +83,6 @@ LABEL_JOB = "tandem.dev/job"
 LABEL_TASK = "tandem.dev/task"
 LABEL_ATTEMPT = "tandem.dev/attempt"
 LABEL_KEY = "tandem.dev/key"
-NODE_SELECTOR_OPTION = "node_selector."  # LaunchSpec.options keys of a job's own node selector labels
 ANNOTATION_KEY = "tandem.dev/key"
 ANNOTATION_JOB = "tandem.dev/job"
 ANNOTATION_CANCELLED = "tandem.dev/cancelled"  # set by cancel: the attempt's end reads as cancelled
