@@ -14,15 +14,16 @@ import pytest
 from tandem.gateway.v1 import gateway_service_pb2 as pb
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 
-from tests.gateway.test_gateway import World, example_app, register, world
+from tests.gateway.test_gateway import APP_KEY, World, register, world
 from tests.services.scheduler.test_online_rl import short_demo
+from tests.support.taskapps import example_app_in_thread
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 __all__ = ["world"]  # fixture
 
 
 async def test_a_scheduled_trainer_reports_to_the_jobs_stream(world: World, tmp_path: Path) -> None:
-    with example_app() as url:
+    with example_app_in_thread(APP_KEY) as url:
         await register(world, url)  # orgs/acme/taskApps/fake
         config = short_demo(tmp_path / "model").replace(
             'name = "orgs/demo/taskApps/single-turn"', 'name = "orgs/acme/taskApps/fake"'
