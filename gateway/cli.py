@@ -114,9 +114,23 @@ def _print_json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=True))
 
 
+FAILURE_WIDTH = 100  # characters of a failure's first line in a table
+
+
+def _cell(text: str, limit: int = 0) -> str:
+    """One line of a table: a multi-line text (a failure message) gives its first line, cut at `limit`
+    characters when one is given, and ends with ` …` when anything was left out; `--json` prints all."""
+    lines = text.strip().splitlines()
+    line = lines[0].strip() if lines else ""
+    if limit and len(line) > limit:
+        return line[:limit].rstrip() + " …"
+    return line + " …" if len(lines) > 1 else line
+
+
 def _table(rows: list[list[str]]) -> None:
     if not rows:
         return
+    rows = [[_cell(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
@@ -375,7 +389,7 @@ async def _rl_list(args: argparse.Namespace) -> int:
     if args.json:
         _print_json([_dict(job) for job in jobs])
     else:
-        _table([[job.name, job_state(job.state), job.failure.message] for job in jobs])
+        _table([[job.name, job_state(job.state), _cell(job.failure.message, FAILURE_WIDTH)] for job in jobs])
     return 0
 
 
@@ -499,6 +513,52 @@ async def _infer(args: argparse.Namespace) -> int:
         _print_json(_dict(reply))
     else:
         print(reply.text)
+    return 0
+
+
+def _seconds(duration: Any, present: bool) -> str:
+    return f"{duration.ToTimedelta().total_seconds():.0f} s" if present else "-"
+
+
+def _worker_rows(workers: list[Any]) -> list[list[str]]:
+    from gateway.progress import job_state  # noqa: PLC0415
+
+    rows = [["CHECKPOINT", "STEP", "STATE", "IDLE", "IDLE LEFT", "JOB"]]
+    for w in workers:
+        rows.append(
+            [
+                w.checkpoint,
+                str(w.step),
+                job_state(w.state),
+                _seconds(w.idle, w.HasField("idle")),
+                _seconds(w.idle_left, w.HasField("idle_left")),
+                w.job.rsplit("/", 1)[-1],
+            ]
+        )
+    return rows
+
+
+async def _infer_list(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        workers = await client.list_inference_workers()
+    if args.json:
+        _print_json([_dict(w) for w in workers])
+    elif not workers:
+        print("no inference workers running")
+    else:
+        _table(_worker_rows(workers))
+    return 0
+
+
+async def _infer_stop(args: argparse.Namespace) -> int:
+    async with _client(args) as client:
+        model = f"{await client.job_name(args.job)}/checkpoints/{args.checkpoint}"
+        workers = await client.stop_inference_worker(model)
+    if args.json:
+        _print_json([_dict(w) for w in workers])
+    else:
+        for w in workers:
+            print(f"stopped the inference worker of {w.checkpoint} ({w.job})")
     return 0
 
 
@@ -757,8 +817,12 @@ def _add_infer(sub: Any, gw: argparse.ArgumentParser) -> None:
     q = _sub(
         sub,
         "infer",
-        "generate a completion from a job's checkpoint",
-        "  tandem infer demo 'Copy this letter: B'\n  tandem infer demo --checkpoint step-000040 'Copy this letter: B'",
+        "generate a completion from a job's checkpoint (`tandem infer list` and `tandem infer stop` for the"
+        " running workers)",
+        "  tandem infer demo 'Copy this letter: B'\n  tandem infer demo --checkpoint step-000040 'Copy this letter: B'"
+        "\n  tandem infer list                  the running inference workers and their idle time left"
+        "\n  tandem infer stop demo             stop the worker of demo's newest checkpoint"
+        "\n(a job named `list` or `stop` is asked by its full name, orgs/ORG/jobs/list)",
         [gw],
     )
     q.add_argument("job", help="job id or name")
@@ -768,6 +832,31 @@ def _add_infer(sub: Any, gw: argparse.ArgumentParser) -> None:
     q.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1)")
     q.add_argument("--wait", type=float, default=120.0, help="how long to wait for a worker to load (s)")
     q.set_defaults(func=_async(_infer))
+    # `tandem infer list` and `tandem infer stop` (main() routes them here; unlisted in `tandem --help`).
+    actions = {
+        "list": (
+            "list the organization's running inference workers, with each one's idle time left",
+            "  tandem infer list\n  tandem infer list --json",
+            _infer_list,
+        ),
+        "stop": (
+            "stop the inference worker serving a job's checkpoint now (the next call starts one)",
+            "  tandem infer stop demo\n  tandem infer stop demo --checkpoint step-40",
+            _infer_stop,
+        ),
+    }
+    for action, (summary, examples, command) in actions.items():
+        q = sub.add_parser(
+            f"infer-{action}",
+            prog=f"tandem infer {action}",
+            description=f"{summary[0].upper()}{summary[1:]}.\n\nexamples:\n{examples}",
+            formatter_class=_Formatter,
+            parents=[gw],
+        )
+        if action == "stop":
+            q.add_argument("job", help="job id or name")
+            q.add_argument("--checkpoint", default="latest", help="checkpoint id (default latest)")
+        q.set_defaults(func=_async(command))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -831,8 +920,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INFER_ACTIONS = ("list", "stop")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if len(words) >= 2 and words[0] == "infer" and words[1] in INFER_ACTIONS:
+        words = [f"infer-{words[1]}", *words[2:]]
+    args = build_parser().parse_args(words)
     try:
         code: int = args.func(args)
     except RpcError as error:

@@ -9,10 +9,14 @@ then a call fails with UNAVAILABLE / DEPENDENCY_UNAVAILABLE and a RetryInfo. A w
 `TANDEM_GATEWAY_INFER_IDLE_S` (15 minutes) exits, and its job SUCCEEDS; a worker job that ended is replaced by
 a new one on the next call (one whose worker failed, at most once a minute).
 
-Each worker job gets a key of its own (`INFERENCE_WORKER_KEY` in the task's envs, read back from the
-job record, so a restarted gateway still has it); the worker refuses calls without it, so another process on
-its host cannot use it behind the gateway's back. Anyone who can read the job (the organization) can read
-the key, which gives no more than Infer does.
+Each checkpoint's worker wants a key of its own, so another process on its host cannot use it behind the
+gateway's back. The key is derived from the deployment's signing seed and the checkpoint's name (every
+gateway replica, and a restarted one, knows it without storing it), uploaded sealed to the organization's
+vault as the secret `infer-<hash>` and bound to the task as `INFERENCE_WORKER_KEY`: the task opens it at
+run time with its job token, so the job record, and every `GetJob` / `ListJobs` answer, holds only the
+secret's name. The task's envs name the checkpoint and its step (`INFERENCE_CHECKPOINT`,
+`INFERENCE_CHECKPOINT_STEP`), which is how `ListInferenceWorkers` finds the workers among the jobs; the
+worker reports the step as its weight version. `GET /health` of a worker tells how long it has been idle.
 
 Shortcuts: the worker runs the gateway's own Python on the scheduler's default backend with the CPU torch
 engine, so the checkpoint folder must be readable where the job runs (the `local` backend, or shared
@@ -22,8 +26,9 @@ storage); it listens on loopback.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
-import secrets
+import hmac
 import shlex
 import socket
 import sys
@@ -42,11 +47,21 @@ from tandem.trainer.v1 import checkpoint_pb2
 from mesh.errors import FailedPrecondition, InvalidArgument, NotFound, R, Unavailable
 
 WORKER_TASK = "worker"
-KEY_ENV = "INFERENCE_WORKER_KEY"  # TANDEM_* envs are the scheduler's; the run script passes it on
+KEY_ENV = "INFERENCE_WORKER_KEY"  # the secret's variable (TANDEM_* are the scheduler's); the run script passes it on
+CHECKPOINT_ENV = "INFERENCE_CHECKPOINT"
+STEP_ENV = "INFERENCE_CHECKPOINT_STEP"
 STARTING_RETRY_S = 5.0
 FAILED_RETRY_S = 60.0
 READINESS_TIMEOUT_S = 600
 _TERMINAL = {job_pb2.Job.STATE_SUCCEEDED, job_pb2.Job.STATE_FAILED, job_pb2.Job.STATE_CANCELLED}
+ACTIVE = frozenset(
+    {
+        job_pb2.Job.STATE_PENDING,
+        job_pb2.Job.STATE_STARTING,
+        job_pb2.Job.STATE_RUNNING,
+        job_pb2.Job.STATE_RECOVERING,
+    }
+)
 FINISH = {
     "stop": generation_pb2.FINISH_REASON_STOP,
     "length": generation_pb2.FINISH_REASON_LENGTH,
@@ -75,14 +90,27 @@ def checkpoint_path(checkpoint: checkpoint_pb2.Checkpoint) -> str:
     return unquote(parsed.path)
 
 
+def worker_key(seed: bytes, checkpoint: str) -> str:
+    """The key the worker serving `checkpoint` wants: an HMAC of its name under the deployment's seed."""
+    digest = hmac.new(seed, b"tandem inference worker\x00" + checkpoint.encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def key_secret(checkpoint: str) -> str:
+    """The id of the vault secret holding that key, in the checkpoint's organization."""
+    return worker_job_id(checkpoint)
+
+
 def worker_spec(
     checkpoint: checkpoint_pb2.Checkpoint, idle_exit_s: float = 0.0, python: str = sys.executable
 ) -> job_spec_pb2.JobSpec:
-    """The one-task SERVICE job that serves `checkpoint`, exiting after `idle_exit_s` without a call (0: never)."""
+    """The one-task SERVICE job that serves `checkpoint`, exiting after `idle_exit_s` without a call (0: never).
+    Its key arrives as the secret `key_secret(checkpoint.name)`, never in the spec."""
     exports = {
         "TANDEM_WORKER_MODEL_PATH": checkpoint_path(checkpoint),
         "TANDEM_WORKER_MODEL_ID": checkpoint.name,
         "TANDEM_WORKER_IDLE_EXIT_S": f"{idle_exit_s:g}",
+        "TANDEM_WORKER_WEIGHT_VERSION": str(checkpoint.step),
     }
     lines = [f"export {k}={shlex.quote(v)}" for k, v in exports.items()]
     lines.append('export TANDEM_WORKER_HTTP_PORT="$TANDEM_SERVICE_PORT"')
@@ -93,7 +121,8 @@ def worker_spec(
         kind=job_spec_pb2.TaskSpec.KIND_SERVICE,
         role=job_spec_pb2.TaskSpec.ROLE_PRIMARY,
         run="\n".join(lines),
-        envs={KEY_ENV: secrets.token_urlsafe(32)},
+        envs={CHECKPOINT_ENV: checkpoint.name, STEP_ENV: str(checkpoint.step)},
+        secrets=[job_spec_pb2.SecretBinding(secret=key_secret(checkpoint.name), env=KEY_ENV)],
         service=job_spec_pb2.ServiceOptions(
             port=free_port(),
             health_path="/health",
@@ -133,10 +162,19 @@ class _Started:
 class Workers:
     """Where each checkpoint's worker is, starting it when there is none."""
 
-    def __init__(self, idle_exit_s: float = 0.0) -> None:
+    def __init__(self, key_seed: bytes, idle_exit_s: float = 0.0) -> None:
+        self._key_seed = key_seed
         self._idle_exit_s = idle_exit_s
         self._jobs: dict[str, _Started] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+
+    def key(self, checkpoint: str) -> str:
+        """The key of the worker serving `checkpoint` (the value its vault secret holds)."""
+        return worker_key(self._key_seed, checkpoint)
+
+    def forget(self, checkpoint: str) -> None:
+        """Drop what this gateway knows of `checkpoint`'s worker (it was stopped): the next call starts one."""
+        self._jobs.pop(checkpoint, None)
 
     def served(self, org: str) -> list[checkpoint_pb2.Checkpoint]:
         """The checkpoints of `org` this gateway has started workers for."""
@@ -177,13 +215,46 @@ class Workers:
             self._jobs.setdefault(checkpoint.name, _Started(job.name, time.time(), checkpoint))
         for task in job.tasks:
             if task.task == WORKER_TASK and task.endpoint and job.state == job_pb2.Job.STATE_RUNNING:
-                spec = next((t for t in job.spec.tasks if t.name == WORKER_TASK), None)
-                return Endpoint(task.endpoint.rstrip("/"), spec.envs.get(KEY_ENV, "") if spec else "")
+                return Endpoint(task.endpoint.rstrip("/"), self.key(checkpoint.name))
         raise Unavailable(
             f"an inference worker for {checkpoint.name} is starting ({job_pb2.Job.State.Name(job.state)})",
             reason=R.ERROR_REASON_DEPENDENCY_UNAVAILABLE,
             retry_after_s=STARTING_RETRY_S,
         )
+
+
+def served_checkpoint(job: job_pb2.Job) -> tuple[str, int] | None:
+    """(checkpoint, step) when `job` is an inference worker job of `worker_spec`, else None."""
+    if not job.name.rsplit("/", 1)[-1].startswith("infer-"):
+        return None
+    for task in job.spec.tasks:
+        bound = {binding.env for binding in task.secrets}
+        if task.name == WORKER_TASK and CHECKPOINT_ENV in task.envs and KEY_ENV in bound:
+            step = task.envs.get(STEP_ENV, "0")
+            return task.envs[CHECKPOINT_ENV], int(step) if step.isdigit() else 0
+    return None
+
+
+def endpoint_of(job: job_pb2.Job) -> str:
+    """The worker's base URL once the scheduler reports it ready; empty before."""
+    for task in job.tasks:
+        if task.task == WORKER_TASK and task.endpoint and job.state == job_pb2.Job.STATE_RUNNING:
+            return str(task.endpoint.rstrip("/"))
+    return ""
+
+
+def worker_resource(job: job_pb2.Job, health: dict[str, Any] | None) -> pb.InferenceWorker:
+    """The InferenceWorker of a worker job, with the idle clock from the worker's `GET /health` answer."""
+    served = served_checkpoint(job)
+    checkpoint, step = served if served else ("", 0)
+    worker = pb.InferenceWorker(job=job.name, checkpoint=checkpoint, step=step, state=job.state)
+    if health is not None and isinstance(health.get("idle_s"), int | float):
+        idle = float(health["idle_s"])
+        worker.idle.FromNanoseconds(int(idle * 1e9))
+        limit = health.get("idle_exit_s")
+        if isinstance(limit, int | float) and limit > 0:
+            worker.idle_left.FromNanoseconds(int(max(float(limit) - idle, 0.0) * 1e9))
+    return worker
 
 
 def openai_body(request: pb.InferRequest, model: str) -> tuple[str, dict[str, Any]]:

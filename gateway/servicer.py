@@ -46,6 +46,7 @@ from gateway.store import MIGRATIONS
 from mesh.errors import InvalidArgument, NotFound, PermissionDenied, R, Unavailable
 from mesh.identity import Principal, load_signing_key
 from mesh.interceptors import current_principal, principal_var
+from mesh.secrets import seal_for_upload
 from mesh.server import Deps, Registration
 from mesh.status import RpcError
 from mesh.store import open_database
@@ -167,7 +168,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         self._scheduler = deps.clients.stub(scheduler_service_pb2_grpc.SchedulerServiceStub, "scheduler")
         self._task_apps = deps.clients.stub(taskapp_service_pb2_grpc.TaskAppServiceStub, "taskapp_proxy")
         self._events = deps.clients.stub(events_service_pb2_grpc.EventServiceStub, "events")
-        self._workers = inference.Workers(config.infer_idle_s)
+        seed = load_signing_key(deps.settings.mesh_key, deps.settings.state_dir).encode()
+        self._workers = inference.Workers(seed, config.infer_idle_s)
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=config.infer_timeout_s))
         self.openai_base_url = ""
         self._started = time.time()
@@ -636,6 +638,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             return reply.job
 
         async def create_job(org: str, job_id: str, spec: job_spec_pb2.JobSpec) -> job_pb2.Job:
+            await self._put_worker_key(scope, org, checkpoint.name)
             try:
                 job: job_pb2.Job = await self._submit(scope, f"orgs/{org}", job_id, spec, job_id, False)
             except Forwarded as error:
@@ -648,6 +651,103 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             return job
 
         return checkpoint, await self._workers.endpoint(checkpoint, get_job, create_job)
+
+    async def _put_worker_key(self, scope: Scope, org: str, checkpoint: str) -> None:
+        """Upload the key of `checkpoint`'s worker, sealed to the organization's key, as the secret its job
+        binds (a new version of the same value when it exists)."""
+        parent = f"orgs/{org}"
+        public = await _forwarded(
+            self._vault.GetPublicKey(
+                vault_pb.GetPublicKeyRequest(parent=parent), metadata=scope.metadata, timeout=self._timeout
+            )
+        )
+        sealed = seal_for_upload(public.public_key, self._workers.key(checkpoint).encode())
+        await _forwarded(
+            self._vault.PutSecret(
+                vault_pb.PutSecretRequest(
+                    parent=parent,
+                    secret_id=inference.key_secret(checkpoint),
+                    key_id=public.key_id,
+                    ciphertext=sealed,
+                ),
+                metadata=scope.metadata,
+                timeout=self._timeout,
+            )
+        )
+
+    async def _worker_jobs(
+        self, scope: Scope, org: str, page_size: int = 0, page_token: str = ""
+    ) -> tuple[list[job_pb2.Job], str]:
+        """The organization's inference worker jobs that have not ended, from one page of its jobs."""
+        reply = await _forwarded(
+            self._scheduler.ListJobs(
+                sched_pb.ListJobsRequest(
+                    parent=f"orgs/{org}",
+                    page_size=page_size,
+                    page_token=page_token,
+                    states=sorted(inference.ACTIVE),
+                ),
+                metadata=scope.metadata,
+                timeout=self._timeout,
+            )
+        )
+        return [j for j in reply.jobs if inference.served_checkpoint(j)], reply.next_page_token
+
+    async def _worker_resource(self, job: job_pb2.Job) -> pb.InferenceWorker:
+        """The InferenceWorker of `job`, asking a ready worker's `GET /health` for its idle clock."""
+        health: dict[str, Any] | None = None
+        base_url = inference.endpoint_of(job)
+        if base_url:
+            try:
+                timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+                async with self.http.get(base_url + "/health", timeout=timeout) as response:
+                    answer = await response.json(content_type=None)
+                    health = answer if response.status == 200 and isinstance(answer, dict) else None
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                health = None  # listed without its idle clock
+        return inference.worker_resource(job, health)
+
+    async def ListInferenceWorkers(
+        self, request: pb.ListInferenceWorkersRequest, context: Context
+    ) -> pb.ListInferenceWorkersResponse:
+        scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
+        jobs, token = await self._worker_jobs(
+            scope, _org(request.parent), request.page_size, request.page_token
+        )
+        workers = await asyncio.gather(*(self._worker_resource(job) for job in jobs))
+        return pb.ListInferenceWorkersResponse(workers=workers, next_page_token=token)
+
+    async def StopInferenceWorker(
+        self, request: pb.StopInferenceWorkerRequest, context: Context
+    ) -> pb.StopInferenceWorkerResponse:
+        scope = self._scope(request.model, R.ERROR_REASON_JOB_NOT_FOUND)
+        checkpoint = await self._checkpoints(scope).resolve(request.model)
+        org = _org(request.model)
+        stopped: list[pb.InferenceWorker] = []
+        token = ""
+        while True:
+            jobs, token = await self._worker_jobs(scope, org, 1000, token)
+            for job in jobs:
+                served = inference.served_checkpoint(job)
+                if served is None or served[0] != checkpoint.name:
+                    continue
+                stopped.append(await self._worker_resource(job))
+                await _forwarded(
+                    self._scheduler.CancelJob(
+                        sched_pb.CancelJobRequest(name=job.name),
+                        metadata=scope.metadata,
+                        timeout=self._timeout,
+                    )
+                )
+            if not token:
+                break
+        if not stopped:
+            raise NotFound(
+                f"no inference worker serves {checkpoint.name}",
+                reason=R.ERROR_REASON_INFERENCE_WORKER_NOT_FOUND,
+            )
+        self._workers.forget(checkpoint.name)
+        return pb.StopInferenceWorkerResponse(workers=stopped)
 
     async def post_json(
         self, worker: inference.Endpoint, route: str, body: dict[str, Any]

@@ -585,6 +585,23 @@ class AsyncClient:
                     on_wait(error)
                 await asyncio.sleep(delay)
 
+    async def list_inference_workers(self, *, deadline_s: float | None = None) -> list[pb.InferenceWorker]:
+        """The organization's running inference workers: the checkpoint each serves, its state, and how
+        long it may stay idle before it exits."""
+        request = pb.ListInferenceWorkersRequest(parent=await self._parent())
+        return await self._pages(self._stub.ListInferenceWorkers, request, "workers", deadline_s)
+
+    async def stop_inference_worker(
+        self, model: str, *, deadline_s: float | None = None
+    ) -> list[pb.InferenceWorker]:
+        """Stop the worker serving a checkpoint now (`model` as for `infer`: a checkpoint name, or a job
+        meaning its newest checkpoint); NOT_FOUND / INFERENCE_WORKER_NOT_FOUND when none serves it."""
+        name = await self.job_name(model)
+        if "/checkpoints/" not in name:
+            name = f"{name}/checkpoints/latest"
+        request = pb.StopInferenceWorkerRequest(model=name)
+        return list((await self._call(self._stub.StopInferenceWorker, request, deadline_s)).workers)
+
 
 def checkpoint_name(job: str, checkpoint: str) -> str:
     """`orgs/o/jobs/j` + `step-000080` -> `orgs/o/jobs/j/checkpoints/step-000080` (a full name passes)."""

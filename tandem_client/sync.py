@@ -120,6 +120,8 @@ class Client:
     list_metrics = _blocking(AsyncClient.list_metrics)
     list_checkpoints = _blocking(AsyncClient.list_checkpoints)
     infer = _blocking(AsyncClient.infer)
+    list_inference_workers = _blocking(AsyncClient.list_inference_workers)
+    stop_inference_worker = _blocking(AsyncClient.stop_inference_worker)
 
     watch_events = _streaming(AsyncClient.watch_events)
     stream_job_logs = _streaming(AsyncClient.stream_job_logs)

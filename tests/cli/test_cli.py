@@ -21,7 +21,7 @@ from tandem.events.v1 import event_pb2, events_service_pb2_grpc
 from tandem.events.v1 import events_service_pb2 as events_pb
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 
-from gateway.cli import build_parser, main
+from gateway.cli import FAILURE_WIDTH, _cell, _table, build_parser, main
 from mesh.clients import open_channel
 from mesh.identity import TokenSigner, load_signing_key
 from mesh.settings import Settings
@@ -60,6 +60,8 @@ COMMANDS = [
     ["checkpoints"],
     ["checkpoints", "list"],
     ["infer"],
+    ["infer", "list"],
+    ["infer", "stop"],
 ]
 
 
@@ -76,6 +78,22 @@ def test_every_subcommand_has_help_with_examples(
     tools = (["taskapp", "serve"], ["taskapp", "check"])
     if len(command) == 2 and command not in tools:
         assert "--gateway" in text and "--json" in text
+
+
+def test_a_table_keeps_one_row_per_item(capsys: pytest.CaptureFixture[str]) -> None:
+    failure = "task main exited with 1\nTraceback (most recent call last):\n  File ...\nValueError: x"
+    _table(
+        [
+            ["orgs/acme/jobs/a", "FAILED", _cell(failure, FAILURE_WIDTH)],
+            ["orgs/acme/jobs/b", "FAILED", _cell("x" * 300, FAILURE_WIDTH)],
+            ["orgs/acme/jobs/c", "RUNNING", "a\nmultiline\ncell"],
+        ]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert lines[0].endswith("task main exited with 1 …")
+    assert lines[1].endswith("x" * FAILURE_WIDTH + " …")
+    assert lines[2].endswith("RUNNING  a …")
 
 
 def test_the_parser_knows_every_command() -> None:
@@ -340,6 +358,12 @@ async def test_task_apps_and_jobs_from_the_cli(cli: Cli, tmp_path: Path) -> None
     code, _, err = await cli.run("rl", "start", str(tmp_path / "bad.toml"))
     assert_clean_error(code, err, "INVALID")
     code, _, err = await cli.run("infer", "no-such-job", "hello")
+    assert_clean_error(code, err, "JOB_NOT_FOUND")
+    code, out, err = await cli.run("infer", "list")
+    assert (code, out.strip()) == (0, "no inference workers running"), err
+    code, out, err = await cli.run("infer", "list", "--json")
+    assert (code, json.loads(out)) == (0, []), err
+    code, _, err = await cli.run("infer", "stop", "no-such-job")
     assert_clean_error(code, err, "JOB_NOT_FOUND")
 
     async with AsyncClient(cli.gateway, api_key=cli.key) as client:

@@ -16,17 +16,19 @@ import tomllib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
 import pytest
-from google.protobuf import duration_pb2
+from google.protobuf import duration_pb2, json_format
 from tandem.events.v1 import event_pb2, events_service_pb2, events_service_pb2_grpc, metric_pb2
 from tandem.gateway.v1 import gateway_service_pb2 as pb
 from tandem.gateway.v1 import gateway_service_pb2_grpc, org_pb2
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from tandem.taskapp.v1 import task_app_pb2
 
+from gateway import inference
 from gateway import orgs as orgs_module
 from gateway.orgs import ADMIN_KEY_FILE, Orgs
 from gateway.store import MIGRATIONS
@@ -640,19 +642,49 @@ async def test_infer_starts_a_worker_through_the_scheduler(
                     assert time.monotonic() < deadline, error
                     await asyncio.sleep(error.retry_after_s or 1.0)
             assert answer.model == "orgs/acme/jobs/rl/checkpoints/step-3"
+            assert answer.policy_version.weight_version == 3  # the step the checkpoint was saved at
             assert answer.completion_tokens == len(answer.token_ids) and 1 <= answer.completion_tokens <= 4
             chat_request = pb.InferRequest(model=request.model, sampling=request.sampling)
             chat_request.messages.add(role="user", content="hi")
             chatted = await stub.Infer(chat_request)
             assert chatted.prompt_tokens > 0 and chatted.policy_version.job == "orgs/acme/jobs/rl"
-            jobs = (await stub.ListJobs(pb.ListJobsRequest(parent="orgs/acme"))).jobs
+            listing = await stub.ListJobs(pb.ListJobsRequest(parent="orgs/acme"))
+            jobs = listing.jobs
             assert [j.spec.tasks[0].kind for j in jobs] == [job_spec_pb2.TaskSpec.KIND_SERVICE]
-            # Behind the gateway's back, the worker wants its job's key; its probe needs none.
+            # No read API holds the worker's key: its job binds it as a vault secret, by name.
+            key = inference.worker_key(signer_seed(mesh), "orgs/acme/jobs/rl/checkpoints/step-3")
+            got = await stub.GetJob(pb.GetJobRequest(name=jobs[0].name))
+            for reply in (listing, got):
+                assert key not in json_format.MessageToJson(reply)
+                assert key.encode() not in reply.SerializeToString()
+            task = jobs[0].spec.tasks[0]
+            assert inference.KEY_ENV not in task.envs
+            assert [(b.secret, b.env) for b in task.secrets] == [
+                (jobs[0].name.rsplit("/", 1)[1], inference.KEY_ENV)
+            ]
+            # Behind the gateway's back, the worker wants that key; its probe needs none.
             direct = jobs[0].tasks[0].endpoint.rstrip("/")
             async with httpx.AsyncClient(timeout=60) as raw:
                 assert (await raw.get(direct + "/v1/models")).status_code == 401
                 assert (await raw.post(direct + "/v1/completions", json={"prompt": "x"})).status_code == 401
-                assert (await raw.get(direct + "/health")).status_code == 200
+                bearer = {"Authorization": f"Bearer {key}"}
+                assert (await raw.get(direct + "/v1/models", headers=bearer)).status_code == 200
+                probe = await raw.get(direct + "/health")
+                assert probe.status_code == 200 and probe.json()["idle_exit_s"] == 20
+            # The gateway lists its running worker, with the idle time it has left.
+            workers = (
+                await stub.ListInferenceWorkers(pb.ListInferenceWorkersRequest(parent="orgs/acme"))
+            ).workers
+            assert [(w.job, w.checkpoint, w.step, w.state) for w in workers] == [
+                (jobs[0].name, "orgs/acme/jobs/rl/checkpoints/step-3", 3, job_pb2.Job.STATE_RUNNING)
+            ]
+            left = workers[0].idle_left.ToTimedelta().total_seconds()
+            assert workers[0].HasField("idle") and 0 < left <= 20
+            await fails(
+                stub.ListInferenceWorkers(pb.ListInferenceWorkersRequest(parent="orgs/other")),
+                grpc.StatusCode.NOT_FOUND,
+                "ORG_NOT_FOUND",
+            )
             info = (await stub.GetServerInfo(pb.GetServerInfoRequest())).server_info
         base = info.openai_base_url
         assert base.endswith("/v1")
@@ -691,6 +723,29 @@ async def test_infer_starts_a_worker_through_the_scheduler(
             await fails(stub.Infer(request), grpc.StatusCode.UNAVAILABLE, "DEPENDENCY_UNAVAILABLE")
             names = [j.name for j in (await stub.ListJobs(pb.ListJobsRequest(parent="orgs/acme"))).jobs]
             assert len(names) == 2 and jobs[0].name in names, names
+            # Stopped by hand, the new worker's job is cancelled and the listing is empty.
+            stop = pb.StopInferenceWorkerRequest(model="orgs/acme/jobs/rl/checkpoints/latest")
+            stopped = (await stub.StopInferenceWorker(stop)).workers
+            (started,) = [n for n in names if n != jobs[0].name]
+            assert [(w.job, w.checkpoint) for w in stopped] == [
+                (started, "orgs/acme/jobs/rl/checkpoints/step-3")
+            ]
+            cancelled = await wait_terminal(stub, started, timeout_s=60)
+            assert cancelled.state == cancelled.STATE_CANCELLED, cancelled
+            listed = await stub.ListInferenceWorkers(pb.ListInferenceWorkersRequest(parent="orgs/acme"))
+            assert not listed.workers
+            await fails(
+                stub.StopInferenceWorker(stop), grpc.StatusCode.NOT_FOUND, "INFERENCE_WORKER_NOT_FOUND"
+            )
+            other = pb.StopInferenceWorkerRequest(model="orgs/other/jobs/rl/checkpoints/latest")
+            await fails(stub.StopInferenceWorker(other), grpc.StatusCode.NOT_FOUND, "JOB_NOT_FOUND")
+            bad = pb.StopInferenceWorkerRequest(model="orgs/acme/jobs/rl")
+            await fails(stub.StopInferenceWorker(bad), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT")
+
+
+def signer_seed(mesh: Any) -> bytes:
+    """The deployment's signing seed, from which the gateway derives its workers' keys."""
+    return load_signing_key("", mesh.settings.state_dir).encode()
 
 
 async def test_a_job_group_whose_service_task_registers_its_task_app_is_accepted(world: World) -> None:

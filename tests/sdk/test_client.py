@@ -226,6 +226,12 @@ async def test_infer_waits_for_the_worker_the_gateway_starts(
             answer = await client.infer(
                 "rl", "hello", max_tokens=3, temperature=0.0, wait_s=300, on_wait=waits.append
             )
+            running = await client.list_inference_workers()
+            stopped = await client.stop_inference_worker("rl")
+            assert await client.list_inference_workers() == []
+    assert [(w.checkpoint, w.step) for w in running] == [("orgs/acme/jobs/rl/checkpoints/step-3", 3)]
+    assert [w.job for w in stopped] == [w.job for w in running]
+    assert answer.policy_version.weight_version == 3
     assert answer.model == "orgs/acme/jobs/rl/checkpoints/step-3"
     assert 1 <= answer.completion_tokens <= 3
     assert waits and all(w.reason == "DEPENDENCY_UNAVAILABLE" for w in waits)

@@ -43,6 +43,12 @@ class WorkerSettings(BaseSettings):
     transfer_timeout_s: float = Field(
         300.0, gt=0, description="Longest wait on the weight-transfer collective (join, each bucket)."
     )
+    weight_version: int = Field(
+        0,
+        ge=0,
+        description="The version the weights loaded at start are reported as until the first update: "
+        "the training step of a served checkpoint (the gateway's checkpoint workers set it).",
+    )
     idle_exit_s: float = Field(
         0.0,
         ge=0,

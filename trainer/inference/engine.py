@@ -101,7 +101,13 @@ class Engine(abc.ABC):
     @property
     @abc.abstractmethod
     def weight_version(self) -> int:
-        """The version of the weights in service; 0 for the weights loaded at start."""
+        """The version of the weights in service; 0 for the weights loaded at start unless
+        `label_loaded_weights` named them."""
+
+    @abc.abstractmethod
+    def label_loaded_weights(self, version: int) -> None:
+        """Report the weights loaded at start as `version` (a served checkpoint's training step), before
+        any update; the weights themselves do not change."""
 
     @abc.abstractmethod
     def render(self, messages: Sequence[Mapping[str, str]], template_kwargs: Mapping[str, Any]) -> list[int]:

@@ -136,8 +136,13 @@ class OpenAIApi:
         return cid
 
     async def health(self, request: Request) -> Response:
-        """200 while the worker serves; needs no key (for readiness probes, as vLLM's `/health`)."""
-        return Response(status_code=200)
+        """200 while the worker serves; needs no key (for readiness probes, as vLLM's `/health`). The body
+        says how long the worker has been idle and after how long idle it exits (0: never), for the
+        gateway's `ListInferenceWorkers`; it names no model and no weights."""
+        settings = self.worker.settings
+        return JSONResponse(
+            {"status": "ok", "idle_s": round(self.worker.idle_s(), 3), "idle_exit_s": settings.idle_exit_s}
+        )
 
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):

@@ -235,6 +235,9 @@ class TorchEngine(Engine):
     def weight_version(self) -> int:
         return self._version
 
+    def label_loaded_weights(self, version: int) -> None:
+        self._version = version
+
     @property
     def paused(self) -> bool:
         return self._paused

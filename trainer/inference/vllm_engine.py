@@ -158,6 +158,9 @@ class VllmEngine(Engine):
     def weight_version(self) -> int:
         return self._version
 
+    def label_loaded_weights(self, version: int) -> None:
+        self._version = version
+
     def render(self, messages: Sequence[Mapping[str, str]], template_kwargs: Mapping[str, Any]) -> list[int]:
         ids = self._tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=True, **dict(template_kwargs)

@@ -532,6 +532,7 @@ async def run_worker(
     from trainer.inference.openai_api import openai_app  # noqa: PLC0415
 
     engine = await load_engine(worker_settings)
+    engine.label_loaded_weights(worker_settings.weight_version)
     worker = InferenceWorker(engine, worker_settings)
     http = uvicorn.Server(
         uvicorn.Config(

@@ -76,6 +76,8 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The checkpoint does not exist or is not visible to the caller. NOT_FOUND."""
     ERROR_REASON_ALREADY_EXISTS: _ErrorReason.ValueType  # 45
     """A resource with that name already exists. ALREADY_EXISTS."""
+    ERROR_REASON_INFERENCE_WORKER_NOT_FOUND: _ErrorReason.ValueType  # 46
+    """No inference worker serves the checkpoint now. NOT_FOUND."""
     ERROR_REASON_STALE_KEY_ID: _ErrorReason.ValueType  # 60
     """The key id is not the organization's current public key (rotated, retired or unknown). FAILED_PRECONDITION."""
     ERROR_REASON_CIPHERTEXT_INVALID: _ErrorReason.ValueType  # 61
@@ -214,6 +216,8 @@ ERROR_REASON_CHECKPOINT_NOT_FOUND: ErrorReason.ValueType  # 44
 """The checkpoint does not exist or is not visible to the caller. NOT_FOUND."""
 ERROR_REASON_ALREADY_EXISTS: ErrorReason.ValueType  # 45
 """A resource with that name already exists. ALREADY_EXISTS."""
+ERROR_REASON_INFERENCE_WORKER_NOT_FOUND: ErrorReason.ValueType  # 46
+"""No inference worker serves the checkpoint now. NOT_FOUND."""
 ERROR_REASON_STALE_KEY_ID: ErrorReason.ValueType  # 60
 """The key id is not the organization's current public key (rotated, retired or unknown). FAILED_PRECONDITION."""
 ERROR_REASON_CIPHERTEXT_INVALID: ErrorReason.ValueType  # 61

@@ -1695,3 +1695,161 @@ class InferResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InferResponse: _TypeAlias = InferResponse  # noqa: Y015
+
+@_typing.final
+class InferenceWorker(_message.Message):
+    """InferenceWorker is a running worker that serves one checkpoint for Infer and the OpenAI-compatible
+    endpoint.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    IDLE_FIELD_NUMBER: _builtins.int
+    IDLE_LEFT_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    """Output only. The worker's job, `orgs/{org}/jobs/{job}`; its spec holds no credential."""
+    checkpoint: _builtins.str
+    """Output only. The checkpoint it serves, `orgs/{org}/jobs/{job}/checkpoints/{checkpoint}`."""
+    step: _builtins.int
+    """Output only. The training step the checkpoint was saved at: the weight version Infer reports."""
+    state: _job_pb2.Job.State.ValueType
+    """Output only. The worker job's state (PENDING or STARTING while it loads, RUNNING once it serves)."""
+    @_builtins.property
+    def idle(self) -> _duration_pb2.Duration:
+        """Output only. How long since its last generation ended; unset until it serves."""
+
+    @_builtins.property
+    def idle_left(self) -> _duration_pb2.Duration:
+        """Output only. How much longer it may stay idle before it exits; unset when it never exits for
+        idleness or does not serve yet.
+        """
+
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        checkpoint: _builtins.str = ...,
+        step: _builtins.int = ...,
+        state: _job_pb2.Job.State.ValueType = ...,
+        idle: _duration_pb2.Duration | None = ...,
+        idle_left: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["idle", b"idle", "idle_left", b"idle_left"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "idle", b"idle", "idle_left", b"idle_left", "job", b"job", "state", b"state", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InferenceWorker: _TypeAlias = InferenceWorker  # noqa: Y015
+
+@_typing.final
+class ListInferenceWorkersRequest(_message.Message):
+    """ListInferenceWorkersRequest is the request of ListInferenceWorkers."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARENT_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    parent: _builtins.str
+    """Required. The organization, `orgs/{org}`."""
+    page_size: _builtins.int
+    """Optional. At most this many of the organization's running jobs are looked at for workers, 0 to
+    1000; 0 means the server default (100). A page may hold fewer workers.
+    """
+    page_token: _builtins.str
+    """Optional. The `next_page_token` of the previous page; empty for the first page."""
+    def __init__(
+        self,
+        *,
+        parent: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "parent", b"parent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListInferenceWorkersRequest: _TypeAlias = ListInferenceWorkersRequest  # noqa: Y015
+
+@_typing.final
+class ListInferenceWorkersResponse(_message.Message):
+    """ListInferenceWorkersResponse is one page of inference workers, newest first."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKERS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Output only. The token for the next page; empty on the last page."""
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___InferenceWorker]:
+        """Output only. The workers on this page."""
+
+    def __init__(
+        self,
+        *,
+        workers: _abc.Iterable[Global___InferenceWorker] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListInferenceWorkersResponse: _TypeAlias = ListInferenceWorkersResponse  # noqa: Y015
+
+@_typing.final
+class StopInferenceWorkerRequest(_message.Message):
+    """StopInferenceWorkerRequest is the request of StopInferenceWorker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Required. The checkpoint whose worker stops, `orgs/{org}/jobs/{job}/checkpoints/{checkpoint}`; the
+    checkpoint id `latest` means the job's newest.
+    """
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopInferenceWorkerRequest: _TypeAlias = StopInferenceWorkerRequest  # noqa: Y015
+
+@_typing.final
+class StopInferenceWorkerResponse(_message.Message):
+    """StopInferenceWorkerResponse is the response of StopInferenceWorker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___InferenceWorker]:
+        """Output only. The workers stopped (one, or more where earlier ones had not ended yet), as they were."""
+
+    def __init__(
+        self,
+        *,
+        workers: _abc.Iterable[Global___InferenceWorker] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["workers", b"workers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopInferenceWorkerResponse: _TypeAlias = StopInferenceWorkerResponse  # noqa: Y015

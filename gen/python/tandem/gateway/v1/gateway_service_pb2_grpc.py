@@ -182,6 +182,16 @@ class GatewayServiceStub:
                 request_serializer=tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.InferRequest.SerializeToString,
                 response_deserializer=tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.InferResponse.FromString,
                 _registered_method=True)
+        self.ListInferenceWorkers = channel.unary_unary(
+                '/tandem.gateway.v1.GatewayService/ListInferenceWorkers',
+                request_serializer=tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.ListInferenceWorkersRequest.SerializeToString,
+                response_deserializer=tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.ListInferenceWorkersResponse.FromString,
+                _registered_method=True)
+        self.StopInferenceWorker = channel.unary_unary(
+                '/tandem.gateway.v1.GatewayService/StopInferenceWorker',
+                request_serializer=tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.StopInferenceWorkerRequest.SerializeToString,
+                response_deserializer=tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.StopInferenceWorkerResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -439,6 +449,24 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListInferenceWorkers(self, request, context):
+        """Lists the organization's running inference workers (those Infer started, not yet ended), each with
+        the checkpoint it serves and how long it stays idle before it exits and gives its resources back.
+        Fails with NOT_FOUND / ORG_NOT_FOUND; INVALID_ARGUMENT / INVALID_PAGE_TOKEN.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopInferenceWorker(self, request, context):
+        """Stops the inference worker serving a checkpoint now (its job is cancelled); the next Infer of the
+        checkpoint starts a new one. Fails with NOT_FOUND / JOB_NOT_FOUND, CHECKPOINT_NOT_FOUND or
+        INFERENCE_WORKER_NOT_FOUND (no worker serves it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -571,6 +599,16 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.Infer,
                     request_deserializer=tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.InferRequest.FromString,
                     response_serializer=tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.InferResponse.SerializeToString,
+            ),
+            'ListInferenceWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListInferenceWorkers,
+                    request_deserializer=tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.ListInferenceWorkersRequest.FromString,
+                    response_serializer=tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.ListInferenceWorkersResponse.SerializeToString,
+            ),
+            'StopInferenceWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopInferenceWorker,
+                    request_deserializer=tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.StopInferenceWorkerRequest.FromString,
+                    response_serializer=tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.StopInferenceWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1293,6 +1331,60 @@ class GatewayService:
             '/tandem.gateway.v1.GatewayService/Infer',
             tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.InferRequest.SerializeToString,
             tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.InferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListInferenceWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.gateway.v1.GatewayService/ListInferenceWorkers',
+            tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.ListInferenceWorkersRequest.SerializeToString,
+            tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.ListInferenceWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopInferenceWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.gateway.v1.GatewayService/StopInferenceWorker',
+            tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.StopInferenceWorkerRequest.SerializeToString,
+            tandem_dot_gateway_dot_v1_dot_gateway__service__pb2.StopInferenceWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -176,6 +176,16 @@ class GatewayServiceStub:
     Unary for simple clients; token streaming is on the OpenAI-compatible endpoint. Fails with NOT_FOUND /
     JOB_NOT_FOUND or CHECKPOINT_NOT_FOUND; INVALID_ARGUMENT / CONTEXT_LENGTH_EXCEEDED.
     """
+    ListInferenceWorkers: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.ListInferenceWorkersRequest, _gateway_service_pb2.ListInferenceWorkersResponse]
+    """Lists the organization's running inference workers (those Infer started, not yet ended), each with
+    the checkpoint it serves and how long it stays idle before it exits and gives its resources back.
+    Fails with NOT_FOUND / ORG_NOT_FOUND; INVALID_ARGUMENT / INVALID_PAGE_TOKEN.
+    """
+    StopInferenceWorker: _grpc.UnaryUnaryMultiCallable[_gateway_service_pb2.StopInferenceWorkerRequest, _gateway_service_pb2.StopInferenceWorkerResponse]
+    """Stops the inference worker serving a checkpoint now (its job is cancelled); the next Infer of the
+    checkpoint starts a new one. Fails with NOT_FOUND / JOB_NOT_FOUND, CHECKPOINT_NOT_FOUND or
+    INFERENCE_WORKER_NOT_FOUND (no worker serves it).
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -324,6 +334,16 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     is loaded the call fails with UNAVAILABLE / DEPENDENCY_UNAVAILABLE and a `google.rpc.RetryInfo`).
     Unary for simple clients; token streaming is on the OpenAI-compatible endpoint. Fails with NOT_FOUND /
     JOB_NOT_FOUND or CHECKPOINT_NOT_FOUND; INVALID_ARGUMENT / CONTEXT_LENGTH_EXCEEDED.
+    """
+    ListInferenceWorkers: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.ListInferenceWorkersRequest, _gateway_service_pb2.ListInferenceWorkersResponse]  # type: ignore[assignment]
+    """Lists the organization's running inference workers (those Infer started, not yet ended), each with
+    the checkpoint it serves and how long it stays idle before it exits and gives its resources back.
+    Fails with NOT_FOUND / ORG_NOT_FOUND; INVALID_ARGUMENT / INVALID_PAGE_TOKEN.
+    """
+    StopInferenceWorker: _aio.UnaryUnaryMultiCallable[_gateway_service_pb2.StopInferenceWorkerRequest, _gateway_service_pb2.StopInferenceWorkerResponse]  # type: ignore[assignment]
+    """Stops the inference worker serving a checkpoint now (its job is cancelled); the next Infer of the
+    checkpoint starts a new one. Fails with NOT_FOUND / JOB_NOT_FOUND, CHECKPOINT_NOT_FOUND or
+    INFERENCE_WORKER_NOT_FOUND (no worker serves it).
     """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -626,6 +646,28 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         is loaded the call fails with UNAVAILABLE / DEPENDENCY_UNAVAILABLE and a `google.rpc.RetryInfo`).
         Unary for simple clients; token streaming is on the OpenAI-compatible endpoint. Fails with NOT_FOUND /
         JOB_NOT_FOUND or CHECKPOINT_NOT_FOUND; INVALID_ARGUMENT / CONTEXT_LENGTH_EXCEEDED.
+        """
+
+    @_abc_1.abstractmethod
+    def ListInferenceWorkers(
+        self,
+        request: _gateway_service_pb2.ListInferenceWorkersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_service_pb2.ListInferenceWorkersResponse, _abc.Awaitable[_gateway_service_pb2.ListInferenceWorkersResponse]]:
+        """Lists the organization's running inference workers (those Infer started, not yet ended), each with
+        the checkpoint it serves and how long it stays idle before it exits and gives its resources back.
+        Fails with NOT_FOUND / ORG_NOT_FOUND; INVALID_ARGUMENT / INVALID_PAGE_TOKEN.
+        """
+
+    @_abc_1.abstractmethod
+    def StopInferenceWorker(
+        self,
+        request: _gateway_service_pb2.StopInferenceWorkerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_service_pb2.StopInferenceWorkerResponse, _abc.Awaitable[_gateway_service_pb2.StopInferenceWorkerResponse]]:
+        """Stops the inference worker serving a checkpoint now (its job is cancelled); the next Infer of the
+        checkpoint starts a new one. Fails with NOT_FOUND / JOB_NOT_FOUND, CHECKPOINT_NOT_FOUND or
+        INFERENCE_WORKER_NOT_FOUND (no worker serves it).
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
