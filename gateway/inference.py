@@ -265,6 +265,10 @@ def openai_body(request: pb.InferRequest, model: str) -> tuple[str, dict[str, An
         body["temperature"] = sampling.temperature
     if sampling.HasField("top_p"):
         body["top_p"] = sampling.top_p
+    if sampling.top_k:
+        body["top_k"] = sampling.top_k
+    if sampling.min_p:
+        body["min_p"] = sampling.min_p
     if sampling.max_tokens:
         body["max_tokens"] = sampling.max_tokens
     if sampling.stop:

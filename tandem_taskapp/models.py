@@ -47,6 +47,14 @@ class PolicyConfig:
     inference_url: str
     temperature: float | None = None
     max_completion_tokens: int = 0
+    top_p: float | None = None  # unset: 1
+    top_k: int | None = None  # unset or 0: every token
+    min_p: float | None = None  # unset or 0: none
+
+    def sampling(self) -> dict[str, Any]:
+        """The truncations the request set (`top_p`, `top_k`, `min_p`), as chat-completion body fields."""
+        values = {"top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
+        return {key: value for key, value in values.items() if value is not None}
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,7 @@ class RolloutRequest:
         pol: Mapping[str, Any] = body["policy"]["config"]
         lim: Mapping[str, Any] = body.get("limits") or {}
         temperature = pol.get("temperature")
+        top_p, top_k, min_p = pol.get("top_p"), pol.get("top_k"), pol.get("min_p")
         mode = normalize_mode(body.get("mode", "rl"))
         return cls(
             trace_correlation_id=str(body["trace_correlation_id"]),
@@ -85,6 +94,9 @@ class RolloutRequest:
                 inference_url=str(pol["inference_url"]),
                 temperature=None if temperature is None else float(temperature),
                 max_completion_tokens=int(pol.get("max_completion_tokens") or 0),
+                top_p=None if top_p is None else float(top_p),
+                top_k=None if top_k is None else int(top_k),
+                min_p=None if min_p is None else float(min_p),
             ),
             mode="eval" if mode == "eval" else "rl",
             limits=Limits(
@@ -100,6 +112,7 @@ class RolloutRequest:
             pol["temperature"] = self.policy.temperature
         if self.policy.max_completion_tokens:
             pol["max_completion_tokens"] = self.policy.max_completion_tokens
+        pol.update(self.policy.sampling())
         return {
             "trace_correlation_id": self.trace_correlation_id,
             "env": {"seed": self.seed, "config": dict(self.config)},

@@ -119,6 +119,9 @@ class Policy:
             body["temperature"] = self.config.temperature
         if self.config.max_completion_tokens:
             body["max_completion_tokens"] = self.config.max_completion_tokens
+        # The trainer scores each token under the distribution it was sampled from, so the truncations
+        # the job set go with every call (`top_k` and `min_p` as vLLM's extensions of the OpenAI body).
+        body.update(self.config.sampling())
         body.update(overrides)
         response = await self._post(body)
         self.last_response = response

@@ -176,6 +176,16 @@ class Job:
         return s.top_p if s.HasField("top_p") else 1.0
 
     @property
+    def top_k(self) -> int:
+        """0: every token."""
+        return self.config.sampling.top_k
+
+    @property
+    def min_p(self) -> float:
+        """0: none."""
+        return self.config.sampling.min_p
+
+    @property
     def max_grad_norm(self) -> float:
         o = self.config.optimizer
         return o.max_grad_norm if o.HasField("max_grad_norm") else 1.0

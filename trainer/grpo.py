@@ -150,10 +150,11 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 
 def entropy(logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> float:
-    """Mean entropy (nats) of the sampling distributions at the trained positions."""
+    """Mean entropy (nats) of the sampling distributions at the trained positions (tokens a truncation
+    dropped, at -inf, count 0)."""
     scaled = logits.float() / (temperature if temperature > 0 else 1.0)
     logp = torch.log_softmax(scaled, dim=-1)
-    per_token = -(logp.exp() * logp).sum(dim=-1)
+    per_token = -torch.where(logp.isfinite(), logp.exp() * logp, 0.0).sum(dim=-1)
     trained = mask.bool()
     return float(per_token[trained].mean()) if bool(trained.any()) else 0.0
 

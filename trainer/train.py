@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import secrets
 import shutil
@@ -42,7 +43,7 @@ from tandem.taskapp.v1 import rollout_pb2
 from tandem.taskapp.v1 import taskapp_service_pb2 as tpb
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from trainer import checkpoints, grpo
+from trainer import checkpoints, grpo, sampling
 from trainer.checkpoints import STATE_FILE, CheckpointInfo, Trigger
 from trainer.config import Job
 from trainer.control import Control
@@ -299,13 +300,20 @@ class Trainer:
         ]
 
     def _spec(self, plan: Planned, env_config: Any) -> rollout_pb2.RolloutSpec:
-        sampling = self.job.config.sampling
+        settings = self.job.config.sampling
         policy = rollout_pb2.RolloutPolicyConfig(
             model=plan.worker.model, inference_url=f"{plan.worker.openai_base_url}/traces/{plan.cid}"
         )
         policy.temperature = self.job.temperature
-        if sampling.max_tokens:
-            policy.max_completion_tokens = sampling.max_tokens
+        if settings.max_tokens:
+            policy.max_completion_tokens = settings.max_tokens
+        # The app passes these on to the worker, which records them in the turn the trainer scores.
+        if self.job.top_p < 1:
+            policy.top_p = self.job.top_p
+        if self.job.top_k:
+            policy.top_k = self.job.top_k
+        if self.job.min_p:
+            policy.min_p = self.job.min_p
         spec = rollout_pb2.RolloutSpec(
             trace_correlation_id=plan.cid,
             env=rollout_pb2.RolloutEnv(seed=plan.seed, config=env_config),
@@ -445,8 +453,8 @@ class Trainer:
         await self._publish_metrics(report, elapsed)
 
     def _sequences(self, groups: list[list[Episode]]) -> tuple[list[TrainSequence], list[float], int]:
-        """Per trained turn: (token ids, completion start, sampler log-probs, loss mask, temperature), and
-        each turn's advantage (its episode's)."""
+        """Per trained turn: (token ids, completion start, sampler log-probs, loss mask, how it was
+        sampled), and each turn's advantage (its episode's)."""
         sequences: list[TrainSequence] = []
         advantages: list[float] = []
         zero = 0
@@ -466,7 +474,7 @@ class Trainer:
                             len(prompt),
                             list(turn.sampler_logprobs),
                             list(turn.loss_mask),
-                            turn.temperature,
+                            (turn.temperature, turn.top_k, turn.top_p or 1.0, turn.min_p),
                         )
                     )
                     advantages.append(value)
@@ -664,7 +672,7 @@ def batch_loss(
     mask = torch.zeros(count, completion, dtype=torch.bool)
     positions = torch.zeros(count, completion, dtype=torch.long)
     temperatures = torch.ones(count, 1, 1)
-    for row, (ids, start, logprobs, loss_mask, temperature) in enumerate(sequences):
+    for row, (ids, start, logprobs, loss_mask, (temperature, *_)) in enumerate(sequences):
         n = len(ids) - start
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention[row, : len(ids)] = 1
@@ -677,6 +685,7 @@ def batch_loss(
     policy.train()
     logits = policy(input_ids=input_ids, attention_mask=attention).logits.float() / temperatures.to(device)
     picked = torch.gather(logits, 1, positions.to(device).unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    picked = sampled_distribution(picked, targets.to(device), sequences)
     logprobs_now = torch.log_softmax(picked, dim=-1).gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)
     ref_logprobs = None
     if reference is not None:
@@ -688,6 +697,7 @@ def batch_loss(
                 1,
                 positions.to(device).unsqueeze(-1).expand(-1, -1, ref_logits.shape[-1]),
             )
+            ref_picked = sampled_distribution(ref_picked, targets.to(device), sequences)
             ref_logprobs = (
                 torch.log_softmax(ref_picked, dim=-1).gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)
             )
@@ -707,6 +717,22 @@ def batch_loss(
         loss = logprobs_now.sum() * 0.0
     entropy = grpo.entropy(picked.detach(), mask.to(device))
     return loss, stats, entropy, int(mask.sum())
+
+
+def sampled_distribution(
+    scaled: torch.Tensor, targets: torch.Tensor, sequences: Sequence[TrainSequence]
+) -> torch.Tensor:
+    """`scaled` logits [B, T, V] (divided by each row's temperature) truncated as each row's turn was
+    sampled (min-p, top-k, top-p: trainer/sampling.py), so that log-probs are those of the distribution the
+    tokens came from; each row's own tokens always stay in."""
+    rows = [row for row, (*_, (_, k, p, m)) in enumerate(sequences) if sampling.truncates(k, p, m)]
+    if not rows:
+        return scaled
+    drop = torch.zeros_like(scaled, dtype=torch.bool)
+    for row in rows:
+        _, k, p, m = sequences[row][4]
+        drop[row] = sampling.dropped(scaled[row], k, p, m, keep=targets[row])
+    return scaled.masked_fill(drop, -math.inf)
 
 
 def trained_tokens(sequence: TrainSequence) -> int:
@@ -750,5 +776,7 @@ def train_shard(
     return update
 
 
-# Per trained turn: token ids (prompt + completion), completion start, sampler log-probs, loss mask, temperature.
-TrainSequence = tuple[list[int], int, list[float], list[bool], float]
+# How a turn was sampled: temperature, top_k, top_p, min_p (trainer/sampling.py).
+TurnSampling = tuple[float, int, float, float]
+# Per trained turn: token ids (prompt + completion), completion start, sampler log-probs, loss mask, sampling.
+TrainSequence = tuple[list[int], int, list[float], list[bool], TurnSampling]

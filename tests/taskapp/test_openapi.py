@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import yaml
 from jsonschema import Draft202012Validator
+from tandem.taskapp.v1 import rollout_pb2
 
 from tandem_taskapp import schema
 from tests.taskapp.conftest import REPO
@@ -53,12 +54,20 @@ def test_field_names_and_enums(spec: dict[str, Any]) -> None:
     schemas = spec["components"]["schemas"]
     assert schemas["RolloutMode"]["enum"] == ["rl", "eval"]
     assert schemas["RolloutRequest"]["required"] == ["trace_correlation_id", "env", "policy"]
-    assert set(schemas["RolloutPolicyConfig"]["properties"]) == {
-        "model",
-        "inference_url",
-        "temperature",
-        "max_completion_tokens",
-    }
+    # The document and the proto the proxy sends from name the same policy fields.
+    assert (
+        set(schemas["RolloutPolicyConfig"]["properties"])
+        == {
+            "model",
+            "inference_url",
+            "temperature",
+            "max_completion_tokens",
+            "top_p",
+            "top_k",
+            "min_p",
+        }
+        == set(rollout_pb2.RolloutPolicyConfig.DESCRIPTOR.fields_by_name)
+    )
     assert set(schemas["RolloutResponse"]["required"]) == {
         "trace_correlation_id",
         "metrics",

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from tandem_taskapp import Message, Policy, PolicyConfig, PolicyError, Turn, TurnLimitReached
+from tandem_taskapp.models import RolloutRequest
 from tandem_taskapp.policy import policy_session
 from tandem_taskapp.testing import FakePolicyServer, serve_in_thread
 
@@ -52,6 +53,35 @@ async def test_overrides_and_raw_completions(server: FakePolicyServer, client: h
     assert server.requests[0].body["temperature"] == 0
     assert server.requests[0].body["stop"] == ["\n"]
     assert server.requests[0].body["max_completion_tokens"] == 3
+
+
+async def test_the_jobs_truncations_go_with_every_call(
+    server: FakePolicyServer, client: httpx.AsyncClient
+) -> None:
+    body = {
+        "trace_correlation_id": "ep-1",
+        "env": {"seed": 1},
+        "policy": {
+            "config": {
+                "model": "tiny",
+                "inference_url": "http://policy.test/v1/traces/ep-1",
+                "top_p": 0.9,
+                "top_k": 20,
+                "min_p": 0.05,
+            }
+        },
+    }
+    request = RolloutRequest.from_json(body)
+    assert (request.policy.top_p, request.policy.top_k, request.policy.min_p) == (0.9, 20, 0.05)
+    assert request.to_json()["policy"]["config"] == body["policy"]["config"]
+    policy = Policy(request.policy, trace_correlation_id="ep-1", client=client)
+    await policy.chat([{"role": "user", "content": "hi"}])
+    await policy.chat([{"role": "user", "content": "again"}], top_p=1.0)  # an app may still override
+    first, second = (r.body for r in server.requests)
+    assert (first["top_p"], first["top_k"], first["min_p"]) == (0.9, 20, 0.05)
+    assert (second["top_p"], second["top_k"]) == (1.0, 20)
+    await make(client).chat([{"role": "user", "content": "plain"}])
+    assert not {"top_p", "top_k", "min_p"} & set(server.requests[-1].body)  # unset: nothing is sent
 
 
 async def test_turns_hold_what_is_new_then_the_reply(client: httpx.AsyncClient) -> None:

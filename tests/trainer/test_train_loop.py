@@ -22,7 +22,9 @@ from trainer.train import Trainer
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def demo_job(model_dir: Path, steps: int, **algorithm: object) -> Job:
+def demo_job(
+    model_dir: Path, steps: int, sampling: dict[str, object] | None = None, **algorithm: object
+) -> Job:
     return Job(
         parse_job(
             {
@@ -33,7 +35,7 @@ def demo_job(model_dir: Path, steps: int, **algorithm: object) -> Job:
                 "data": {"train": {"seeds": [{"start": 0, "end": 1000}]}},
                 "algorithm": {"group_size": 4, "prompts_per_step": 4, "steps": steps, **algorithm},
                 "optimizer": {"learning_rate": 1e-3},
-                "sampling": {"max_tokens": 3},
+                "sampling": {"max_tokens": 3, **(sampling or {})},
             }
         )
     )
@@ -42,6 +44,30 @@ def demo_job(model_dir: Path, steps: int, **algorithm: object) -> Job:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+async def test_the_jobs_top_p_and_top_k_reach_the_sampler_and_the_ratio_stays_one(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    # The job's truncations go trainer -> proxy -> the example app's SDK policy -> the worker, which samples
+    # with them and records them in the turn; the trainer scores under them, so on-policy the ratio is 1.
+    job = demo_job(model_dir, steps=1, sampling={"top_p": 0.9, "top_k": 40})
+    async with local_environment(job, tmp_path / "run") as env:
+        trainer = Trainer(job, env)
+        (report,) = await trainer.run()
+        stream = env.workers[0].stub.StreamTraces(ipb.StreamTracesRequest())
+        turns = []
+        async for item in stream:
+            if not item.HasField("trace"):
+                break  # a heartbeat: every sealed trace has been read
+            turns.extend(item.trace.turns)
+            if len(turns) >= 16:
+                break
+        stream.cancel()
+    assert len(turns) == 16 and {(round(t.top_p, 6), t.top_k) for t in turns} == {(0.9, 40)}
+    assert not report.skipped and report.metrics["tokens"] > 0
+    assert report.metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-3)
+    assert report.metrics["ratio/max"] < 1.01
 
 
 async def test_steps_train_sync_report_checkpoint_and_resume(model_dir: Path, tmp_path: Path) -> None:

@@ -39,6 +39,8 @@ class Sampling:
 
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0  # 0: none (trainer/sampling.py defines the three truncations and their order)
     max_tokens: int = 0  # 0: up to the context length
     stop: tuple[str, ...] = ()  # strings that end generation (not included in the output text)
     stop_token_ids: tuple[int, ...] = ()  # token ids that end generation (included, like EOS)

@@ -6,7 +6,8 @@ recorded as a turn of its episode's trace when the correlation id comes in the p
 `X-Trace-Correlation-Id` header (the path wins). `stream: true` answers with server-sent events.
 
 Request fields understood: `model` (must be the served model when set), `messages` / `prompt` (text or
-token ids), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `stop` (string or list),
+token ids), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k` and `min_p` (vLLM's
+extensions, with its meaning: trainer/sampling.py), `stop` (string or list),
 `seed`, `logprobs` + `top_logprobs` (chat) or `logprobs: N` (completions), `n` (1 only),
 `chat_template_kwargs`. The answer adds a `tandem` object: the weight version and the prompt and completion
 token ids. Errors have OpenAI's shape, `{"error": {"message", "type", "code"}}`, with the mesh's stable
@@ -68,6 +69,16 @@ def _number(body: dict[str, Any], key: str, default: float, low: float, high: fl
     return float(value)
 
 
+def _whole(body: dict[str, Any], key: str, high: int) -> int:
+    """A whole number from 0 to `high` (vLLM's `top_k` also takes -1 for "every token", as 0 does here)."""
+    value = body.get(key)
+    if value is None or value == -1:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+        raise InvalidArgument(f"`{key}` must be a whole number from 0 to {high} (or -1)")
+    return value
+
+
 def _sampling(body: dict[str, Any], chat: bool) -> Sampling:
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop or []
@@ -88,6 +99,8 @@ def _sampling(body: dict[str, Any], chat: bool) -> Sampling:
     return Sampling(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
+        top_k=_whole(body, "top_k", 1_000_000),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         max_tokens=max_tokens,
         stop=tuple(stops),
         seed=seed,

@@ -28,10 +28,9 @@ the last float bits (~1e-5 here), as in every batched engine; only a near-tie ca
 
 **Sampling**, per generation on its own `torch.Generator` (seeded by `Sampling.seed`, else at random):
 temperature 0 is greedy (argmax, ties to the lowest id) and reports the log-softmax of the raw logits;
-otherwise logits / temperature, then top-p keeps the smallest prefix of tokens by descending probability
-whose mass reaches `top_p` (a token is dropped when the mass before it already reaches `top_p`; the most
-likely token always stays), and the reported log-prob of a token and its `top_logprobs` candidates are from
-that renormalised distribution. Candidates outside the nucleus (log-prob -inf) are left out, so a chunk
+otherwise logits / temperature, then min-p, top-k and top-p as `trainer/sampling.py` defines them (the
+function the trainer scores with), and the reported log-prob of a token and its `top_logprobs` candidates
+are from that renormalised distribution. Candidates outside the nucleus (log-prob -inf) are left out, so a chunk
 may list fewer than `top_logprobs` of them.
 
 **Ending.** EOS (the tokenizer's, plus any in the model's `generation_config`) and `stop_token_ids` end a
@@ -90,6 +89,7 @@ from trainer.inference.engine import (
     TokenChunk,
 )
 from trainer.inference.weights import dtype_name, dtype_of, manifest_of, manifest_problems, tensor_checksum
+from trainer.sampling import truncated
 
 log = logging.getLogger(__name__)
 
@@ -601,7 +601,10 @@ class TorchEngine(Engine):
             logp = torch.log_softmax(logits, dim=-1)
             token = int(torch.argmax(logits))
         else:
-            logp = torch.log_softmax(_nucleus(logits / sampling.temperature, sampling.top_p), dim=-1)
+            scaled = logits / sampling.temperature
+            logp = torch.log_softmax(
+                truncated(scaled, sampling.top_k, sampling.top_p, sampling.min_p), dim=-1
+            )
             token = int(torch.multinomial(logp.exp(), 1, generator=seq.generator))
         top: list[tuple[int, float]] = []
         if sampling.top_logprobs:
@@ -646,22 +649,15 @@ def _sampling_problem(sampling: Sampling) -> str:
         return f"temperature must be a finite number >= 0, not {sampling.temperature}"
     if not 0 < sampling.top_p <= 1:
         return f"top_p must be in (0, 1], not {sampling.top_p}"
+    if sampling.top_k < 0:
+        return f"top_k must be >= 0, not {sampling.top_k}"
+    if not 0 <= sampling.min_p <= 1:
+        return f"min_p must be in [0, 1], not {sampling.min_p}"
     if sampling.max_tokens < 0:
         return f"max_tokens must be >= 0, not {sampling.max_tokens}"
     if sampling.top_logprobs < 0:
         return f"top_logprobs must be >= 0, not {sampling.top_logprobs}"
     return ""
-
-
-def _nucleus(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
-    """`scaled` logits with every token outside the top-p nucleus set to -inf."""
-    if top_p >= 1:
-        return scaled
-    ordered, order = scaled.sort(descending=True)
-    probs = torch.softmax(ordered, dim=-1)
-    drop = (probs.cumsum(dim=-1) - probs) >= top_p
-    drop[0] = False
-    return scaled.index_fill(-1, order[drop], -math.inf)
 
 
 def _distinct_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

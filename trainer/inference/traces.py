@@ -66,7 +66,14 @@ class TraceStore:
     # ---- turns --------------------------------------------------------------------------------
 
     def begin_turn(
-        self, correlation_id: str, prompt_token_ids: Sequence[int], temperature: float, top_p: float
+        self,
+        correlation_id: str,
+        prompt_token_ids: Sequence[int],
+        temperature: float,
+        top_p: float,
+        *,
+        top_k: int = 0,
+        min_p: float = 0.0,
     ) -> TurnHandle:
         """Open a turn (and the trace, for a new id). A sealed trace takes no more turns."""
         if correlation_id in self._sealed:
@@ -81,7 +88,9 @@ class TraceStore:
                 correlation_id=correlation_id, state=trace_pb2.Trace.STATE_OPEN, model=self.model
             )
             trace.create_time.CopyFrom(_stamp(now))
-        turn = trace.turns.add(index=len(trace.turns), temperature=temperature, top_p=top_p)
+        turn = trace.turns.add(
+            index=len(trace.turns), temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p
+        )
         turn.prompt_token_ids.extend(prompt_token_ids)
         turn.start_time.CopyFrom(_stamp(now))
         self._last_activity[correlation_id] = now

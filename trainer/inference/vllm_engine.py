@@ -181,7 +181,13 @@ class VllmEngine(Engine):
         context = self.info.max_context_tokens
         if len(prompt_token_ids) >= context:
             raise PromptTooLong(len(prompt_token_ids), context)
-        if sampling.top_logprobs > 20 or not 0 < sampling.top_p <= 1 or sampling.temperature < 0:
+        if (
+            sampling.top_logprobs > 20
+            or not 0 < sampling.top_p <= 1
+            or sampling.temperature < 0
+            or sampling.top_k < 0
+            or not 0 <= sampling.min_p <= 1
+        ):
             raise EngineError("sampling settings out of range")
         return self._stream(list(prompt_token_ids), sampling)
 
@@ -193,6 +199,8 @@ class VllmEngine(Engine):
         params = SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
+            top_k=sampling.top_k or -1,  # vLLM's "every token"
+            min_p=sampling.min_p,
             max_tokens=min(sampling.max_tokens or room, room),
             stop=list(sampling.stop) or None,
             stop_token_ids=list(sampling.stop_token_ids) or None,

@@ -99,6 +99,8 @@ def sampling_from_proto(params: generation_pb2.SamplingParams) -> Sampling:
     return Sampling(
         temperature=params.temperature if params.HasField("temperature") else 1.0,
         top_p=params.top_p if params.HasField("top_p") else 1.0,
+        top_k=params.top_k,
+        min_p=params.min_p,
         max_tokens=params.max_tokens,
         stop=tuple(params.stop),
         stop_token_ids=tuple(params.stop_token_ids),
@@ -203,7 +205,14 @@ class InferenceWorker:
                     retry_after_s=1.0,
                 ) from None
         handle = (
-            self.traces.begin_turn(correlation_id, prompt_token_ids, sampling.temperature, sampling.top_p)
+            self.traces.begin_turn(
+                correlation_id,
+                prompt_token_ids,
+                sampling.temperature,
+                sampling.top_p,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
+            )
             if correlation_id
             else None
         )

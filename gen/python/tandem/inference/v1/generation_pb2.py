@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.common.v1 import validation_pb2 as tandem_dot_common_dot_v1_dot_validation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$tandem/inference/v1/generation.proto\x12\x13tandem.inference.v1\x1a!tandem/common/v1/validation.proto\"`\n\x0b\x43hatMessage\x12\x36\n\x04role\x18\x01 \x01(\tB(\xfa\xa9\x19$\x08\x01\x18\x10\"\x1e^(system|user|assistant|tool)$\x12\x19\n\x07\x63ontent\x18\x02 \x01(\tB\x08\xfa\xa9\x19\x04\x18\x80\x80@\"\xa2\x02\n\x0eSamplingParams\x12\x30\n\x0btemperature\x18\x01 \x01(\x01\x42\x16\xfa\xa9\x19\x12)\x00\x00\x00\x00\x00\x00\x00\x00\x31\x00\x00\x00\x00\x00\x00\x00@H\x00\x88\x01\x01\x12*\n\x05top_p\x18\x02 \x01(\x01\x42\x16\xfa\xa9\x19\x12)\x8d\xed\xb5\xa0\xf7\xc6\xb0>1\x00\x00\x00\x00\x00\x00\xf0?H\x01\x88\x01\x01\x12!\n\nmax_tokens\x18\x03 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00\x30\x41\x12\x14\n\x04stop\x18\x04 \x03(\tB\x06\xfa\xa9\x19\x02\x38\x10\x12\x1e\n\x0estop_token_ids\x18\x05 \x03(\rB\x06\xfa\xa9\x19\x02\x38@\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12#\n\x0ctop_logprobs\x18\x07 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00\x34@B\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"D\n\x0bTopLogprobs\x12\x35\n\ncandidates\x18\x01 \x03(\x0b\x32!.tandem.inference.v1.TokenLogprob*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x42/Z-tandem/gen/go/tandem/inference/v1;inferencev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$tandem/inference/v1/generation.proto\x12\x13tandem.inference.v1\x1a!tandem/common/v1/validation.proto\"`\n\x0b\x43hatMessage\x12\x36\n\x04role\x18\x01 \x01(\tB(\xfa\xa9\x19$\x08\x01\x18\x10\"\x1e^(system|user|assistant|tool)$\x12\x19\n\x07\x63ontent\x18\x02 \x01(\tB\x08\xfa\xa9\x19\x04\x18\x80\x80@\"\xe7\x02\n\x0eSamplingParams\x12\x30\n\x0btemperature\x18\x01 \x01(\x01\x42\x16\xfa\xa9\x19\x12)\x00\x00\x00\x00\x00\x00\x00\x00\x31\x00\x00\x00\x00\x00\x00\x00@H\x00\x88\x01\x01\x12*\n\x05top_p\x18\x02 \x01(\x01\x42\x16\xfa\xa9\x19\x12)\x8d\xed\xb5\xa0\xf7\xc6\xb0>1\x00\x00\x00\x00\x00\x00\xf0?H\x01\x88\x01\x01\x12!\n\nmax_tokens\x18\x03 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00\x30\x41\x12\x14\n\x04stop\x18\x04 \x03(\tB\x06\xfa\xa9\x19\x02\x38\x10\x12\x1e\n\x0estop_token_ids\x18\x05 \x03(\rB\x06\xfa\xa9\x19\x02\x38@\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12#\n\x0ctop_logprobs\x18\x07 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00\x34@\x12\x1c\n\x05top_k\x18\x08 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x80\x84.A\x12%\n\x05min_p\x18\t \x01(\x01\x42\x16\xfa\xa9\x19\x12)\x00\x00\x00\x00\x00\x00\x00\x00\x31\x00\x00\x00\x00\x00\x00\xf0?B\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"D\n\x0bTopLogprobs\x12\x35\n\ncandidates\x18\x01 \x03(\x0b\x32!.tandem.inference.v1.TokenLogprob*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x42/Z-tandem/gen/go/tandem/inference/v1;inferencev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,14 +49,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS'].fields_by_name['stop_token_ids']._serialized_options = b'\372\251\031\0028@'
   _globals['_SAMPLINGPARAMS'].fields_by_name['top_logprobs']._loaded_options = None
   _globals['_SAMPLINGPARAMS'].fields_by_name['top_logprobs']._serialized_options = b'\372\251\031\t1\000\000\000\000\000\0004@'
-  _globals['_FINISHREASON']._serialized_start=608
-  _globals['_FINISHREASON']._serialized_end=728
+  _globals['_SAMPLINGPARAMS'].fields_by_name['top_k']._loaded_options = None
+  _globals['_SAMPLINGPARAMS'].fields_by_name['top_k']._serialized_options = b'\372\251\031\t1\000\000\000\000\200\204.A'
+  _globals['_SAMPLINGPARAMS'].fields_by_name['min_p']._loaded_options = None
+  _globals['_SAMPLINGPARAMS'].fields_by_name['min_p']._serialized_options = b'\372\251\031\022)\000\000\000\000\000\000\000\0001\000\000\000\000\000\000\360?'
+  _globals['_FINISHREASON']._serialized_start=677
+  _globals['_FINISHREASON']._serialized_end=797
   _globals['_CHATMESSAGE']._serialized_start=96
   _globals['_CHATMESSAGE']._serialized_end=192
   _globals['_SAMPLINGPARAMS']._serialized_start=195
-  _globals['_SAMPLINGPARAMS']._serialized_end=485
-  _globals['_TOKENLOGPROB']._serialized_start=487
-  _globals['_TOKENLOGPROB']._serialized_end=536
-  _globals['_TOPLOGPROBS']._serialized_start=538
-  _globals['_TOPLOGPROBS']._serialized_end=606
+  _globals['_SAMPLINGPARAMS']._serialized_end=554
+  _globals['_TOKENLOGPROB']._serialized_start=556
+  _globals['_TOKENLOGPROB']._serialized_end=605
+  _globals['_TOPLOGPROBS']._serialized_start=607
+  _globals['_TOPLOGPROBS']._serialized_end=675
 # @@protoc_insertion_point(module_scope)

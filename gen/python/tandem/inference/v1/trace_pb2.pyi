@@ -131,6 +131,8 @@ class TraceTurn(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
     END_TIME_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Output only. The turn's index in the trace, from 0."""
     weight_version: _builtins.int
@@ -145,6 +147,10 @@ class TraceTurn(_message.Message):
     """Output only. The top-p the turn was sampled with."""
     finish_reason: _generation_pb2.FinishReason.ValueType
     """Output only. Why the generation ended."""
+    top_k: _builtins.int
+    """Output only. The top-k the turn was sampled with; 0: every token."""
+    min_p: _builtins.float
+    """Output only. The min-p the turn was sampled with; 0: none."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Output only. The full prompt as token ids, after the chat template; a later turn's prompt usually
@@ -164,7 +170,8 @@ class TraceTurn(_message.Message):
     @_builtins.property
     def sampler_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Output only. One entry per completion token: its log-probability under the sampling distribution
-        (after temperature and top-p), as the sampler computed it; the trainer's importance ratio divides by it.
+        (after temperature, min-p, top-k and top-p), as the sampler computed it; the trainer scores the token
+        under the same processed distribution and its importance ratio divides by this.
         """
 
     @_builtins.property
@@ -190,10 +197,12 @@ class TraceTurn(_message.Message):
         finish_reason: _generation_pb2.FinishReason.ValueType = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
         end_time: _timestamp_pb2.Timestamp | None = ...,
+        top_k: _builtins.int = ...,
+        min_p: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_token_ids", b"completion_token_ids", "end_time", b"end_time", "finish_reason", b"finish_reason", "index", b"index", "last_weight_version", b"last_weight_version", "loss_mask", b"loss_mask", "prompt_token_ids", b"prompt_token_ids", "sampler_logprobs", b"sampler_logprobs", "start_time", b"start_time", "temperature", b"temperature", "top_p", b"top_p", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_token_ids", b"completion_token_ids", "end_time", b"end_time", "finish_reason", b"finish_reason", "index", b"index", "last_weight_version", b"last_weight_version", "loss_mask", b"loss_mask", "min_p", b"min_p", "prompt_token_ids", b"prompt_token_ids", "sampler_logprobs", b"sampler_logprobs", "start_time", b"start_time", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -540,29 +540,49 @@ class SamplingConfig(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
-    """Optional. Temperature, 0 to 2; unset means 1. The trainer computes log-probs at the same temperature."""
+    """Optional. Temperature, 0 to 2; unset means 1. The trainer scores each token under the distribution the
+    sampler drew it from: this temperature, then `min_p`, `top_k` and `top_p`.
+    """
     top_p: _builtins.float
     """Optional. Nucleus mass, greater than 0 and at most 1; unset means 1."""
     max_tokens: _builtins.int
     """Optional. The most tokens per completion, 0 to 1048576; 0 means up to the model's context length."""
+    top_k: _builtins.int
+    """Optional. Sample among the k most likely tokens only, 0 to 1000000; unset or 0 means every token."""
+    min_p: _builtins.float
+    """Optional. Drop tokens less likely than `min_p` times the most likely one, 0 to 1; unset or 0 means
+    none.
+    """
     def __init__(
         self,
         *,
         temperature: _builtins.float | None = ...,
         top_p: _builtins.float | None = ...,
         max_tokens: _builtins.int = ...,
+        top_k: _builtins.int | None = ...,
+        min_p: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "_top_p", b"_top_p", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "min_p", b"min_p", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "_top_p", b"_top_p", "max_tokens", b"max_tokens", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "max_tokens", b"max_tokens", "min_p", b"min_p", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__min_p: _TypeAlias = _typing.Literal["min_p"]  # noqa: Y015
+    _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
+    _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_p) -> _WhichOneofReturnType__min_p | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
