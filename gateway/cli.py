@@ -20,7 +20,7 @@ from google.protobuf.message import Message
 from tandem.scheduler.v1 import job_pb2
 
 from mesh.launcher import MESH_SERVICES, up
-from mesh.settings import Settings
+from mesh.settings import Settings, settings_problem
 from mesh.status import RpcError
 from tandem_client import AsyncClient, Cursor
 from tandem_client.aio import API_KEY_ENV, DEFAULT_GATEWAY, GATEWAY_ENV
@@ -943,6 +943,10 @@ def main(argv: list[str] | None = None) -> int:
         _report(f"{error.strerror or error}{f': {error.filename}' if error.filename else ''}", "")
         return 1
     except Exception as error:
+        problem = settings_problem(error)
+        if problem is not None:  # the configuration's fault, not a bug: say which setting
+            _report(problem, "fix the setting (TANDEM_* variables, the TOML file in TANDEM_CONFIG) and retry")
+            return 2
         if os.environ.get(DEBUG_ENV):
             raise
         _report(

@@ -37,6 +37,7 @@ from starlette.routing import BaseRoute, Route
 from tandem.gateway.v1 import gateway_service_pb2 as pb
 from tandem.scheduler.v1 import job_pb2
 
+from gateway.httpinput import json_object, read_body, whole_number
 from gateway.orgs import Orgs
 from mesh.errors import InvalidArgument, NotFound, R, TandemError, Unauthenticated
 from mesh.identity import Principal
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from gateway.servicer import GatewayServicer
 
 STREAM_TOKEN_TTL_S = 60.0
+STREAM_TOKEN_BODY_BYTES = 4096  # {"job": "orgs/.../jobs/..."} is far smaller
 NO_CONTEXT: Any = None  # the gateway's handlers never read their gRPC context
 HEARTBEAT_S = 15.0
 RETRY_MS = 2000
@@ -252,11 +254,8 @@ class Dashboard:
     async def stream_token(self, request: Request) -> Response:
         try:
             principal = await self._principal(request)
-            try:
-                body = json.loads(await request.body())
-            except ValueError:
-                body = None
-            job = body.get("job") if isinstance(body, dict) else None
+            body = json_object(await read_body(request, STREAM_TOKEN_BODY_BYTES))
+            job = body.get("job")
             if not isinstance(job, str):
                 raise InvalidArgument('the body must be {"job": "orgs/{org}/jobs/{job}"}')
             self._check_job(principal, job)
@@ -287,16 +286,15 @@ class Dashboard:
                 principal = await self._principal(request)
             self._check_job(principal, job)
             resume = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
-            if not resume.isdigit():
-                raise InvalidArgument("Last-Event-ID must be an event seq")
+            after_seq = whole_number(resume, "Last-Event-ID (or ?after=), an event seq,")
+            heartbeat_s = self._heartbeat_s
+            asked = request.query_params.get("heartbeat_s", "")
+            if asked:  # a client may ask for another heartbeat interval, 1 to 60 s as Subscribe's
+                heartbeat_s = min(60.0, max(1.0, float(whole_number(asked, "heartbeat_s", 3600))))
             await self._stream_info(principal, job)
         except TandemError as error:
             return _error(error)
-        heartbeat_s = self._heartbeat_s
-        asked = request.query_params.get("heartbeat_s", "")
-        if asked.isdigit():  # a client may ask for another heartbeat interval, 1 to 60 s as Subscribe's
-            heartbeat_s = min(60.0, max(1.0, float(asked)))
-        subscribe = pb.SubscribeEventsRequest(job=job, after_seq=int(resume), end_when_terminal=True)
+        subscribe = pb.SubscribeEventsRequest(job=job, after_seq=after_seq, end_when_terminal=True)
         subscribe.heartbeat_interval.FromNanoseconds(int(heartbeat_s * 1e9))
         headers = {**SECURITY_HEADERS, "X-Accel-Buffering": "no"}
         return StreamingResponse(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import re
 from collections.abc import AsyncIterator
@@ -25,9 +24,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from gateway.dashboard import Dashboard
+from gateway.httpinput import json_object, read_body
 from gateway.inference import Endpoint
 from gateway.orgs import Orgs
-from mesh.errors import InvalidArgument, NotFound, R, TandemError
+from mesh.errors import NotFound, R, TandemError
 from mesh.identity import Principal
 
 if TYPE_CHECKING:
@@ -96,22 +96,7 @@ class OpenAIEndpoint:
     async def _relay(self, request: Request, route: str) -> Response:
         try:
             principal = await self._principal(request)
-            raw = await request.body()
-            if len(raw) > MAX_BODY_BYTES:
-                raise InvalidArgument(
-                    f"the body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}",
-                    reason=R.ERROR_REASON_PAYLOAD_TOO_LARGE,
-                )
-            try:
-                body: Any = json.loads(raw)
-            except ValueError:
-                raise InvalidArgument(
-                    "the body is not JSON", reason=R.ERROR_REASON_MALFORMED_REQUEST
-                ) from None
-            if not isinstance(body, dict):
-                raise InvalidArgument(
-                    "the body must be a JSON object", reason=R.ERROR_REASON_MALFORMED_REQUEST
-                )
+            body = json_object(await read_body(request, MAX_BODY_BYTES))
             model = body.get("model")
             if not isinstance(model, str) or not MODEL_ID.fullmatch(model):
                 raise NotFound(

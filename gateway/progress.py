@@ -25,7 +25,7 @@ def total_steps(job: job_pb2.Job) -> int:
         if task.HasField("online_rl") and task.online_rl.WhichOneof("trainer_config") == "config_toml":
             try:
                 config = tomllib.loads(task.online_rl.config_toml)
-            except tomllib.TOMLDecodeError:
+            except (tomllib.TOMLDecodeError, RecursionError):
                 return 0
             steps = config.get("algorithm", {}).get("steps", 0)
             return steps if isinstance(steps, int) else 0

@@ -41,9 +41,10 @@ def parse_toml(text: str, field: str) -> config_pb2.TrainerConfig:
     """TOML text -> a validated TrainerConfig; INVALID_CONFIG naming each bad field under `field`."""
     try:
         document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:  # or nested past the parser's depth
+        why = str(exc) if isinstance(exc, tomllib.TOMLDecodeError) else "it is nested too deeply"
         raise _invalid_config(
-            f"{field} is not valid TOML: {exc}", [FieldViolation(field, f"is not valid TOML: {exc}")]
+            f"{field} is not valid TOML: {why}", [FieldViolation(field, f"is not valid TOML: {why}")]
         ) from None
     try:
         return parse_job(document)

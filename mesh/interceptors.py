@@ -25,9 +25,11 @@ from typing import Any, TypeAlias
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from mesh import jobtokens
 from mesh.errors import InvalidArgument as InvalidArgumentError
 from mesh.errors import R, ResourceExhausted, TandemError, Unauthenticated, Unimplemented
 from mesh.identity import Principal, TokenVerifier
+from mesh.jobtokens import JobLiveness
 from mesh.observability import caller_var, request_id_var
 from mesh.status import status_for
 from mesh.validation import violations
@@ -279,6 +281,8 @@ class AuthInterceptor(_Interceptor):
         self._verifier = verifier
         self._public = public_methods
         self.authenticators: list[Authenticator] = []
+        # Revokes the tokens of ended jobs (mesh/jobtokens.py); set by the server bootstrap.
+        self.liveness: JobLiveness | None = None
 
     async def before(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         header = _metadata(context, AUTHORIZATION_KEY)
@@ -295,6 +299,10 @@ class AuthInterceptor(_Interceptor):
         if not header:
             raise Unauthenticated("this call requires credentials", reason=R.ERROR_REASON_MISSING_CREDENTIALS)
         principal = await self._authenticate(header)
+        if principal.kind == "job":
+            jobtokens.check_method(principal, method)
+            if self.liveness is not None:
+                await self.liveness.check(principal)
         principal_var.set(principal)
         caller_var.set(f"{principal.kind}:{principal.subject}")
 

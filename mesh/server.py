@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
@@ -23,8 +24,9 @@ from grpc_reflection.v1alpha import reflection
 from mesh.clients import ClientFactory
 from mesh.identity import TokenSigner, TokenVerifier, load_signing_key
 from mesh.interceptors import AuthInterceptor, server_interceptors
+from mesh.jobtokens import JobLiveness, scheduler_lookup
 from mesh.observability import configure_logging, configure_tracing, flush_tracing
-from mesh.settings import Settings
+from mesh.settings import Settings, settings_problem
 
 log = logging.getLogger("tandem.server")
 
@@ -122,6 +124,7 @@ async def start_service(
     deps = Deps(
         service, settings, signer, verifier, ClientFactory(settings, signer, service), auth, colocated
     )
+    auth.liveness = JobLiveness(scheduler_lookup(deps.clients))
     registration = await (setup or setup_for(service))(server, deps)
     public.update(registration.public_methods)
 
@@ -184,7 +187,15 @@ async def serve(
 
 
 def run_single(service: str) -> None:
-    """Entry point of `python -m services.<name>`: one service, settings from env/TOML."""
-    settings = Settings()
-    configure_logging(settings.log_level, settings.log_format)
-    asyncio.run(serve([service], settings))
+    """Entry point of `python -m services.<name>`: one service, settings from env/TOML. A bad setting ends
+    it at start-up with status 2 and a line naming the setting."""
+    try:
+        settings = Settings()
+        configure_logging(settings.log_level, settings.log_format)
+        asyncio.run(serve([service], settings))
+    except Exception as error:
+        problem = settings_problem(error)
+        if problem is None:
+            raise
+        print(f"{service}: {problem}", file=sys.stderr)
+        raise SystemExit(2) from None

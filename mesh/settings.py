@@ -8,10 +8,11 @@ defaults below. `tandem up` needs none of them: everything lives under `state_di
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -62,6 +63,53 @@ class Tls(BaseModel):
     def enabled(self) -> bool:
         return bool(self.cert_file and self.key_file and self.ca_file)
 
+    @model_validator(mode="after")
+    def _all_or_none(self) -> Tls:
+        """A partial setup is an error, never a silently plaintext mesh; a named file must exist."""
+        names = ("cert_file", "key_file", "ca_file")
+        given = [n for n in names if getattr(self, n)]
+        if given and len(given) < len(names):
+            missing = ", ".join(n for n in names if n not in given)
+            raise ValueError(
+                f"cert_file, key_file and ca_file go together (all three for mTLS, none for plaintext); "
+                f"{missing} not set"
+            )
+        for name in given:
+            path: Path = getattr(self, name)
+            if not path.is_file():
+                raise ValueError(f"{name} names {path}, which is not a file")
+        return self
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; the message names it."""
+
+
+def config_path(value: str) -> Path:
+    """`TANDEM_CONFIG`'s file, which must exist and be TOML: a missing file is an error, never ignored."""
+    path = Path(value)
+    if not path.is_file():
+        raise SettingsError(f"TANDEM_CONFIG names {value}, which is not a file")
+    try:
+        tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+        raise SettingsError(f"TANDEM_CONFIG names {value}, which is not readable TOML: {error}") from None
+    return path
+
+
+def settings_problem(error: Exception) -> str | None:
+    """One line per bad setting of a settings error, naming each setting; None for other errors."""
+    if isinstance(error, SettingsError):
+        return str(error)
+    if isinstance(error, ValidationError):
+        lines = []
+        for item in error.errors():
+            where = ".".join(str(part) for part in item["loc"]) or "(the whole configuration)"
+            message = str(item["msg"]).removeprefix("Value error, ")
+            lines.append(f"setting {where} of {error.title}: {message}")
+        return "; ".join(lines)
+    return None
+
 
 class Settings(BaseSettings):
     """Settings shared by every service; each field is documented for `tandem up --help-settings`."""
@@ -108,7 +156,7 @@ class Settings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         config_file = os.environ.get("TANDEM_CONFIG")
         if config_file:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config_file)))
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_path(config_file)))
         return tuple(sources)
 
     def port(self, service: str) -> int:

@@ -23,7 +23,7 @@ from tandem.events.v1 import (
     metric_pb2,
 )
 
-from mesh import paging
+from mesh import jobtokens, paging
 from mesh.errors import InvalidArgument, NotFound, OutOfRange, PermissionDenied, R
 from mesh.interceptors import current_principal
 from mesh.server import Deps, Registration
@@ -88,6 +88,9 @@ def _info_proto(info: JobInfo, retained: int) -> job_stream_pb2.JobStreamInfo:
     return proto
 
 
+SEQ_MAX = 2**62  # past any seq a log reaches; the store reads it as "no bound" and adds to it within BIGINT
+
+
 class EventServiceServicer(events_service_pb2_grpc.EventServiceServicer):
     """Event stream: durable, ordered, resumable job events and metric series."""
 
@@ -105,6 +108,7 @@ class EventServiceServicer(events_service_pb2_grpc.EventServiceServicer):
 
     async def _visible(self, job: str) -> JobInfo:
         missing = f"{job} has no event log"
+        jobtokens.check_own_job(current_principal(), job)  # a job reads its own events only, whatever exists
         self._check_org(org_of(job), missing)
         return await self._log.info(job)
 
@@ -196,7 +200,9 @@ class EventServiceServicer(events_service_pb2_grpc.EventServiceServicer):
             request.descending,
         )
         cursor = paging.decode(request.page_token, query)
-        after, before = request.after_seq, request.before_seq
+        # Seqs are dense from 1 and stored as 64-bit signed integers: a bound past that range bounds nothing.
+        after_seq, before_seq = min(request.after_seq, SEQ_MAX), min(request.before_seq, SEQ_MAX)
+        after, before = after_seq, before_seq
         if cursor is not None:
             if request.descending:
                 before = cursor.last_number
@@ -209,9 +215,9 @@ class EventServiceServicer(events_service_pb2_grpc.EventServiceServicer):
         while len(found) < size and not exhausted:
             batch = await self._log.read_stored(
                 request.job,
-                after if not request.descending else request.after_seq,
+                after if not request.descending else after_seq,
                 READ_BATCH,
-                before_seq=before if request.descending else request.before_seq,
+                before_seq=before if request.descending else before_seq,
                 descending=request.descending,
             )
             exhausted = len(batch) < READ_BATCH

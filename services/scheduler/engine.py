@@ -1083,13 +1083,28 @@ class Engine:
         folder.mkdir(parents=True, exist_ok=True)
         return folder
 
-    def mint_token(self, job: str, org: str, task: str, attempt: int, secrets: Sequence[str]) -> str:
+    def mint_token(
+        self,
+        job: str,
+        org: str,
+        task: str,
+        attempt: int,
+        secrets: Sequence[str],
+        task_apps: Sequence[str] = (),
+    ) -> str:
+        """The attempt's job token: exactly its job's (mesh/jobtokens.py), revoked when the attempt ends."""
         return self.signer.issue(
             "job",
             job,
             org=org,
             ttl_s=self.config.token_ttl_s,
-            extra={"task": task, "attempt": attempt, "secrets": list(secrets)},
+            extra={
+                "task": task,
+                "attempt": attempt,
+                "secrets": list(secrets),
+                "task_apps": list(task_apps),
+                "revocable": True,
+            },
         )
 
     def launch_spec(
@@ -1103,7 +1118,12 @@ class Engine:
             env: f"orgs/{job.org}/secrets/{secret}" for env, secret in expand.secret_env(spec_task).items()
         }
         token = self.mint_token(
-            job.name, job.org, task.task, attempt.attempt, sorted(set(secret_env.values()))
+            job.name,
+            job.org,
+            task.task,
+            attempt.attempt,
+            sorted(set(secret_env.values())),
+            expand.task_apps(job.org, spec_task),
         )
         task_dir = self.task_dir(job.name, task.task)
         log_dir = self.log_dir(job.name, task.task)

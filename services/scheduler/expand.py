@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 
 from tandem.scheduler.v1 import job_spec_pb2 as js
 
-from services.scheduler.spec import secret_env_name
+from services.scheduler.spec import secret_env_name, trainer_config
 
 SETUP_FAILED_EXIT = 223  # `setup` failed: a PRECHECK failure, never recovered
 _REFERENCES = {
@@ -146,6 +146,16 @@ def node_env(rank: int, node_ips: Sequence[str] = ()) -> dict[str, str]:
     if node_ips:
         env["TANDEM_NODE_IPS"] = env["SKYPILOT_NODE_IPS"] = "\n".join(node_ips)
     return env
+
+
+def task_apps(org: str, task: js.TaskSpec) -> list[str]:
+    """The Task Apps a task's job token may play rollouts on: an online_rl task's config's app. A config read
+    from a file in the task (`config_path`) is unknown here, so that token may use any of the organization's
+    apps (`orgs/{org}/taskApps/*`); other tasks play none."""
+    if task.WhichOneof("kind_options") != "online_rl":
+        return []
+    config = trainer_config(task)
+    return [config.task_app.name] if config is not None else [f"orgs/{org}/taskApps/*"]
 
 
 def secret_env(task: js.TaskSpec) -> dict[str, str]:

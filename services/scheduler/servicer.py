@@ -42,6 +42,7 @@ from mesh.errors import (
 )
 from mesh.identity import Principal, TokenVerifier
 from mesh.interceptors import current_principal
+from mesh.jobtokens import JobLiveness, Lookup, why_ended
 from mesh.server import Deps, Registration
 from mesh.status import RpcError
 from mesh.store import open_database
@@ -99,6 +100,7 @@ def _task_proto(record: JobRecord, task: TaskRow) -> job_pb2.TaskStatus:
         end_time=_stamp(task.end_time),
     )
     current = record.current(task.task)
+    status.attempt = max(task.attempt, 0)
     if current is not None:
         status.start_time.CopyFrom(_stamp(current.start_time) or timestamp_pb2.Timestamp())
         if current.start_time is None:
@@ -475,7 +477,12 @@ class SchedulerServiceServicer(scheduler_service_pb2_grpc.SchedulerServiceServic
                 reason=R.ERROR_REASON_JOB_STATE_CONFLICT,
             )
         token = self._engine.mint_token(
-            record.job.name, record.job.org, task.task, task.attempt, list(ext.get("secrets", []))
+            record.job.name,
+            record.job.org,
+            task.task,
+            task.attempt,
+            list(ext.get("secrets", [])),
+            list(ext.get("task_apps", [])),
         )
         expires = self._verifier.verify(token).expires_at
         return pb.RefreshJobTokenResponse(job_token=token, expire_time=_stamp(expires))
@@ -580,11 +587,24 @@ def task_app_hooks(
     return register, delete
 
 
+def local_lookup(store: JobStore) -> Lookup:
+    """Job liveness read from the scheduler's own store (mesh/jobtokens.py)."""
+
+    async def lookup(job: str, task: str, attempt: int) -> str | None:
+        record = await store.find(job)
+        if record is None:
+            return f"{job} is not a job of this deployment"
+        return why_ended(job_proto(record), task, attempt)
+
+    return lookup
+
+
 async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     config = SchedulerSettings()
     work_dir = config.work_dir or deps.settings.state_dir / "scheduler"
     db = await open_database(deps.settings.store_url_for("scheduler"), "scheduler", MIGRATIONS)
     store = JobStore(db)
+    deps.auth.liveness = JobLiveness(local_lookup(store))  # this process holds the jobs: no call needed
     backends = make_backends(config, work_dir)
     events = deps.clients.stub(events_service_pb2_grpc.EventServiceStub, "events")
     outbox = EventOutbox(store, events.Publish, events.CloseJobStream, config.pass_interval_s)

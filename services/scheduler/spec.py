@@ -489,6 +489,8 @@ def _online_rl(options: js.OnlineRlOptions, at: str) -> list[FieldViolation]:
         document = tomllib.loads(options.config_toml)
     except tomllib.TOMLDecodeError as exc:
         return [FieldViolation(f"{at}.config_toml", f"is not valid TOML: {exc}")]
+    except RecursionError:
+        return [FieldViolation(f"{at}.config_toml", "is not valid TOML: it is nested too deeply")]
     try:
         parse_job(document)
     except InvalidArgument as error:

@@ -24,7 +24,7 @@ from tandem.events.v1 import event_pb2, events_service_pb2, events_service_pb2_g
 from tandem.taskapp.v1 import rollout_pb2, task_app_pb2, taskapp_service_pb2, taskapp_service_pb2_grpc
 from tandem.vault.v1 import vault_service_pb2_grpc
 
-from mesh import paging
+from mesh import jobtokens, paging
 from mesh.errors import AlreadyExists, FailedPrecondition, NotFound, R
 from mesh.interceptors import current_principal
 from mesh.secrets import open_secrets
@@ -149,6 +149,9 @@ class TaskAppServiceServicer(taskapp_service_pb2_grpc.TaskAppServiceServicer):
 
     def _visible(self, org: str, name: str) -> None:
         principal = current_principal()
+        jobtokens.check_own_task_app(
+            principal, name
+        )  # a job plays only the apps its job names, whatever exists
         if principal.kind != "service" and principal.org != org:
             raise NotFound(f"{name} not found", reason=R.ERROR_REASON_TASK_APP_NOT_FOUND)
 

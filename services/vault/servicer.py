@@ -20,6 +20,7 @@ from mesh import paging
 from mesh.errors import NotFound, PermissionDenied, R, TandemError, Unauthenticated
 from mesh.identity import Principal, TokenVerifier
 from mesh.interceptors import current_principal
+from mesh.jobtokens import JobLiveness
 from mesh.server import Deps, Registration
 from mesh.store import open_database
 from mesh.timestamps import stamp as _stamp
@@ -98,10 +99,17 @@ def _audit_proto(row: dict[str, Any]) -> audit_pb2.AuditEvent:
 class VaultServiceServicer(vault_service_pb2_grpc.VaultServiceServicer):
     """Secret vault: organization-scoped, sealed-box credentials injected only at run time."""
 
-    def __init__(self, vault: Vault, verifier: TokenVerifier, injection_services: list[str]) -> None:
+    def __init__(
+        self,
+        vault: Vault,
+        verifier: TokenVerifier,
+        injection_services: list[str],
+        liveness: JobLiveness | None = None,
+    ) -> None:
         self._vault = vault
         self._verifier = verifier
         self._injectors = set(injection_services)
+        self._liveness = liveness
 
     # ---- who is calling -----------------------------------------------------------------------
 
@@ -259,6 +267,8 @@ class VaultServiceServicer(vault_service_pb2_grpc.VaultServiceServicer):
                     raise Unauthenticated(
                         "job_token is not a job token", reason=R.ERROR_REASON_INVALID_CREDENTIALS
                     )
+                if self._liveness is not None:  # an ended job's token opens nothing
+                    await self._liveness.check(job)
             except TandemError as error:
                 unknown = Actor(ActorKind.KIND_UNAUTHENTICATED, "job-token")
                 record = AuditRecord(
@@ -333,7 +343,7 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     master = crypto.load_master_key(config.master_key, config.master_key_file, deps.settings.state_dir)
     db = await open_database(deps.settings.store_url_for("vault"), "vault", MIGRATIONS)
     vault = Vault(db, master, config.max_value_bytes)
-    servicer = VaultServiceServicer(vault, deps.verifier, config.injection_services)
+    servicer = VaultServiceServicer(vault, deps.verifier, config.injection_services, deps.auth.liveness)
     vault_service_pb2_grpc.add_VaultServiceServicer_to_server(servicer, server)
     events = deps.clients.stub(events_service_pb2_grpc.EventServiceStub, "events")
     forwarder = AuditForwarder(db, events.Publish)

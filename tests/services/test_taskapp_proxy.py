@@ -26,6 +26,7 @@ from tests.support.mesh import Mesh, mesh_settings, running_mesh
 pytestmark = pytest.mark.timeout(90)
 KEY = "env-key-5f4e3d2c1b0a"
 JOB = "orgs/acme/jobs/run-1"
+APP = "orgs/acme/taskApps/fake"
 Kind = rollout_pb2.RolloutError
 
 
@@ -46,7 +47,8 @@ class World:
 
     @property
     def job(self) -> taskapp_service_pb2_grpc.TaskAppServiceStub:
-        return self.stub(self.signer.issue("job", JOB, org="acme"))
+        named = [APP, "orgs/acme/taskApps/down"]
+        return self.stub(self.signer.issue("job", JOB, org="acme", extra={"task_apps": named}))
 
 
 @pytest.fixture
@@ -211,13 +213,27 @@ async def test_stream_rollouts_answers_as_each_finishes_within_the_concurrency_l
 
 
 async def test_other_orgs_cannot_use_the_app(world: World) -> None:
-    other = world.stub(world.signer.issue("job", "orgs/globex/jobs/x", org="globex"))
+    other = world.stub(world.signer.issue("user", "mallory", org="globex"))
     with pytest.raises(RpcError) as info:
-        await other.Rollout(pb.RolloutRequest(task_app="orgs/acme/taskApps/fake", spec=spec(0)))
+        await other.Rollout(pb.RolloutRequest(task_app=APP, spec=spec(0)))
     with pytest.raises(RpcError) as absent:
-        await world.job.Rollout(pb.RolloutRequest(task_app="orgs/acme/taskApps/nope", spec=spec(0)))
+        await world.user.Rollout(pb.RolloutRequest(task_app="orgs/acme/taskApps/nope", spec=spec(0)))
     assert (info.value.code, info.value.reason) == (absent.value.code, absent.value.reason)
     assert info.value.reason == "TASK_APP_NOT_FOUND"
+    # A job token plays only the apps its job names: not another of its org (existing or not), not
+    # another org's, even one its job names; and it registers or deletes none.
+    named = world.signer.issue("job", "orgs/globex/jobs/x", org="globex", extra={"task_apps": [APP]})
+    cases = [
+        (world.job, "orgs/acme/taskApps/nope", grpc.StatusCode.PERMISSION_DENIED, "OUTSIDE_JOB_SCOPE"),
+        (world.stub(named), APP, grpc.StatusCode.NOT_FOUND, "TASK_APP_NOT_FOUND"),
+    ]
+    for stub, app, code, reason in cases:
+        with pytest.raises(RpcError) as refused:
+            await stub.Rollout(pb.RolloutRequest(task_app=app, spec=spec(0)))
+        assert (refused.value.code, refused.value.reason) == (code, reason)
+    with pytest.raises(RpcError) as delete:
+        await world.job.DeleteTaskApp(pb.DeleteTaskAppRequest(name=APP))
+    assert (delete.value.code, delete.value.reason) == (grpc.StatusCode.PERMISSION_DENIED, "OUTSIDE_JOB_SCOPE")
 
 
 async def test_each_rollout_is_an_event_of_the_job(world: World) -> None:

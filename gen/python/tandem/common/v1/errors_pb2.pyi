@@ -64,6 +64,14 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The credentials were valid once and have expired. UNAUTHENTICATED."""
     ERROR_REASON_PERMISSION_DENIED: _ErrorReason.ValueType  # 23
     """The caller is authenticated but may not perform this call. PERMISSION_DENIED."""
+    ERROR_REASON_OUTSIDE_JOB_SCOPE: _ErrorReason.ValueType  # 24
+    """A job token was used beyond its job: a method no job needs, another job, a Task App or secret its job
+    does not name. PERMISSION_DENIED.
+    """
+    ERROR_REASON_CREDENTIALS_REVOKED: _ErrorReason.ValueType  # 25
+    """The credentials were revoked: a job token whose job has ended, or whose attempt was superseded.
+    UNAUTHENTICATED.
+    """
     ERROR_REASON_ORG_NOT_FOUND: _ErrorReason.ValueType  # 40
     """The organization does not exist or is not visible to the caller. NOT_FOUND."""
     ERROR_REASON_JOB_NOT_FOUND: _ErrorReason.ValueType  # 41
@@ -204,6 +212,14 @@ ERROR_REASON_CREDENTIALS_EXPIRED: ErrorReason.ValueType  # 22
 """The credentials were valid once and have expired. UNAUTHENTICATED."""
 ERROR_REASON_PERMISSION_DENIED: ErrorReason.ValueType  # 23
 """The caller is authenticated but may not perform this call. PERMISSION_DENIED."""
+ERROR_REASON_OUTSIDE_JOB_SCOPE: ErrorReason.ValueType  # 24
+"""A job token was used beyond its job: a method no job needs, another job, a Task App or secret its job
+does not name. PERMISSION_DENIED.
+"""
+ERROR_REASON_CREDENTIALS_REVOKED: ErrorReason.ValueType  # 25
+"""The credentials were revoked: a job token whose job has ended, or whose attempt was superseded.
+UNAUTHENTICATED.
+"""
 ERROR_REASON_ORG_NOT_FOUND: ErrorReason.ValueType  # 40
 """The organization does not exist or is not visible to the caller. NOT_FOUND."""
 ERROR_REASON_JOB_NOT_FOUND: ErrorReason.ValueType  # 41

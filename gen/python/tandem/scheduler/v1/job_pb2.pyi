@@ -306,6 +306,7 @@ class TaskStatus(_message.Message):
     FAILURE_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
     END_TIME_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     task: _builtins.str
     """Output only. The task's name in the spec."""
     state: Global___TaskStatus.State.ValueType
@@ -315,6 +316,10 @@ class TaskStatus(_message.Message):
     endpoint: _builtins.str
     """Output only. For SERVICE tasks, the URL the service answers at, e.g. "http://10.0.0.4:8080"; empty
     otherwise or before it is ready.
+    """
+    attempt: _builtins.int
+    """Output only. The number of the current attempt, from 0 (also 0 before the first launch): the one a job
+    token's `attempt` claim must name for the token to be live.
     """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeHandle]:
@@ -348,10 +353,11 @@ class TaskStatus(_message.Message):
         failure: Global___Failure | None = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
         end_time: _timestamp_pb2.Timestamp | None = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["backend_handle", b"backend_handle", "end_time", b"end_time", "failure", b"failure", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend_handle", b"backend_handle", "end_time", b"end_time", "endpoint", b"endpoint", "failure", b"failure", "nodes", b"nodes", "restart_count", b"restart_count", "start_time", b"start_time", "state", b"state", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "backend_handle", b"backend_handle", "end_time", b"end_time", "endpoint", b"endpoint", "failure", b"failure", "nodes", b"nodes", "restart_count", b"restart_count", "start_time", b"start_time", "state", b"state", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
