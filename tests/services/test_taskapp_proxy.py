@@ -233,7 +233,10 @@ async def test_other_orgs_cannot_use_the_app(world: World) -> None:
         assert (refused.value.code, refused.value.reason) == (code, reason)
     with pytest.raises(RpcError) as delete:
         await world.job.DeleteTaskApp(pb.DeleteTaskAppRequest(name=APP))
-    assert (delete.value.code, delete.value.reason) == (grpc.StatusCode.PERMISSION_DENIED, "OUTSIDE_JOB_SCOPE")
+    assert (delete.value.code, delete.value.reason) == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "OUTSIDE_JOB_SCOPE",
+    )
 
 
 async def test_each_rollout_is_an_event_of_the_job(world: World) -> None:
