@@ -26,7 +26,7 @@ from trainer.launch import local_environment
 from trainer.models import build_tiny_model
 from trainer.ranks import RankError, Ranks, shard_batch, start_ranks, weights_digest
 from trainer.sharding import is_sharded
-from trainer.train import Environment, Episode, Trainer, batch_loss, trained_tokens
+from trainer.train import Environment, Episode, StepReport, Trainer, batch_loss, trained_tokens
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -345,7 +345,10 @@ def test_a_rank_that_cannot_start_fails_with_its_log(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-async def test_a_two_rank_job_runs_end_to_end_over_the_mesh(model_dir: Path, tmp_path: Path) -> None:
+@SHARDINGS
+async def test_a_two_rank_job_runs_end_to_end_over_the_mesh(
+    model_dir: Path, tmp_path: Path, sharding: Sharding
+) -> None:
     job = Job(
         parse_job(
             {
@@ -356,16 +359,34 @@ async def test_a_two_rank_job_runs_end_to_end_over_the_mesh(model_dir: Path, tmp
                 "algorithm": {"group_size": 4, "prompts_per_step": 2, "steps": 2, "kl_coef": 0.01},
                 "optimizer": {"learning_rate": 1e-3},
                 "sampling": {"max_tokens": 3},
-                "topology": {"cpu_trainer_ranks": 2},
+                "topology": {"cpu_trainer_ranks": 2, "sharding": "SHARDING_" + sharding.upper()},
             }
         )
     )
     async with local_environment(job, tmp_path / "run") as env:
         assert env.ranks is not None and env.ranks.world_size == 2
         t = Trainer(job, env)
-        reports = await t.run()  # ends by comparing the ranks' weight digests
+        named = t._named_weights()
+        total = sum(p.numel() * p.element_size() for _, p in named)
+        bucket = t.publisher.bucket_size = 1024 * 1024  # the smallest a worker takes: 5 buckets of 4.4 MB
+        verified: list[str] = []
+        peaks: list[int] = []  # whole bytes held at once on rank 0 by each step's weight sync
+
+        async def check(report: StepReport) -> None:
+            peaks.append(t.ranks.gather_peak_bytes)
+            if report.step == 2:  # the ranks still serve: under FSDP the workers' weights are checked
+                verified.append(await t.publisher.verify(t._named_weights()))  # against gathered ones
+
+        reports = await t.run(on_step=check)  # ends by comparing the ranks' weight digests
         assert [r.step for r in reports] == [1, 2] and any(not r.skipped for r in reports)
-        await t.publisher.verify(t._named_weights())  # the workers serve exactly the policy
+        assert verified  # the workers serve exactly the policy
+        if sharding == "fsdp":  # whole tensors a bucket at a time: two in flight and one being packed
+            print(f"weight sync: peak {peaks} of {total} bytes")
+            assert all(0 < peak <= 3 * bucket < total for peak in peaks)
         child = env.ranks.children[0]
         assert await asyncio.to_thread(child.proc.wait, 30) == 0
         assert "digests agree: True" in child.log_path.read_text()
+    # The final checkpoint holds the weights the workers were verified on.
+    final = AutoModelForCausalLM.from_pretrained(t.checkpoints() / "step-000002")
+    checksums = [(name, tensor_checksum(p)) for name, p in final.named_parameters()]
+    assert checksum_digest(checksums) == verified[0]
