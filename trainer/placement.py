@@ -46,11 +46,11 @@ Sharding = Literal["ddp", "fsdp"]
 GB = 1e9
 TRAINING_BYTES = 16  # a parameter's fp32 master weight 4 + fp32 gradient 4 + AdamW's two fp32 moments 8
 SERVING_BYTES = 2  # a parameter in bf16: the inference replicas' weights and the reference model's
-# Of each GPU's memory, what the state above may not take. Measured figures it has to cover on a training
-# GPU of an 8B Llama (32 layers of 218M parameters): one gathered layer in fp32 is 0.87 GB, with the next
-# prefetched and their unsharded gradients about 3.5 GB; activations of an 8k-token micro-batch with
-# checkpointing at layer boundaries, 8192 x 4096 x 2 B x 32 = 2.1 GB plus one layer's recompute; the CUDA
-# context and NCCL buffers about 1-2 GB. 15% of an 80 GB GPU (12 GB) covers that with room to spare.
+# Of each GPU's memory, what the state above may not take. What it has to cover on a training GPU of an
+# 8B Llama (32 layers of 218M parameters), by arithmetic, not measured on a GPU: one gathered layer in fp32
+# is 0.87 GB, with the next prefetched and their unsharded gradients about 3.5 GB; activations of an
+# 8k-token micro-batch with checkpointing at layer boundaries, 8192 x 4096 x 2 B x 32 = 2.1 GB plus one
+# layer's recompute; the CUDA context and NCCL buffers about 1-2 GB. 15% of an 80 GB GPU (12 GB) covers that.
 MARGIN = 0.15
 
 
