@@ -22,6 +22,7 @@ from mesh.validation import violations
 
 Aggregation = Literal["token_mean", "sequence_mean"]
 Reference = Literal["none", "stacked", "own"]
+Sharding = Literal["ddp", "fsdp"]
 
 
 def _invalid(message: str, found: list[FieldViolation]) -> InvalidArgument:
@@ -159,6 +160,11 @@ class Job:
     def trainer_ranks(self) -> int:
         """Trainer processes on CPU (gloo); GPU jobs take theirs from the placement plan."""
         return max(1, self.config.topology.cpu_trainer_ranks)
+
+    @property
+    def sharding(self) -> Sharding:
+        """How the trainer ranks hold the training state: `ddp` (each all of it) or `fsdp` (1/N each)."""
+        return "fsdp" if self.config.topology.sharding == config_pb2.SHARDING_FSDP else "ddp"
 
     @property
     def aggregation(self) -> Aggregation:

@@ -47,7 +47,7 @@ from trainer.control import Control
 from trainer.inference.process import ROOT, Worker, die_with_parent, start_worker, stop_process, stop_worker
 from trainer.mesh_process import local_settings, mesh_process
 from trainer.models import ensure_model
-from trainer.placement import plan
+from trainer.placement import GB, Memory, plan, read_parameters
 from trainer.ranks import Ranks, devices_for, start_ranks
 from trainer.service import serving
 from trainer.train import Environment, StepReport, Trainer, WorkerEndpoint
@@ -251,6 +251,33 @@ async def _endpoint(worker: Worker, channel: Any) -> WorkerEndpoint:
     return WorkerEndpoint(stub, worker.openai_base_url, info.worker_info.model)
 
 
+def _memory(job: Job) -> Memory | None:
+    """What the planner checks a GPU job's memory against: the job's parameter count or its model folder's,
+    and the job's GPU memory or the first visible GPU's. None on CPU, or when no GPU can be seen to ask."""
+    topology = job.config.topology
+    if not topology.gpus:
+        return None
+    if topology.HasField("gpu_memory_gb"):
+        gpu_bytes = topology.gpu_memory_gb * GB
+    else:
+        import torch  # noqa: PLC0415 - only a GPU job asks its device
+
+        if not torch.cuda.is_available():
+            log.warning("no GPU visible to read its memory: the plan's memory is not checked")
+            return None
+        gpu_bytes = float(torch.cuda.get_device_properties(0).total_memory)
+    if topology.HasField("model_parameters"):
+        parameters = topology.model_parameters
+    else:
+        try:
+            parameters = read_parameters(Path(job.config.model.dir))
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(
+                f"cannot count the policy's parameters for the placement plan: {exc}"
+            ) from None
+    return Memory(parameters, gpu_bytes, job.sharding)
+
+
 @contextlib.asynccontextmanager
 async def local_environment(
     job: Job, output_dir: Path, *, mesh_key: str = "", mesh: ScheduledMesh | None = None
@@ -274,6 +301,7 @@ async def local_environment(
         topology.inference_gpus if topology.HasField("inference_gpus") else "auto",
         topology.tensor_parallel_size if topology.HasField("tensor_parallel_size") else 1,
         job.reference,
+        await asyncio.to_thread(_memory, job),
     )
     workers: list[Worker] = []
     ranks: Ranks | None = None  # trainer ranks 1..N-1 (this process is rank 0)

@@ -1,5 +1,5 @@
-"""Several trainer ranks: data parallelism (torch.distributed DDP) over the job's training devices, with
-rank 0 alone talking to the mesh.
+"""Several trainer ranks: data parallelism over the job's training devices, DDP or FSDP2
+(`[topology] sharding`), with rank 0 alone talking to the mesh.
 
 Rank 0 is the `Trainer` in the launcher's process: it plays the rollouts, publishes the weights to the
 inference workers, writes checkpoints and reports. Ranks 1..N-1 are child processes
@@ -14,7 +14,10 @@ One job, on every rank:
 
 1. setup (rank 0's first update, again whenever it trains another model object, e.g. after a resume): rank
    0 broadcasts its optimizer (class, hyperparameters and state); every rank wraps its policy in DDP,
-   which copies rank 0's weights to all of them, and builds the same optimizer.
+   which copies rank 0's weights to all of them, and builds the same optimizer. Under FSDP every rank
+   takes rank 0's weights (a broadcast per tensor), shards the policy (trainer/sharding.py: each decoder
+   layer, then the root) and keeps its shard of the optimizer state; rank 0's optimizer is rebound to the
+   sharded parameters in place. FSDP sets up once per job (a resume happens before the first update).
 2. per update: rank 0 splits the batch into one contiguous shard per rank (`shard_batch`) and broadcasts
    every shard with the learning rate. Each rank computes the GRPO loss on its shard times the shard's
    `weight`, all of them exchange their losses and statistics (an all-gather), and they skip the update
@@ -22,24 +25,32 @@ One job, on every rank:
    gradients), clips and steps. The weight makes the DDP average the gradient of the whole batch:
    `world_size * share`, the share being the rank's fraction of the batch's trained tokens (token mean) or
    of its sequences with a trained token (sequence mean). A rank without a sequence of its own (fewer
-   sequences than ranks) trains on a copy of one with weight 0, so it still joins the all-reduce.
-3. finish (the end of `Trainer.run`): every rank hashes its weights; rank 0 compares the digests and raises
-   `RankError` naming the ranks that differ; a child exits 1 on a mismatch and 0 otherwise.
+   sequences than ranks) trains on a copy of one with weight 0, so it still joins the all-reduce. FSDP's
+   reduce-scatter averages the gradients as DDP's all-reduce does, so the same weights hold.
+3. gather (FSDP only; rank 0's weight sync, checkpoints and finish): rank 0 sends the names of the tensors
+   it wants, in groups (one per weight-sync bucket or checkpoint file), and every rank gathers the groups
+   in that order (`gathered`); rank 0 keeps them, the others drop them. For a checkpoint's optimizer state,
+   every rank gathers it tensor by tensor into rank 0's host memory (`optimizer_state`).
+4. finish (the end of `Trainer.run`): every rank hashes its weights; rank 0 compares the digests and raises
+   `RankError` naming the ranks that differ; a child exits 1 on a mismatch and 0 otherwise. Under FSDP no
+   weight is held by two ranks, so each hashes the gathered whole weights together with the number of
+   updates it took part in: a rank that missed or repeated an update differs.
 
 Every wait has a timeout: `timeout_s` bounds forming the group and every collective of an update, `wait_s`
 how long a child waits for rank 0's next message (a step's rollouts, weight sync and checkpoint happen in
 between). A rank that dies fails the job: rank 0 names it with the end of its log.
 
-Shortcuts: DDP only, so every rank holds the full weights, gradients and optimizer state, and rank 0
-publishes its own weights (they are every rank's); FSDP2 (sharded weights, gathered before publishing) is
-not built. All ranks run on one machine (the store is on loopback). The control messages are torch.save'd
-dicts on a gloo broadcast, read back with `weights_only=True`.
+Shortcuts: under DDP every rank holds the full weights, gradients and optimizer state, and rank 0 publishes
+its own weights (they are every rank's); FSDP's shortcuts are in trainer/sharding.py. All ranks run on one
+machine (the store is on loopback). The control messages are torch.save'd dicts on a gloo broadcast, read
+back with `weights_only=True`.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import io
 import logging
 import math
@@ -47,7 +58,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -59,16 +70,30 @@ from tandem.trainer.v1 import config_pb2
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, TCPStore
 
 from mesh.observability import configure_logging
-from trainer.config import Job
+from trainer.config import Job, Sharding
 from trainer.grpo import Aggregation, LossStats, finite
 from trainer.inference.process import ROOT, die_with_parent, stop_process
 from trainer.inference.weights import checksum_digest, tensor_checksum
+from trainer.sharding import (
+    SHARD_BYTES,
+    Gathering,
+    broadcast_module,
+    full_optimizer_state,
+    groups_by_size,
+    is_sharded,
+    optimizer_params,
+    rebind,
+    shard,
+    shard_optimizer_state,
+    write_hf_folder,
+)
 
 log = logging.getLogger("tandem.ranks")
 HOST = "127.0.0.1"
 TIMEOUT_S = 300.0  # forming the group; one collective of an update
 WAIT_S = 3600.0  # a child waiting for rank 0's next message
 _SLICE_S = 0.2  # how often a blocked rank 0 looks at its children
+_DIGEST_GROUP_BYTES = 64 * 1024 * 1024  # the tensors gathered at once to hash sharded weights
 
 
 class RankError(RuntimeError):
@@ -188,8 +213,36 @@ def _decode(data: bytes) -> dict[str, Any]:
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """One SHA-256 over every parameter's checksum, in the model's order."""
-    return checksum_digest([(name, tensor_checksum(p)) for name, p in model.named_parameters()])
+    """One SHA-256 over every parameter's checksum, in the model's order. Sharded (FSDP) parameters are
+    gathered a group at a time: a collective, so every rank computes it at once."""
+    named = list(model.named_parameters())
+    whole = Gathering([[named[i][1] for i in group] for group in groups_by_size(named, _DIGEST_GROUP_BYTES)])
+    tensors = (tensor for group in whole for tensor in group)
+    return checksum_digest([(name, tensor_checksum(t)) for (name, _), t in zip(named, tensors, strict=True)])
+
+
+def _agreement(model: torch.nn.Module, sharding: Sharding, updates: int) -> tuple[str, str]:
+    """(the weights' digest, what the ranks compare at the end): the digest itself under DDP; under FSDP,
+    where the gathered weights are the same on every rank by construction, the digest with the number of
+    updates the rank took part in."""
+    digest = weights_digest(model)
+    if sharding != "fsdp":
+        return digest, digest
+    return digest, hashlib.sha256(f"{digest}:{updates}".encode()).hexdigest()
+
+
+def _setup_fsdp(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Every rank at once: take rank 0's weights, shard the policy, point `optimizer` at the shards and give
+    it this rank's shard of `state` (rank 0's whole optimizer state)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    broadcast_module(model)
+    shard(model)
+    rebind(optimizer, model, names)
+    optimizer.load_state_dict(shard_optimizer_state(state, optimizer_params(optimizer)))
+
+
+def _tensors_by_name(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_buffers()), **dict(model.named_parameters())}
 
 
 @dataclass
@@ -221,9 +274,12 @@ class Ranks:
     wait_s: float = WAIT_S
     children: list[RankProcess] = field(default_factory=list)
     store: TCPStore | None = None  # the group's rendezvous (rank 0 serves it)
+    sharding: Sharding = "ddp"
+    gather_peak_bytes: int = 0  # the most whole bytes the last `gathered` held at once on this rank
     _module: torch.nn.Module | None = field(default=None, init=False)
     _wrapped: torch.nn.Module | None = field(default=None, init=False)  # the model `_module` wraps
     _finished: bool = field(default=False, init=False)
+    _updates: int = field(default=0, init=False)  # updates sent to every rank
 
     @classmethod
     def alone(cls, device: str | torch.device = "cpu") -> Ranks:
@@ -232,17 +288,66 @@ class Ranks:
     # ---- rank 0 ---------------------------------------------------------------------------------
 
     def wrap(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
-        """Rank 0: the module to train `model` through (DDP over every rank; `model` itself alone), with
-        every rank set up on rank 0's weights and optimizer. Idempotent for the same model."""
+        """Rank 0: the module to train `model` through (DDP over every rank; `model` itself, sharded in
+        place, under FSDP; `model` itself alone), with every rank set up on rank 0's weights and optimizer.
+        Idempotent for the same model."""
         if self.world_size == 1:
             return model
         if self._wrapped is model and self._module is not None:
             return self._module
-        state = {"class": type(optimizer).__name__, "optimizer": optimizer.state_dict()}
+        if self.sharding == "fsdp" and self._wrapped is not None:
+            raise RankError("FSDP shards the policy once per job; this is another model object")
+        whole = optimizer.state_dict()
+        state = {"class": type(optimizer).__name__, "optimizer": whole}
         self._call("the setup broadcast", lambda: self._send({"kind": "setup", **state}))
-        self._module = self._call("wrapping the policy in DDP", lambda: self._ddp(model))
+        if self.sharding == "fsdp":
+            self._call("sharding the policy", lambda: _setup_fsdp(model, optimizer, whole))
+            self._module = model
+        else:
+            self._module = self._call("wrapping the policy in DDP", lambda: self._ddp(model))
         self._wrapped = model
         return self._module
+
+    @contextlib.contextmanager
+    def gathered(
+        self, named: Sequence[tuple[str, torch.Tensor]], groups: Sequence[Sequence[int]]
+    ) -> Iterator[Gathering]:
+        """Rank 0: each group of `named` (indices) whole, in order (trainer/inference/publisher.py's
+        `Gather`). Sharded tensors are gathered with every rank, which rank 0 first tells which; leaving the
+        context gathers the groups not taken, so the ranks stay in step after a failed weight sync."""
+        sharded = any(is_sharded(tensor) for _, tensor in named)
+        if sharded and self.world_size > 1:
+            names = [[named[i][0] for i in group] for group in groups]
+            self._call("the gather broadcast", lambda: self._send({"kind": "gather", "groups": names}))
+        gathering = Gathering([[named[i][1] for i in group] for group in groups])
+        try:
+            yield gathering
+        finally:
+            self._call("gathering the weights", gathering.finish)
+            self.gather_peak_bytes = gathering.peak_bytes
+
+    def save_pretrained(self, model: Any, folder: Path) -> None:
+        """Rank 0: `model` as one Hugging Face folder. Sharded, its weights are gathered one safetensors
+        file (`SHARD_BYTES`) at a time and written before the next is gathered."""
+        named = list(model.named_parameters())
+        if not any(is_sharded(tensor) for _, tensor in named):
+            model.save_pretrained(folder)
+            return
+        groups = groups_by_size(named, SHARD_BYTES)
+        with self.gathered(named, groups) as tensors:
+            write_hf_folder(folder, model, named, groups, tensors)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Rank 0: the optimizer's whole state (`state_dict()`'s form), gathered from every rank when the
+        policy is sharded."""
+        if not any(is_sharded(p) for p in optimizer_params(optimizer)):
+            return optimizer.state_dict()
+        if self.world_size > 1:
+            self._call("the optimizer-state broadcast", lambda: self._send({"kind": "optimizer_state"}))
+        state: dict[str, Any] = self._call(
+            "gathering the optimizer state", lambda: full_optimizer_state(optimizer)
+        )
+        return state
 
     def scatter(
         self,
@@ -269,19 +374,23 @@ class Ranks:
         message = {"kind": "step", "lr": lr, "shards": parts}
         if self.world_size > 1:
             self._call("the step broadcast", lambda: self._send(message))
+        self._updates += 1
         return self._shard_of(message)
 
     def finish(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
         """Rank 0, at the end of the job: every rank hashes its weights; RankError names the ranks whose
         weights differ from rank 0's. Returns the digest."""
-        mine = weights_digest(model)
         if self.world_size == 1:
-            return mine
+            return weights_digest(model)
         self.wrap(model, optimizer)
         self._call("the finish broadcast", lambda: self._send({"kind": "finish"}))
-        digests = self._call("comparing weight digests", lambda: self._digests(mine))
+        agreement: tuple[str, str] = self._call(
+            "hashing the weights", lambda: _agreement(model, self.sharding, self._updates)
+        )
+        mine, compared = agreement
+        digests = self._call("comparing weight digests", lambda: self._digests(compared))
         self._finished = True
-        differ = [r for r, d in enumerate(digests) if d != mine]
+        differ = [r for r, d in enumerate(digests) if d != compared]
         if differ:
             raise RankError(f"trainer ranks {differ} hold other weights than rank 0 at the end of the job")
         log.info("all %d trainer ranks hold the same weights (%s)", self.world_size, mine[:12])
@@ -391,17 +500,35 @@ class Ranks:
             message = self._receive()
             kind = message["kind"]
             if kind == "setup":
+                if self.sharding == "fsdp" and module is not None:
+                    raise RankError(f"rank {self.rank}: FSDP sets up once per job, a second setup came")
                 optimizer = getattr(torch.optim, message["class"])(model.parameters())
-                optimizer.load_state_dict(message["optimizer"])
-                module = self._ddp(model)
-                log.info("rank %d: set up on rank 0's weights and %s", self.rank, message["class"])
+                if self.sharding == "fsdp":
+                    _setup_fsdp(model, optimizer, message["optimizer"])
+                    module = model
+                else:
+                    optimizer.load_state_dict(message["optimizer"])
+                    module = self._ddp(model)
+                log.info(
+                    "rank %d: set up (%s) on rank 0's weights and %s",
+                    self.rank,
+                    self.sharding,
+                    message["class"],
+                )
             elif kind == "step":
                 if module is None or optimizer is None:
                     raise RankError(f"rank {self.rank}: a step came before the setup")
                 train(module, optimizer, self._shard_of(message))
                 steps += 1
+            elif kind == "gather":
+                tensors = _tensors_by_name(model)
+                Gathering([[tensors[name] for name in group] for group in message["groups"]]).finish()
+            elif kind == "optimizer_state":
+                if optimizer is None:
+                    raise RankError(f"rank {self.rank}: the optimizer state was asked for before the setup")
+                full_optimizer_state(optimizer, keep=False)
             elif kind == "finish":
-                digests = self._digests(weights_digest(model))
+                digests = self._digests(_agreement(model, self.sharding, steps)[1])
                 same = all(d == digests[0] for d in digests)
                 log.info("rank %d: finished after %d updates; digests agree: %s", self.rank, steps, same)
                 return same
@@ -452,7 +579,7 @@ def start_ranks(
     store = TCPStore(
         HOST, 0, world, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
-    ranks = Ranks(0, world, torch.device(devices[0]), timeout_s, wait_s, store=store)
+    ranks = Ranks(0, world, torch.device(devices[0]), timeout_s, wait_s, store=store, sharding=job.sharding)
     if ranks.device.type == "cuda":
         torch.cuda.set_device(ranks.device)
     config = base64.b64encode(job.config.SerializeToString()).decode()
@@ -522,8 +649,8 @@ def main() -> int:
     store = TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=timeout_s))
     store.set(f"ready/{rank}", "1")
     _init_group(store, rank, world, device, timeout_s)
-    ranks = Ranks(rank, world, device, timeout_s, wait_s, store=store)
-    log.info("rank %d of %d on %s joined", rank, world, device)
+    ranks = Ranks(rank, world, device, timeout_s, wait_s, store=store, sharding=job.sharding)
+    log.info("rank %d of %d on %s joined (%s)", rank, world, device, job.sharding)
 
     def step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, shard: StepShard) -> object:
         return train.train_shard(ranks, module, reference, optimizer, shard, job, device)

@@ -13,7 +13,8 @@ new weights back to the workers. Read `Trainer.run` top to bottom; everything el
                  a checkpoint every N steps, when TrainerService asks, and at the end
 
 Several trainer ranks (trainer/ranks.py): this process is rank 0, the only one that talks to the mesh;
-each update runs on every rank at once (DDP, each on its shard of the batch) on a worker thread.
+each update runs on every rank at once (DDP or FSDP, each on its shard of the batch) on a worker thread;
+under FSDP the weights are gathered from every rank for weight sync and checkpoints (`Ranks.gathered`).
 
 Shortcuts, on purpose: the policy is a Hugging Face causal LM loaded from a local directory; a group whose
 episodes all failed or were too stale is dropped whole (GRPO needs at least two episodes to compare).
@@ -132,6 +133,7 @@ class Trainer:
             rpc_timeout_s=env.rpc_timeout_s,
             events=env.events,
             job=env.job,
+            gather=self.ranks.gathered,  # whole tensors a bucket at a time, from every rank under FSDP
         )
         self.step = 0  # steps completed
         self.version = 0  # the weights in service on the workers
@@ -552,14 +554,14 @@ class Trainer:
         shutil.rmtree(partial, ignore_errors=True)
         try:
             partial.mkdir(parents=True)
-            self.policy.save_pretrained(partial)
+            self.ranks.save_pretrained(self.policy, partial)  # gathered a file at a time under FSDP
             for item in self.model_dir.iterdir():
                 if "token" in item.name or item.name in ("chat_template.jinja", "special_tokens_map.json"):
                     shutil.copy2(item, partial / item.name)
             state = {
                 "step": self.step,
                 "version": self.version,
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": self.ranks.optimizer_state(self.optimizer),
                 "torch_rng": torch.get_rng_state(),
                 "run_id": self.run_id,
             }

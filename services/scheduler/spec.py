@@ -37,7 +37,7 @@ from mesh.errors import FailedPrecondition, FieldViolation, InvalidArgument, R
 from mesh.validation import violations
 from services.scheduler.backends.base import NodeInventory, Resources
 from trainer.config import Job, parse_job
-from trainer.placement import ReferencePlacement, plan
+from trainer.placement import GB, Memory, ReferencePlacement, plan
 
 JobSpec = js.JobSpec
 TaskSpec = js.TaskSpec
@@ -515,6 +515,7 @@ def _placement(task: TaskSpec, at: str) -> list[FieldViolation]:
     if reference is not None:
         overrides["reference_placement"] = f"REFERENCE_PLACEMENT_{reference.upper()}"
         origin["topology.reference_placement"] = f"{at}.online_rl.placement.reference_placement"
+    memory: Memory | None = None  # checked here when the job states its model's size and its GPUs' memory
     if task.online_rl.WhichOneof("trainer_config") == "config_toml":
         document = tomllib.loads(task.online_rl.config_toml)
         topology = document.setdefault("topology", {})
@@ -528,9 +529,16 @@ def _placement(task: TaskSpec, at: str) -> list[FieldViolation]:
                 for v in error.violations
             ] or [FieldViolation(f"{at}.online_rl", error.message)]
         reference = job.reference
+        stated = job.config.topology
+        if stated.HasField("model_parameters") and stated.HasField("gpu_memory_gb"):
+            memory = Memory(stated.model_parameters, stated.gpu_memory_gb * GB, job.sharding)
     try:
         plan(
-            gpus, placement.inference_gpus or "auto", placement.tensor_parallel_size or 1, reference or "none"
+            gpus,
+            placement.inference_gpus or "auto",
+            placement.tensor_parallel_size or 1,
+            reference or "none",
+            memory,
         )
     except InvalidArgument as error:
         return [FieldViolation(f"{at}.online_rl.placement", error.message)]

@@ -7,6 +7,11 @@
                 and a `weights.updated` event on the job's log.
     verify():   ComputeWeightChecksums on every worker against the trainer's own tensors.
 
+The tensors are taken whole one bucket at a time through `gather` (a `Gather`): a sharded trainer (FSDP,
+trainer/ranks.py) gathers each bucket's tensors from its ranks just before the bucket is packed and drops
+them once it is on the wire, so rank 0 never holds the whole model; `local_groups`, the default, gives the
+tensors as they are.
+
 Every control call has a deadline and every worker's answer is checked: a worker that fails is named in the
 `WeightSyncError`, never ignored. When an update fails, the publisher aborts it on every worker (each keeps
 serving its previous version), drops the group, and the next `publish` re-forms it first, which is also how
@@ -17,10 +22,12 @@ weights again under a new version.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -30,6 +37,7 @@ from google.protobuf import duration_pb2
 from tandem.events.v1 import event_pb2, events_service_pb2
 from tandem.inference.v1 import inference_service_pb2 as pb
 from tandem.inference.v1 import weights_pb2
+from torch.distributed.tensor import DTensor
 
 from mesh.status import RpcError, rpc_error_from
 from trainer.inference.engine import PauseMode
@@ -41,9 +49,33 @@ from trainer.inference.weights import (
     expected_bytes,
     manifest_of,
     plan_buckets,
-    send_packed,
+    send_buckets,
+    staging_bytes_for,
     tensor_checksum,
 )
+
+Named = Sequence[tuple[str, torch.Tensor]]
+# (named tensors, groups of their indices) -> a context whose value yields each group's tensors whole, in
+# order; leaving it lets every rank finish the groups not taken (see trainer/ranks.py `Ranks.gathered`).
+Gather = Callable[
+    [Named, Sequence[Sequence[int]]], contextlib.AbstractContextManager[Iterable[Sequence[torch.Tensor]]]
+]
+
+
+@contextlib.contextmanager
+def local_groups(named: Named, groups: Sequence[Sequence[int]]) -> Iterator[Iterable[Sequence[torch.Tensor]]]:
+    """Each group's tensors as they are: every tensor is already whole in this process."""
+    yield ([named[i][1].detach() for i in group] for group in groups)
+
+
+def bucket_groups(buckets: Sequence[Bucket]) -> list[list[int]]:
+    """Each bucket's tensors as indices into the manifest (buckets take consecutive tensors)."""
+    groups, start = [], 0
+    for bucket in buckets:
+        groups.append(list(range(start, start + len(bucket.entries))))
+        start += len(bucket.entries)
+    return groups
+
 
 log = logging.getLogger("tandem.weights")
 T = TypeVar("T")
@@ -103,7 +135,8 @@ _BACKEND_NUMBERS = {
 
 class _Transport:
     """How the bytes move: `listen` (the port the workers join, 0 for none), `connect` (blocks until
-    they joined), per update `handles` (IPC only) and `send` (broadcasts only), `close`."""
+    they joined), per update `handles` (IPC only) and `send` (broadcasts only: each bucket's tensors whole,
+    from `tensors`), `close`."""
 
     def __init__(self, host: str, world_size: int, timeout_s: float) -> None:
         self.host, self.world_size, self.timeout_s = host, world_size, timeout_s
@@ -117,7 +150,9 @@ class _Transport:
     def handles(self, named: Sequence[tuple[str, torch.Tensor]]) -> bytes:
         return b""
 
-    def send(self, named: Sequence[tuple[str, torch.Tensor]], buckets: Sequence[Bucket]) -> tuple[int, int]:
+    def send(
+        self, named: Named, buckets: Sequence[Bucket], tensors: Iterable[Sequence[torch.Tensor]]
+    ) -> tuple[int, int]:
         return expected_bytes(buckets), 0
 
     def close(self) -> None:
@@ -138,9 +173,13 @@ class _Gloo(_Transport):
         assert self._listener is not None
         self._group = self._listener.connect()
 
-    def send(self, named: Sequence[tuple[str, torch.Tensor]], buckets: Sequence[Bucket]) -> tuple[int, int]:
+    def send(
+        self, named: Named, buckets: Sequence[Bucket], tensors: Iterable[Sequence[torch.Tensor]]
+    ) -> tuple[int, int]:
         assert self._group is not None
-        stats = send_packed(self._group, [t for _, t in named], buckets, self.timeout_s)
+        on_cpu = all(t.device.type == "cpu" for _, t in named)  # then whole tensors are too, contiguous
+        staging = staging_bytes_for(buckets, on_cpu)
+        stats = send_buckets(self._group, tensors, buckets, self.timeout_s, staging_bytes=staging)
         return stats.bytes, stats.buckets
 
     def close(self) -> None:
@@ -170,13 +209,20 @@ class _Nccl(_Transport):  # needs GPUs and the gpu extra: tests/gpu
             {"master_address": self.host, "master_port": self._port, "world_size": self.world_size}
         )
 
-    def send(self, named: Sequence[tuple[str, torch.Tensor]], buckets: Sequence[Bucket]) -> tuple[int, int]:
+    def send(
+        self, named: Named, buckets: Sequence[Bucket], tensors: Iterable[Sequence[torch.Tensor]]
+    ) -> tuple[int, int]:
         from vllm.distributed.weight_transfer.packed_tensor import (  # noqa: PLC0415
             packed_nccl_broadcast_producer,
         )
 
+        whole = (
+            (entry.meta.name, tensor)
+            for bucket, group in zip(buckets, tensors, strict=True)
+            for entry, tensor in zip(bucket.entries, group, strict=True)
+        )
         packed_nccl_broadcast_producer(
-            iterator=iter(named), group=self._group, src=0, post_iter_func=lambda item: item[1]
+            iterator=whole, group=self._group, src=0, post_iter_func=lambda item: item[1]
         )
         return expected_bytes(buckets), len(buckets)
 
@@ -191,6 +237,8 @@ class _Ipc(_Transport):  # needs a GPU and the gpu extra: tests/gpu
 
         from torch.multiprocessing.reductions import reduce_tensor  # noqa: PLC0415
 
+        if any(isinstance(tensor, DTensor) for _, tensor in named):
+            raise ValueError("CUDA IPC maps the trainer's own tensors, and FSDP's are shards: use nccl")
         uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
         self._kept = [tensor.detach().contiguous() for _, tensor in named]  # alive until the next update
         return pickle.dumps([{uuid: reduce_tensor(tensor)[1]} for tensor in self._kept])  # type: ignore[no-untyped-call]
@@ -214,10 +262,12 @@ class WeightPublisher:
         events: Any | None = None,
         job: str = "",
         backend: Backend = "gloo",
+        gather: Gather = local_groups,
     ) -> None:
         """`workers`: an `InferenceServiceStub` per worker; `events`: an `EventServiceStub` for the job's
         `weights.updated` events (with `job`), or None; `backend`: `gloo` (CPU, torch engine workers),
-        `nccl` (GPU workers on other GPUs, through vLLM) or `ipc` (vLLM workers on the trainer's GPU)."""
+        `nccl` (GPU workers on other GPUs, through vLLM) or `ipc` (vLLM workers on the trainer's GPU);
+        `gather`: how a bucket's tensors are made whole (the trainer ranks' `gathered` under FSDP)."""
         self.workers = list(workers)
         self.host = host
         self.bucket_size = bucket_size_bytes
@@ -226,6 +276,7 @@ class WeightPublisher:
         self._events = events
         self._job = job
         self.backend = backend
+        self._gather = gather
         self._transport: _Transport | None = None
 
     @property
@@ -314,7 +365,7 @@ class WeightPublisher:
             )
             t2 = time.perf_counter()
             try:
-                stats = await asyncio.to_thread(transport.send, named, buckets)
+                stats = await asyncio.to_thread(self._send, transport, named, buckets)
             except Exception as exc:
                 raise WeightSyncError("broadcast", {-1: f"{type(exc).__name__}: {exc}"}) from exc
             t3 = time.perf_counter()
@@ -353,6 +404,10 @@ class WeightPublisher:
         await self._publish_event(report)
         return report
 
+    def _send(self, transport: _Transport, named: Named, buckets: Sequence[Bucket]) -> tuple[int, int]:
+        with self._gather(named, bucket_groups(buckets)) as tensors:
+            return transport.send(named, buckets, tensors)
+
     async def _abort(self, version: int) -> None:
         """Best effort on every worker: abort the update and resume generation, so each keeps serving its
         previous version. The group is dropped and re-formed by the next `publish`."""
@@ -386,7 +441,7 @@ class WeightPublisher:
         """Prove every worker serves exactly `named`: each tensor's checksum on every worker equals the
         trainer's. Returns the digest of the trainer's checksums; raises WeightSyncError naming each worker
         that differs and its first differing tensors."""
-        expected = {name: tensor_checksum(t) for name, t in named}
+        expected = await asyncio.to_thread(self._checksums, named)
         request = pb.ComputeWeightChecksumsRequest(
             algorithm=weights_pb2.CHECKSUM_ALGORITHM_SHA256, names=list(expected)
         )
@@ -406,6 +461,13 @@ class WeightPublisher:
         if differ:
             raise WeightSyncError("verification", differ)
         return checksum_digest(list(expected.items()))
+
+    def _checksums(self, named: Named) -> dict[str, str]:
+        """Every tensor's checksum, the tensors made whole a bucket at a time."""
+        groups = bucket_groups(plan_buckets(manifest_of(named), self.bucket_size))
+        with self._gather(named, groups) as tensors:
+            whole = itertools.chain.from_iterable(tensors)
+            return {name: tensor_checksum(t) for (name, _), t in zip(named, whole, strict=True)}
 
     async def _publish_event(self, report: UpdateReport) -> None:
         if self._events is None or not self._job:

@@ -473,9 +473,7 @@ def send_packed(
     bucket, packing bucket k+1 while bucket k is on the wire. `timeout_s` bounds each bucket's broadcast.
     ValueError before any collective when the tensors do not match the plan; TransferError when a broadcast
     failed (the group is then unusable)."""
-    if group.rank != ROOT:
-        raise ValueError(f"send_packed runs on rank {ROOT}, not on rank {group.rank}")
-    group.ensure_usable()
+    _check_sender(group)
     entries = [entry for bucket in buckets for entry in bucket.entries]
     if len(tensors) != len(entries):
         raise ValueError(f"the plan has {len(entries)} tensors, {len(tensors)} were given")
@@ -486,36 +484,78 @@ def send_packed(
     for bucket in buckets:
         sources.append([t.detach() for t in tensors[position : position + len(bucket.entries)]])
         position += len(bucket.entries)
-
-    start = time.perf_counter()
-    copy_s = wait_s = 0.0
     packed = [
         b.nbytes for b, src in zip(buckets, sources, strict=True) if b.nbytes and not _direct(src[0], b)
     ]
-    buffers = group.staging_buffers(min(2, len(packed)), max(packed, default=0))
+    return send_buckets(group, sources, buckets, timeout_s, staging_bytes=max(packed, default=0))
+
+
+def staging_bytes_for(buckets: Sequence[Bucket], on_cpu: bool) -> int:
+    """The staging buffer `send_buckets` needs when every bucket's tensors will be contiguous and on the CPU
+    (`on_cpu`: a bucket of one tensor is then broadcast from the tensor itself) or not."""
+    return max((b.nbytes for b in buckets if b.nbytes and (len(b.entries) > 1 or not on_cpu)), default=0)
+
+
+def send_buckets(
+    group: TransferGroup,
+    sources: Iterable[Sequence[torch.Tensor]],
+    buckets: Sequence[Bucket],
+    timeout_s: float,
+    *,
+    staging_bytes: int,
+) -> TransferStats:
+    """Rank 0: `send_packed` with each bucket's tensors taken from `sources` only when that bucket is next
+    to pack, so a sharded trainer gathers whole tensors one bucket at a time (while the bucket before is on
+    the wire). Each bucket's tensors are checked against the plan when they come: a mismatch raises
+    ValueError mid-update, and the workers' receives then time out. `staging_bytes` sizes the two packing
+    buffers (`staging_bytes_for`)."""
+    _check_sender(group)
+    start = time.perf_counter()
+    copy_s = wait_s = 0.0
     in_flight: list[tuple[Bucket, Work]] = []
     packed_count = copied = 0
-    for bucket, source in zip(buckets, sources, strict=True):
+    taken = iter(sources)
+    for bucket in buckets:
+        source = next(taken, None)
+        if source is None or len(source) != len(bucket.entries):
+            raise ValueError(
+                f"bucket {bucket.index} was given {len(source or ())} of its {len(bucket.entries)} tensors"
+            )
+        for tensor, entry in zip(source, bucket.entries, strict=True):
+            _check_geometry("tensor", tensor, entry.meta)
         if not bucket.nbytes:
             continue  # only empty tensors: every rank skips it
         if len(in_flight) == 2:  # the bucket that used the buffer this one may take, or a direct one
             wait_s += _finish(group, *in_flight.pop(0), timeout_s, "sending")
         began = time.perf_counter()
         if _direct(source[0], bucket):
-            flat = _as_bytes(source[0])
+            flat = _as_bytes(source[0].detach())
         else:
-            flat = buffers[packed_count % 2][: bucket.nbytes]
+            if bucket.nbytes > staging_bytes:
+                raise ValueError(
+                    f"bucket {bucket.index} needs {bucket.nbytes} staging bytes, {staging_bytes} given"
+                )
+            # One buffer for the first packed bucket, a second from the next on (the group keeps both).
+            flat = group.staging_buffers(min(2, packed_count + 1), staging_bytes)[packed_count % 2]
+            flat = flat[: bucket.nbytes]
             packed_count += 1
             for tensor, entry in zip(source, bucket.entries, strict=True):
                 if entry.nbytes:
-                    _slot_view(flat, entry).copy_(tensor)
+                    _slot_view(flat, entry).copy_(tensor.detach())
             copied += bucket.payload_bytes
         copy_s += time.perf_counter() - began
         in_flight.append((bucket, _start(group, flat, timeout_s, bucket)))
+        del source
     for done, work in in_flight:
         wait_s += _finish(group, done, work, timeout_s, "sending")
     seconds = time.perf_counter() - start
     return TransferStats(expected_bytes(buckets), len(buckets), seconds, copy_s, wait_s, copied)
+
+
+def _check_sender(group: TransferGroup) -> None:
+    if group.rank != ROOT:
+        raise ValueError(f"send_packed runs on rank {ROOT}, not on rank {group.rank}")
+    group.ensure_usable()
 
 
 def staging_targets(buckets: Sequence[Bucket]) -> dict[str, torch.Tensor]:

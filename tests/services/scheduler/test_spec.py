@@ -457,6 +457,19 @@ def test_possible_placements_pass() -> None:
     S.check_placement(S.parse_yaml(path_only))
 
 
+def test_a_job_that_states_its_model_size_is_checked_against_its_gpus_memory() -> None:
+    sized = DEMO_TOML + "\n[topology]\nmodel_parameters = 8030261248\ngpu_memory_gb = 80\n"
+    ddp = S.parse_yaml(rl_task("{inference_gpus: 6}", config=sized))
+    with pytest.raises(FailedPrecondition) as caught:
+        S.check_placement(ddp)
+    assert caught.value.reason == R.ERROR_REASON_PLACEMENT_INVALID
+    assert [v.field for v in caught.value.violations] == ["tasks[0].online_rl.placement"]
+    assert "128.5 GB on each training GPU" in caught.value.violations[0].description
+    S.check_placement(
+        S.parse_yaml(rl_task("{inference_gpus: 6}", config=sized + 'sharding = "SHARDING_FSDP"\n'))
+    )
+
+
 # -- fitting the nodes --------------------------------------------------------------------------------------
 
 

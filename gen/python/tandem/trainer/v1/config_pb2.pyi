@@ -101,6 +101,38 @@ REFERENCE_PLACEMENT_OWN: ReferencePlacement.ValueType  # 3
 """On a GPU of its own, taken from the training share."""
 Global___ReferencePlacement: _TypeAlias = ReferencePlacement  # noqa: Y015
 
+class _Sharding:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ShardingEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Sharding.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SHARDING_UNSPECIFIED: _Sharding.ValueType  # 0
+    """Not set; treated as DDP."""
+    SHARDING_DDP: _Sharding.ValueType  # 1
+    """Data parallelism: every rank holds the whole state (16 bytes a parameter with fp32 weights and AdamW);
+    the gradients are all-reduced.
+    """
+    SHARDING_FSDP: _Sharding.ValueType  # 2
+    """Fully sharded data parallelism (FSDP2): each rank holds 1/N of the state, gathers a layer's weights for
+    its forward and backward and reduce-scatters the gradients.
+    """
+
+class Sharding(_Sharding, metaclass=_ShardingEnumTypeWrapper):
+    """Sharding says how the trainer ranks hold the policy's training state (weights, gradients, optimizer)."""
+
+SHARDING_UNSPECIFIED: Sharding.ValueType  # 0
+"""Not set; treated as DDP."""
+SHARDING_DDP: Sharding.ValueType  # 1
+"""Data parallelism: every rank holds the whole state (16 bytes a parameter with fp32 weights and AdamW);
+the gradients are all-reduced.
+"""
+SHARDING_FSDP: Sharding.ValueType  # 2
+"""Fully sharded data parallelism (FSDP2): each rank holds 1/N of the state, gathers a layer's weights for
+its forward and backward and reduce-scatters the gradients.
+"""
+Global___Sharding: _TypeAlias = Sharding  # noqa: Y015
+
 @_typing.final
 class TrainerConfig(_message.Message):
     """TrainerConfig is an online-RL (GRPO) job as a researcher writes it in TOML: each nested message is a
@@ -599,6 +631,9 @@ class TopologyConfig(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     REFERENCE_PLACEMENT_FIELD_NUMBER: _builtins.int
     CPU_TRAINER_RANKS_FIELD_NUMBER: _builtins.int
+    SHARDING_FIELD_NUMBER: _builtins.int
+    GPU_MEMORY_GB_FIELD_NUMBER: _builtins.int
+    MODEL_PARAMETERS_FIELD_NUMBER: _builtins.int
     gpus: _builtins.int
     """Optional. GPUs for the whole job on one node, 0 to 1024; 0 means CPU only."""
     inference_gpus: _builtins.int
@@ -613,6 +648,18 @@ class TopologyConfig(_message.Message):
     """Optional. With `gpus = 0`: how many trainer ranks train on CPU (torch.distributed over gloo, DDP), 0 to
     64; 0 means 1. With GPUs the ranks are the plan's training GPUs and this must be unset or 0.
     """
+    sharding: Global___Sharding.ValueType
+    """Optional. How the trainer ranks share the training state; unset means DDP. With several ranks, FSDP
+    divides its memory by the number of ranks (the planner's check uses this).
+    """
+    gpu_memory_gb: _builtins.float
+    """Optional. The memory of each GPU in GB (10^9 bytes), 1 to 100000, for the planner's check that the
+    model's training state fits the training GPUs; unset means the trainer reads it from its first GPU.
+    """
+    model_parameters: _builtins.int
+    """Optional. The policy's parameter count for the planner's memory check, 1 or more; unset means counted
+    from the model folder's config.json (dense decoder shapes: Llama, Qwen2, Qwen3, Mistral).
+    """
     def __init__(
         self,
         *,
@@ -621,17 +668,28 @@ class TopologyConfig(_message.Message):
         tensor_parallel_size: _builtins.int | None = ...,
         reference_placement: Global___ReferencePlacement.ValueType = ...,
         cpu_trainer_ranks: _builtins.int = ...,
+        sharding: Global___Sharding.ValueType = ...,
+        gpu_memory_gb: _builtins.float | None = ...,
+        model_parameters: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_inference_gpus", b"_inference_gpus", "_tensor_parallel_size", b"_tensor_parallel_size", "inference_gpus", b"inference_gpus", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_gpu_memory_gb", b"_gpu_memory_gb", "_inference_gpus", b"_inference_gpus", "_model_parameters", b"_model_parameters", "_tensor_parallel_size", b"_tensor_parallel_size", "gpu_memory_gb", b"gpu_memory_gb", "inference_gpus", b"inference_gpus", "model_parameters", b"model_parameters", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_inference_gpus", b"_inference_gpus", "_tensor_parallel_size", b"_tensor_parallel_size", "cpu_trainer_ranks", b"cpu_trainer_ranks", "gpus", b"gpus", "inference_gpus", b"inference_gpus", "reference_placement", b"reference_placement", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_gpu_memory_gb", b"_gpu_memory_gb", "_inference_gpus", b"_inference_gpus", "_model_parameters", b"_model_parameters", "_tensor_parallel_size", b"_tensor_parallel_size", "cpu_trainer_ranks", b"cpu_trainer_ranks", "gpu_memory_gb", b"gpu_memory_gb", "gpus", b"gpus", "inference_gpus", b"inference_gpus", "model_parameters", b"model_parameters", "reference_placement", b"reference_placement", "sharding", b"sharding", "tensor_parallel_size", b"tensor_parallel_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__gpu_memory_gb: _TypeAlias = _typing.Literal["gpu_memory_gb"]  # noqa: Y015
+    _WhichOneofArgType__gpu_memory_gb: _TypeAlias = _typing.Literal["_gpu_memory_gb", b"_gpu_memory_gb"]  # noqa: Y015
     _WhichOneofReturnType__inference_gpus: _TypeAlias = _typing.Literal["inference_gpus"]  # noqa: Y015
     _WhichOneofArgType__inference_gpus: _TypeAlias = _typing.Literal["_inference_gpus", b"_inference_gpus"]  # noqa: Y015
+    _WhichOneofReturnType__model_parameters: _TypeAlias = _typing.Literal["model_parameters"]  # noqa: Y015
+    _WhichOneofArgType__model_parameters: _TypeAlias = _typing.Literal["_model_parameters", b"_model_parameters"]  # noqa: Y015
     _WhichOneofReturnType__tensor_parallel_size: _TypeAlias = _typing.Literal["tensor_parallel_size"]  # noqa: Y015
     _WhichOneofArgType__tensor_parallel_size: _TypeAlias = _typing.Literal["_tensor_parallel_size", b"_tensor_parallel_size"]  # noqa: Y015
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__gpu_memory_gb) -> _WhichOneofReturnType__gpu_memory_gb | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__inference_gpus) -> _WhichOneofReturnType__inference_gpus | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__model_parameters) -> _WhichOneofReturnType__model_parameters | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__tensor_parallel_size) -> _WhichOneofReturnType__tensor_parallel_size | None: ...
 
