@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NPM_STAMP := node_modules/.installed
-HAND_WRITTEN := $(wildcard mesh services gateway trainer tandem_taskapp tandem_client examples scripts benchmarks tests)
+HAND_WRITTEN := $(wildcard mesh services gateway trainer tandem_jobs tandem_taskapp tandem_client examples scripts benchmarks tests)
 
 .DEFAULT_GOAL := help
 .PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast up demo train-demo bench-events bench-vault bench-weights bench-async bench-scheduler clean
@@ -50,7 +50,7 @@ format: $(STAMP)  ## ruff format and autofix
 	$(VENV)/bin/ruff check --fix $(HAND_WRITTEN)
 
 typecheck: $(STAMP)  ## mypy --strict on the hand-written runtime, services, gateway and the Task App SDK
-	$(VENV)/bin/mypy mesh services gateway tandem_taskapp tandem_client trainer scripts
+	$(VENV)/bin/mypy mesh services gateway tandem_jobs tandem_taskapp tandem_client trainer scripts
 
 docs: $(STAMP)  ## refresh the RPC tables in the service READMEs
 	$(PY) scripts/rpc_tables.py

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.config import Job, parse_job
+from tandem_jobs.config import Job, parse_job
 from trainer.launch import local_environment
 from trainer.models import ensure_model
 from trainer.train import StepReport, Trainer

@@ -1,7 +1,7 @@
 """An online-RL job from a trainer config: validate it as the contract's `TrainerConfig` and wrap it in a
 one-task ONLINE_RL job group for the scheduler.
 
-The config is validated by `trainer.config.parse_job` (the trainer's own parser, torch-free), so a config
+The config is validated by `tandem_jobs.config.parse_job` (the trainer's own parser, torch-free), so a config
 the gateway accepts is exactly one the trainer accepts. A typed config (CreateRlJob) is written out as
 TOML and parsed back the same way, so both paths check the same rules and the scheduler always receives
 TOML (`OnlineRlOptions.config_toml`).
@@ -22,7 +22,7 @@ from tandem.taskapp.v1 import task_app_pb2
 from tandem.trainer.v1 import config_pb2
 
 from mesh.errors import FailedPrecondition, FieldViolation, InvalidArgument, R
-from trainer.config import parse_job
+from tandem_jobs.config import parse_job
 
 TASK_NAME = "trainer"
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")

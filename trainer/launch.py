@@ -42,12 +42,12 @@ from mesh.observability import configure_logging
 from mesh.secrets import seal_for_upload
 from mesh.settings import Settings, Targets
 from mesh.status import RpcError
-from trainer.config import Job, load_job
+from tandem_jobs.config import Job, load_job
+from tandem_jobs.placement import GB, Memory, plan, read_parameters
 from trainer.control import Control
 from trainer.inference.process import ROOT, Worker, die_with_parent, start_worker, stop_process, stop_worker
 from trainer.mesh_process import local_settings, mesh_process
 from trainer.models import ensure_model
-from trainer.placement import GB, Memory, plan, read_parameters
 from trainer.ranks import Ranks, devices_for, start_ranks
 from trainer.service import serving
 from trainer.train import Environment, StepReport, Trainer, WorkerEndpoint

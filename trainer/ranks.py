@@ -70,7 +70,7 @@ from tandem.trainer.v1 import config_pb2
 from torch._C._distributed_c10d import BroadcastOptions, PrefixStore, TCPStore
 
 from mesh.observability import configure_logging
-from trainer.config import Job, Sharding
+from tandem_jobs.config import Job, Sharding
 from trainer.grpo import Aggregation, LossStats, finite
 from trainer.inference.process import ROOT, die_with_parent, stop_process
 from trainer.inference.weights import checksum_digest, tensor_checksum

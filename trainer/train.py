@@ -44,9 +44,9 @@ from tandem.taskapp.v1 import rollout_pb2
 from tandem.taskapp.v1 import taskapp_service_pb2 as tpb
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from tandem_jobs.config import Job
 from trainer import checkpoints, grpo, sampling
 from trainer.checkpoints import STATE_FILE, CheckpointInfo, Trigger
-from trainer.config import Job
 from trainer.control import Control
 from trainer.inference.publisher import WeightPublisher
 from trainer.progress import Progress

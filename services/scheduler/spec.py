@@ -10,8 +10,8 @@ proto refusals name the proto field (`display_name`, `tasks[0].resources.memory_
 follow: the online-RL GPU split (PLACEMENT_INVALID) and whether any node could ever run each task
 (RESOURCES_UNSATISFIABLE). SPEC.md beside this file documents every key.
 
-The inline trainer config of an `online_rl` task is validated by `trainer.config.parse_job` and split by
-`trainer.placement.plan`: both modules are torch-free (they say so, and a test checks that importing this
+The inline trainer config of an `online_rl` task is validated by `tandem_jobs.config.parse_job` and split by
+`tandem_jobs.placement.plan`: both modules are torch-free (they say so, and a test checks that importing this
 module loads no torch), so the trainer and the scheduler share one set of config rules. No grpc here.
 """
 
@@ -36,8 +36,8 @@ from tandem.trainer.v1 import config_pb2
 from mesh.errors import FailedPrecondition, FieldViolation, InvalidArgument, R
 from mesh.validation import violations
 from services.scheduler.backends.base import NodeInventory, Resources
-from trainer.config import Job, parse_job
-from trainer.placement import GB, Memory, ReferencePlacement, plan
+from tandem_jobs.config import Job, parse_job
+from tandem_jobs.placement import GB, Memory, ReferencePlacement, plan
 
 JobSpec = js.JobSpec
 TaskSpec = js.TaskSpec

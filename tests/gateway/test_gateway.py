@@ -40,9 +40,9 @@ from mesh.secrets import seal_for_upload
 from mesh.status import RpcError
 from mesh.store import open_database
 from services.scheduler.spec import load_yaml
+from tandem_jobs.config import parse_job
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
 from tests.support.taskapps import example_app_in_thread
-from trainer.config import parse_job
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mesh.errors import InvalidArgument
-from trainer.config import Job, load_job
+from tandem_jobs.config import Job, load_job
 
 GOOD = """
 seed = 7

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mesh.errors import InvalidArgument
-from trainer.placement import Memory, parameters_of, plan, read_parameters, training_bytes_per_gpu
+from tandem_jobs.placement import Memory, parameters_of, plan, read_parameters, training_bytes_per_gpu
 
 
 def test_eight_gpus_tp2_auto_is_three_replicas_and_two_trainer_gpus() -> None:

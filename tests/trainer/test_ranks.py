@@ -18,8 +18,8 @@ from tandem.inference.v1 import trace_pb2
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoModelForCausalLM
 
+from tandem_jobs.config import Job, Sharding, parse_job
 from tests.support.numerics import assert_close_at_scale
-from trainer.config import Job, Sharding, parse_job
 from trainer.grpo import Aggregation
 from trainer.inference.weights import checksum_digest, tensor_checksum
 from trainer.launch import local_environment

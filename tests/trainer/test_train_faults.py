@@ -10,7 +10,7 @@ import pytest
 import torch
 from tandem.inference.v1 import trace_pb2
 
-from trainer.config import Job, parse_job
+from tandem_jobs.config import Job, parse_job
 from trainer.models import build_tiny_model
 from trainer.train import MAX_BAD_STEPS, MAX_EMPTY_STEPS, Environment, Episode, Trainer
 

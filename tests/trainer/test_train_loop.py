@@ -12,8 +12,8 @@ import pytest
 from tandem.events.v1 import events_service_pb2 as epb
 from tandem.inference.v1 import inference_service_pb2 as ipb
 
+from tandem_jobs.config import Job, parse_job
 from tests.support.workers import running_worker, worker_stub
-from trainer.config import Job, parse_job
 from trainer.inference.publisher import WeightPublisher
 from trainer.launch import local_environment
 from trainer.models import build_tiny_model

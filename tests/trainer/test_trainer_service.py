@@ -29,9 +29,9 @@ from mesh.errors import TandemError
 from mesh.identity import TokenSigner, load_signing_key
 from mesh.settings import Settings
 from mesh.status import RpcError
+from tandem_jobs.config import Job, parse_job
 from trainer import checkpoints
 from trainer.checkpoints import CheckpointInfo, Trigger
-from trainer.config import Job, parse_job
 from trainer.control import Control, State
 from trainer.launch import local_environment
 from trainer.models import build_tiny_model

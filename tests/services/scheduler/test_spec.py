@@ -546,9 +546,11 @@ def test_restart_delays_double_up_to_the_ceiling() -> None:
 
 
 def test_importing_the_spec_loads_no_ml_stack() -> None:
+    # Nor anything of trainer/: what the services and the gateway share with it lives in tandem_jobs.
     code = (
-        "import sys, services.scheduler.spec, services.scheduler.expand\n"
-        "print(','.join(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))\n"
+        "import sys, services.scheduler.servicer, services.scheduler.expand, gateway.servicer, gateway.cli\n"
+        "ml = [m for m in ('torch', 'transformers', 'vllm') if m in sys.modules]\n"
+        "print(','.join(ml + sorted(m for m in sys.modules if m == 'trainer' or m.startswith('trainer.'))))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
