@@ -16,6 +16,7 @@ import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -174,6 +175,7 @@ async def serve(
             service = await start_service(name, settings, (setups or {}).get(name), colocated=services)
             setattr(settings.ports, name, service.port)
             running.append(service)
+        harden_state(settings.state_dir)  # the stores and keys each service just opened or made
         if on_ready:
             on_ready(running)
         await stop.wait()
@@ -184,6 +186,23 @@ async def serve(
         for sig in signals:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(sig)
+
+
+def harden_state(state_dir: Path) -> None:
+    """The state folder shut to other accounts (tasks run as other users): its own files (keys, SQLite
+    databases and their journals, logs, traces) 0600, its `logs` folder 0700, and the folder itself
+    execute-only for others, so a task reaches its own work folders below it by name and lists nothing."""
+    with contextlib.suppress(OSError):
+        state_dir.chmod((state_dir.stat().st_mode & 0o700) | 0o711)
+    for folder in (state_dir, state_dir / "logs"):
+        if not folder.is_dir():
+            continue
+        if folder != state_dir:
+            folder.chmod(0o700)
+        for item in folder.iterdir():
+            if item.is_file() and not item.is_symlink():
+                with contextlib.suppress(OSError):
+                    item.chmod(0o600)
 
 
 def run_single(service: str) -> None:

@@ -18,6 +18,13 @@ class LocalSettings(BaseModel):
     gpu_type: str | None = Field(None, description="The GPU model reported; unset: what nvidia-smi says.")
     cpus: float | None = Field(None, ge=0, description="CPU cores to hand out.")
     memory_gib: float | None = Field(None, ge=0, description="Memory to hand out, in GiB.")
+    run_as: Literal["mesh", "org"] = Field(
+        "mesh",
+        description="Whose account tasks run under. `org`: one unprivileged user per organization "
+        "(`tdm-<org>`, created on first use; needs the scheduler to run as root), so a task can read neither "
+        "the mesh's state (keys, databases) nor another organization's tasks and volumes. `mesh`: the "
+        "scheduler's own account, which can read all of that: serve one organization only.",
+    )
 
 
 class SlurmSettings(BaseModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -54,6 +55,7 @@ from services.scheduler.config import SchedulerSettings
 from services.scheduler.engine import Engine, EngineConfig, EventOutbox, demands_of, failure_proto, job_event
 from services.scheduler.store import MIGRATIONS, JobRecord, JobRow, JobStore, TaskRow
 
+log = logging.getLogger("tandem.scheduler")
 SERVICE_NAME = scheduler_service_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 pb = scheduler_service_pb2
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -518,12 +520,18 @@ def make_backends(config: SchedulerSettings, work_dir: Path) -> dict[str, Backen
             from services.scheduler.backends.local import LocalBackend  # noqa: PLC0415
 
             local = config.local
+            if local.run_as == "mesh":
+                log.warning(
+                    "local backend: tasks run as the scheduler's own account and can read the mesh's state;"
+                    " serve one organization only, or run as root with TANDEM_SCHEDULER_LOCAL__RUN_AS=org"
+                )
             backends[name] = LocalBackend(
                 work_dir / "local",
                 gpus=local.gpus,
                 gpu_type=local.gpu_type,
                 cpus=local.cpus,
                 memory_gib=local.memory_gib,
+                run_as=local.run_as,
             )
         elif name == "slurm":
             from services.scheduler.backends.slurm import SlurmBackend  # noqa: PLC0415

@@ -23,6 +23,13 @@ rank's code once every rank has ended.
 
 Processes that leave their process group on purpose (`setsid`, daemons) escape `cancel`. There are no
 file mounts: a spec's mount must name a host path at that same path, otherwise launch refuses it.
+
+**Whose account** (`run_as`). `mesh`: the scheduler's own, so a task can read whatever the mesh can, its
+state folder included: fit for one organization only, and the scheduler says so at start-up. `org` (the
+scheduler running as root): each organization's tasks run as an unprivileged user of its own, `tdm-<org>`
+(created with `useradd --system` on first use), which owns the attempt folder, the task's working folder
+and its volumes (mode 0700). The folders above them get execute-only permission for others, so the task can
+reach its own folders without listing anything; the mesh keeps its keys and databases 0600 (`harden_state`).
 """
 
 from __future__ import annotations
@@ -30,8 +37,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -235,7 +244,15 @@ class LocalBackend:
         address: str = "127.0.0.1",
         inherit_env: Sequence[str] = INHERITED_ENV,
         failure_grace_s: float = 10.0,
+        run_as: str = "mesh",
     ) -> None:
+        if run_as not in ("mesh", "org"):
+            raise ValueError(f"run_as must be mesh or org, not {run_as!r}")
+        if run_as == "org" and os.geteuid() != 0:
+            raise ValueError(
+                "run_as = org needs the scheduler to run as root (it starts tasks as other users)"
+            )
+        self.run_as = run_as
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         if gpus is None:
@@ -419,6 +436,14 @@ class LocalBackend:
         cwd = Path(spec.workdir) if spec.workdir is not None else attempt_dir
         if not cwd.is_dir():
             raise LaunchRefused(f"workdir {cwd} is not a folder")
+        account = None
+        if self.run_as == "org":
+            account = org_account(spec.job.split("/")[1])
+            for folder in {attempt_dir, cwd, log_dir}:  # small, and what the engine wrote there is the task's
+                hand_over(folder, account, recursive=True)
+            for _, source, _ in spec.file_mounts:  # its volumes; a host path of the spec stays as it is
+                if Path(source).resolve().is_relative_to(self.root.parent.resolve()):
+                    hand_over(Path(source), account)
         nodes = self._assign(spec)
         handle: Handle = {
             "backend": self.name,
@@ -444,7 +469,7 @@ class LocalBackend:
         ranks: list[dict[str, Any]] = []
         try:
             for node in nodes:
-                ranks.append(self._start_rank(spec, node, nodes, attempt_dir, log_dir, cwd))
+                ranks.append(self._start_rank(spec, node, nodes, attempt_dir, log_dir, cwd, account))
         except OSError as exc:
             for started in ranks:
                 _signal_group(started["pgid"], signal.SIGKILL)
@@ -485,9 +510,15 @@ class LocalBackend:
         attempt_dir: Path,
         log_dir: Path,
         cwd: Path,
+        account: pwd.struct_passwd | None = None,
     ) -> dict[str, Any]:
         log = log_dir / f"rank-{node.rank}.log"
         exit_file = attempt_dir / f"rank-{node.rank}.exit"
+        env = self._env(spec, node, nodes)
+        user: dict[str, Any] = {}
+        if account is not None:
+            env["HOME"], env["USER"], env["LOGNAME"] = str(cwd), account.pw_name, account.pw_name
+            user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 [self._bash, "-c", _WRAPPER, "tandem-rank", spec.command, str(exit_file)],
@@ -495,8 +526,9 @@ class LocalBackend:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=cwd,
-                env=self._env(spec, node, nodes),
+                env=env,
                 start_new_session=True,
+                **user,
             )
         self._children[proc.pid] = proc
         start = process_start_time(proc.pid, zombie=True)
@@ -579,3 +611,48 @@ class LocalBackend:
             )
             for n in handle.get("nodes", [])
         ]
+
+
+# ---- accounts (run_as = "org") ---------------------------------------------------------------------
+
+
+def org_user_name(org: str) -> str:
+    """`tdm-<org>`, or a shortened name with a hash where that passes the 32 characters a user name may have."""
+    name = f"tdm-{org}"
+    return name if len(name) <= 32 else f"tdm-{org[:18]}-{hashlib.sha256(org.encode()).hexdigest()[:9]}"
+
+
+def org_account(org: str) -> pwd.struct_passwd:
+    """The organization's unprivileged user, created (a system user with its own group, no login, no home)
+    on first use."""
+    name = org_user_name(org)
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        pass
+    command = ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent"]
+    result = subprocess.run(
+        [*command, "--shell", "/usr/sbin/nologin", name], capture_output=True, text=True, check=False
+    )
+    try:
+        return pwd.getpwnam(name)  # created now, or by a concurrent launch a moment ago
+    except KeyError:
+        raise LaunchRefused(
+            f"cannot create the user {name} for {org}'s tasks: {result.stderr.strip()}"
+        ) from None
+
+
+def hand_over(folder: Path, account: pwd.struct_passwd, recursive: bool = False) -> None:
+    """`folder` (made if missing) owned by `account`, mode 0700 (with what it holds when `recursive`), and
+    reachable: each folder above it gets execute-only permission for others (enter, not list), so the task
+    reaches its own folders and nothing else by name unless that is readable by everyone."""
+    folder.mkdir(parents=True, exist_ok=True)
+    inside = folder.rglob("*") if recursive else ()
+    for item in (folder, *inside):
+        if not item.is_symlink() and item.stat().st_uid != account.pw_uid:
+            os.chown(item, account.pw_uid, account.pw_gid)
+    os.chmod(folder, 0o700)
+    for parent in folder.resolve().parents:
+        mode = parent.stat().st_mode
+        if not mode & 0o001:
+            os.chmod(parent, (mode & 0o7777) | 0o001)
