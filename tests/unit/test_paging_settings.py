@@ -74,4 +74,9 @@ def test_invalid_settings_name_the_field(monkeypatch: pytest.MonkeyPatch, key: s
 def test_tls_is_on_only_with_all_three_files(tmp_path: Path) -> None:
     assert not Settings().tls.enabled
     files = {name: tmp_path / f"{name}.pem" for name in ("cert_file", "key_file", "ca_file")}
+    for path in files.values():
+        path.write_text("pem")
     assert Settings(tls=files).tls.enabled  # type: ignore[arg-type]
+    # Fewer than three is refused, not a plaintext mesh (tests/security/test_config.py has the rest).
+    with pytest.raises(ValueError, match="go together"):
+        Settings(tls={"cert_file": files["cert_file"]})  # type: ignore[arg-type]
