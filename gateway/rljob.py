@@ -21,7 +21,7 @@ from tandem.scheduler.v1 import job_spec_pb2 as js
 from tandem.taskapp.v1 import task_app_pb2
 from tandem.trainer.v1 import config_pb2
 
-from mesh.errors import FailedPrecondition, FieldViolation, InvalidArgument, R
+from mesh.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound, R
 from tandem_jobs.config import parse_job
 
 TASK_NAME = "trainer"
@@ -103,14 +103,11 @@ def task_app_of(config: config_pb2.TrainerConfig) -> str:
     return config.task_app.name
 
 
-def check_task_app(org: str, app: str, field: str) -> None:
-    """A config may name only its own organization's apps; another's reads like a missing one."""
+def check_task_app(org: str, app: str) -> None:
+    """A config may name only its own organization's apps; another's answers exactly as a missing one of
+    its own does (NOT_FOUND / TASK_APP_NOT_FOUND, the proxy's words), whether it exists or not."""
     if app and app.split("/")[1] != org:
-        raise InvalidArgument(
-            f"{app} not found",
-            reason=R.ERROR_REASON_TASK_APP_NOT_FOUND,
-            violations=[FieldViolation(field, f"{app} is not a Task App of orgs/{org}")],
-        )
+        raise NotFound(f"{app} not found", reason=R.ERROR_REASON_TASK_APP_NOT_FOUND)
 
 
 def refuse_failed_checks(app: str, field: str, checks: Sequence[task_app_pb2.CheckResult]) -> None:

@@ -454,7 +454,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
     ) -> Any:
         """The job group of an online-RL config, once the Task App it names passes its checks now."""
         app = rljob.task_app_of(config)
-        rljob.check_task_app(scope.org, app, f"{field}.task_app.name")
+        rljob.check_task_app(scope.org, app)
         if app:
             checked = await self._check_task_app(scope, app)
             rljob.refuse_failed_checks(app, f"{field}.task_app.name", checked.check_results)
@@ -481,7 +481,7 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             except InvalidArgument:
                 continue
             app = rljob.task_app_of(config)
-            rljob.check_task_app(scope.org, app, f"{field}.task_app.name")
+            rljob.check_task_app(scope.org, app)
             if app and app not in own:
                 checked = await self._check_task_app(scope, app)
                 rljob.refuse_failed_checks(app, f"{field}.task_app.name", checked.check_results)

@@ -17,7 +17,7 @@ from tandem.scheduler.v1 import job_spec_pb2
 from gateway.httpinput import read_body, whole_number
 from mesh.errors import InvalidArgument
 from mesh.status import RpcError
-from tests.gateway.test_dashboard import JOB, Board, step_event
+from tests.gateway.test_dashboard import JOB, ROOT, Board, step_event
 
 DEEP = b"[" * 200_000 + b"]" * 200_000
 
@@ -117,3 +117,14 @@ def online_rl_spec(toml: str) -> job_spec_pb2.JobSpec:
     task = job_spec_pb2.TaskSpec(name="train", kind=job_spec_pb2.TaskSpec.KIND_ONLINE_RL)
     task.online_rl.config_toml = toml
     return job_spec_pb2.JobSpec(tasks=[task])
+
+
+async def test_another_orgs_task_app_answers_as_an_absent_one(board: Board) -> None:
+    demo = (ROOT / "examples" / "jobs" / "demo.toml").read_text()
+    answers = []
+    for app in ("orgs/globex/taskApps/single-turn", "orgs/acme/taskApps/single-turn"):
+        toml = demo.replace('name = "orgs/demo/taskApps/single-turn"', f'name = "{app}"')
+        with pytest.raises(RpcError) as caught:
+            await board.acme.CreateJob(pb.CreateJobRequest(parent="orgs/acme", rl_config_toml=toml))
+        answers.append((caught.value.code, caught.value.reason, caught.value.message.replace(app, "APP")))
+    assert answers[0] == answers[1] and answers[0][:2] == (grpc.StatusCode.NOT_FOUND, "TASK_APP_NOT_FOUND")
