@@ -106,7 +106,17 @@ def test_two_ranks_train_on_the_gradient_of_the_whole_batch(
         for a, b in zip(alone.policy.parameters(), t.policy.parameters(), strict=True):
             assert a.grad is not None and b.grad is not None
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-8)
-        for name in ("loss", "policy_loss", "kl", "ratio_mean", "ratio_min", "ratio_max"):
+        names = (
+            "loss",
+            "policy_loss",
+            "kl",
+            "ratio_mean",
+            "ratio_min",
+            "ratio_max",
+            "mismatch_abs",
+            "mismatch_kl",
+        )
+        for name in names:
             assert math.isclose(
                 getattr(got.stats, name), getattr(want.stats, name), rel_tol=1e-5, abs_tol=1e-9
             )
