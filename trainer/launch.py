@@ -366,8 +366,8 @@ async def run_job(job: Job, output_dir: Path) -> list[StepReport]:
             m = report.metrics
             print(
                 f"step {report.step:5d}  reward {m.get('reward/mean', 0):.3f}  loss {m.get('loss', 0):+.4f}"
-                f"  kl {m.get('kl', 0):.4f}  mismatch |r-1| {m.get('mismatch/ratio_abs', 0):.4f}"
-                f" kl(mu|pi) {m.get('mismatch/kl', 0):.2e}  sync {m.get('weight_sync_s', 0) * 1000:.0f} ms"
+                f"  kl {m.get('kl', 0):.4f}  mismatch |r-1| {m.get('mismatch/ratio_abs', 0):.1e}"
+                f" kl(mu|pi) {m.get('mismatch/kl', 0):.1e}  sync {m.get('weight_sync_s', 0) * 1000:.0f} ms"
                 f"  {m.get('step_s', 0):.2f} s",
                 flush=True,
             )

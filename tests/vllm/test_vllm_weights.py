@@ -143,6 +143,7 @@ async def test_each_version_serves_what_a_fresh_vllm_serves_from_its_checkpoint(
         publisher.close()
 
 
+@pytest.mark.parametrize("pair", [True], ids=["tied"], indirect=True)  # the abort path does not depend on it
 async def test_a_trainer_killed_mid_broadcast_leaves_the_workers_inconsistent_until_the_next_update(
     pair: Pair, stubs: list[object], mesh_key: str, tmp_path: Path
 ) -> None:
