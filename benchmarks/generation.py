@@ -205,6 +205,8 @@ async def load_vllm(path: Path, eager: bool) -> tuple[Engine | None, float]:
     vLLM is not installed."""
     if importlib.util.find_spec("vllm") is None:
         return None, 0.0
+    # On a CPU vLLM otherwise claims most of the machine's memory for its KV cache; 1 GiB holds these requests.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from trainer.inference.vllm_engine import VllmEngine  # noqa: PLC0415 - the optional vLLM extras
 
     began = time.perf_counter()

@@ -55,6 +55,7 @@ from trainer.train import Environment, StepReport, Trainer, WorkerEndpoint
 log = logging.getLogger("tandem.launch")
 TASK_APP_WAIT_S = 120.0  # scheduled mode: how long an app of the job's organization may take to be registered
 TORCH_START_S = 90.0  # how long an inference worker may take to load its model and serve
+CPU_KV_CACHE_GIB = 2  # vLLM on a CPU, unless VLLM_CPU_KVCACHE_SPACE says otherwise
 VLLM_START_S = 600.0  # vLLM: its engine core, the model and (unless eager) a torch.compile on a cold cache
 
 
@@ -248,6 +249,9 @@ async def _start_workers(
             extra["TANDEM_WORKER_ENFORCE_EAGER"] = "true" if inference.enforce_eager else "false"
             if len(gpus) > 1:
                 extra["TANDEM_WORKER_TENSOR_PARALLEL_SIZE"] = str(len(gpus))
+            if not gpus and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+                # vLLM's CPU build otherwise takes most of the machine's memory for its KV cache (GiB).
+                extra["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KV_CACHE_GIB)
         folder = output_dir / f"worker-{index}"
         workers.append(
             await asyncio.to_thread(
