@@ -11,6 +11,12 @@ in between two generation steps. The torch engine never writes into the weights 
 swap, so a failed or aborted update leaves the previous version serving; the transfer group is unusable
 after a failed collective, so the state returns to UNINITIALIZED and the trainer re-forms the group. Every
 wait is bounded: the join and each bucket by `transfer_timeout_s`.
+
+An engine with a transfer engine of its own (`RemoteTransfer`: vLLM, over NCCL, IPC or Tandem's gloo engine)
+moves through the same states, but it loads in place, so an update that fails once started (the receive
+fails on its own, say the trainer died mid-broadcast; an abort; a failure in vLLM's engine core, raised as
+an `EngineError`) goes to INCONSISTENT instead: the worker stays paused and refuses to resume until a new
+group is joined (InitWeightTransfer keeps INCONSISTENT) and an update completes (FinishWeightUpdate: READY).
 """
 
 from __future__ import annotations
