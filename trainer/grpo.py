@@ -69,6 +69,10 @@ class LossStats:
     ratio_min: float
     ratio_max: float
     tokens: int
+    # The sampler/trainer mismatch over trained tokens, before the step: mean |r - 1|, and the k3 estimate of
+    # KL(mu || pi), r - 1 - log r, for the sampler's mu (whose samples these are) and the trainer's pi.
+    mismatch_abs: float = 0.0
+    mismatch_kl: float = 0.0
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -129,6 +133,8 @@ def policy_loss(
         was_clipped = ((adv > 0) & (ratio > 1.0 + clip_high)) | ((adv < 0) & (ratio < 1.0 - clip_low))
         count = int(trained.sum())
         picked = ratio[trained] if count else ratio.new_ones(1)
+        # In float64: for a close sampler the KL is about (r - 1)^2 / 2, below float32's resolution near 1.
+        log_ratio = (logprobs - sampler_logprobs)[trained].double() if count else ratio.new_zeros(1).double()
         stats = LossStats(
             loss=float(loss),
             policy_loss=float(aggregate(per_token, trained, aggregation)),
@@ -138,8 +144,16 @@ def policy_loss(
             ratio_min=float(picked.min()),
             ratio_max=float(picked.max()),
             tokens=count,
+            mismatch_abs=float((picked - 1.0).abs().mean()),
+            mismatch_kl=float(mismatch_kl(log_ratio).mean()),
         )
     return loss, stats
+
+
+def mismatch_kl(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(mu || pi) from tokens sampled by mu, with `log_ratio` = log pi - log mu:
+    r - 1 - log r for r = pi / mu. Non-negative, and unbiased for the KL under mu's samples."""
+    return torch.exp(log_ratio) - 1.0 - log_ratio
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

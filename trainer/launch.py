@@ -54,6 +54,9 @@ from trainer.train import Environment, StepReport, Trainer, WorkerEndpoint
 
 log = logging.getLogger("tandem.launch")
 TASK_APP_WAIT_S = 120.0  # scheduled mode: how long an app of the job's organization may take to be registered
+TORCH_START_S = 90.0  # how long an inference worker may take to load its model and serve
+CPU_KV_CACHE_GIB = 2  # vLLM on a CPU, unless VLLM_CPU_KVCACHE_SPACE says otherwise
+VLLM_START_S = 600.0  # vLLM: its engine core, the model and (unless eager) a torch.compile on a cold cache
 
 
 def _example_script(app: str) -> Path:
@@ -234,14 +237,31 @@ async def _start_workers(
 ) -> None:
     """The inference workers of the placement plan, one per replica (its GPUs), added to `workers` as each
     starts, so that the caller stops the ones started when a later one fails."""
+    inference = job.config.inference
+    vllm = inference.engine == "vllm"
     for index, gpus in enumerate(replicas):
         extra = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus else {}
         extra["TANDEM_WORKER_MODEL_PATH"] = job.config.model.dir
         if job.config.model.dtype:
             extra["TANDEM_WORKER_DTYPE"] = job.config.model.dtype
+        if vllm:
+            extra["TANDEM_WORKER_ENGINE"] = "vllm"
+            extra["TANDEM_WORKER_ENFORCE_EAGER"] = "true" if inference.enforce_eager else "false"
+            if len(gpus) > 1:
+                extra["TANDEM_WORKER_TENSOR_PARALLEL_SIZE"] = str(len(gpus))
+            if not gpus and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+                # vLLM's CPU build otherwise takes most of the machine's memory for its KV cache (GiB).
+                extra["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KV_CACHE_GIB)
         folder = output_dir / f"worker-{index}"
         workers.append(
-            await asyncio.to_thread(start_worker, Path(job.config.model.dir), folder, mesh_key, extra)
+            await asyncio.to_thread(
+                start_worker,
+                Path(job.config.model.dir),
+                folder,
+                mesh_key,
+                extra,
+                VLLM_START_S if vllm else TORCH_START_S,
+            )
         )
 
 
@@ -378,7 +398,8 @@ async def run_job(job: Job, output_dir: Path) -> list[StepReport]:
             m = report.metrics
             print(
                 f"step {report.step:5d}  reward {m.get('reward/mean', 0):.3f}  loss {m.get('loss', 0):+.4f}"
-                f"  kl {m.get('kl', 0):.4f}  sync {m.get('weight_sync_s', 0) * 1000:.0f} ms"
+                f"  kl {m.get('kl', 0):.4f}  mismatch |r-1| {m.get('mismatch/ratio_abs', 0):.1e}"
+                f" kl(mu|pi) {m.get('mismatch/kl', 0):.1e}  sync {m.get('weight_sync_s', 0) * 1000:.0f} ms"
                 f"  {m.get('step_s', 0):.2f} s",
                 flush=True,
             )

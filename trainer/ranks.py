@@ -157,7 +157,7 @@ class Update:
 
 
 _FIELDS = (
-    10  # per rank: flag, weighted loss and policy loss, then token-weighted kl, clip, ratio, entropy, ...
+    12  # per rank: flag, weighted loss and policy loss, then token-weighted kl, clip, ratio, entropy, ...
 )
 
 
@@ -176,6 +176,8 @@ def _local_vector(
         stats.ratio_max if trained else -math.inf,
         entropy * trained,
         float(trained),
+        stats.mismatch_abs * trained,
+        stats.mismatch_kl * trained,
     ]
 
 
@@ -197,6 +199,8 @@ def _combine(rows: Sequence[Sequence[float]]) -> Update:
         ratio_min=low if math.isfinite(low) else 1.0,
         ratio_max=high if math.isfinite(high) else 1.0,
         tokens=int(tokens),
+        mismatch_abs=mean(10),
+        mismatch_kl=mean(11),
     )
     return Update(not any(r[0] for r in rows), stats, mean(8), int(tokens))
 

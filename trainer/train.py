@@ -429,6 +429,8 @@ class Trainer:
                 "clip_fraction": stats.clip_fraction,
                 "ratio/mean": stats.ratio_mean,
                 "ratio/max": stats.ratio_max,
+                "mismatch/ratio_abs": stats.mismatch_abs,
+                "mismatch/kl": stats.mismatch_kl,
                 "lr": job.learning_rate(index),
                 "tokens": float(update.tokens),
                 "reward/std": float(torch.tensor([e.reward for g in kept for e in g]).std()),

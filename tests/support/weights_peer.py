@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -134,3 +135,62 @@ def sender_that_dies(world_size: int, rnd: Round, ports: Queue[int]) -> None:
     first = rnd.plan()[0]
     send_packed(group, make_tensors(rnd.manifest, rnd.seed)[: len(first.entries)], [first], timeout_s=5)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def publisher_that_dies(
+    addresses: Sequence[str], mesh_key: str, model_dir: str, version: int, bucket_size: int, sent: Queue[int]
+) -> None:
+    """The trainer's side of one update into real inference workers, by the contract's RPCs: form the group
+    (InitWeightTransfer), pause, BeginWeightUpdate, broadcast the first bucket only, report it on `sent` and
+    wait to be killed: a trainer that dies mid-broadcast."""
+    import asyncio  # noqa: PLC0415
+
+    asyncio.run(_first_bucket_only(addresses, mesh_key, model_dir, version, bucket_size))
+    sent.put(version)
+    time.sleep(3600)
+
+
+async def _first_bucket_only(
+    addresses: Sequence[str], mesh_key: str, model_dir: str, version: int, bucket_size: int
+) -> None:
+    import asyncio  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from safetensors.torch import load_file  # noqa: PLC0415
+    from tandem.inference.v1 import inference_service_pb2 as pb  # noqa: PLC0415
+    from tandem.inference.v1 import weights_pb2  # noqa: PLC0415
+
+    from tests.support.workers import stub_at  # noqa: PLC0415
+    from trainer.inference.weights import manifest_of  # noqa: PLC0415
+
+    named = [(n, t + 0.5) for n, t in load_file(str(Path(model_dir) / "model.safetensors")).items()]
+    opened = [stub_at(address, mesh_key) for address in addresses]
+    stubs: list[Any] = [stub for _, stub in opened]  # grpc.aio stubs, typed as the blocking ones
+    world = 1 + len(stubs)
+    listener = TransferGroup.listen(HOST, world, timeout_s=60)
+    joining = asyncio.ensure_future(asyncio.to_thread(listener.connect))
+    init = [
+        pb.InitWeightTransferRequest(
+            backend=weights_pb2.WEIGHT_TRANSFER_BACKEND_GLOO,
+            master_address=HOST,
+            master_port=listener.port,
+            world_size=world,
+            rank_offset=1 + index,
+        )
+        for index in range(len(stubs))
+    ]
+    await asyncio.gather(*(s.InitWeightTransfer(r, timeout=120) for s, r in zip(stubs, init, strict=True)))
+    group = await joining
+    pause = pb.PauseGenerationRequest(mode=weights_pb2.PAUSE_MODE_KEEP)
+    await asyncio.gather(*(s.PauseGeneration(pause, timeout=60) for s in stubs))
+    manifest = manifest_of(named)
+    begin = pb.BeginWeightUpdateRequest(
+        weight_version=version,
+        manifest=[weights_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=list(m.shape)) for m in manifest],
+        bucket_size_bytes=bucket_size,
+        packed=True,
+    )
+    await asyncio.gather(*(s.BeginWeightUpdate(begin, timeout=60) for s in stubs))
+    first = plan_buckets(manifest, bucket_size)[0]
+    tensors = [tensor for _, tensor in named[: len(first.entries)]]
+    await asyncio.to_thread(send_packed, group, tensors, [first], 60)

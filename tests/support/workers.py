@@ -15,7 +15,7 @@ from mesh.identity import TokenSigner
 from mesh.settings import Settings
 from trainer.inference.process import Worker, start_worker, stop_worker
 
-__all__ = ["Worker", "running_worker", "start_worker", "stop_worker", "worker_stub"]
+__all__ = ["Worker", "running_worker", "start_worker", "stop_worker", "stub_at", "worker_stub"]
 
 
 @contextmanager
@@ -33,9 +33,16 @@ def worker_stub(
     worker: Worker, mesh_key: str
 ) -> tuple[grpc.aio.Channel, inference_service_pb2_grpc.InferenceServiceStub]:
     """A channel carrying a service token signed by the shared mesh key, and the worker's stub on it."""
+    return stub_at(worker.grpc_address, mesh_key)
+
+
+def stub_at(
+    address: str, mesh_key: str
+) -> tuple[grpc.aio.Channel, inference_service_pb2_grpc.InferenceServiceStub]:
+    """`worker_stub` by the worker's gRPC address, for a process that holds only the address."""
     import nacl.signing  # noqa: PLC0415
 
     settings = Settings(mesh_key=mesh_key)
     signer = TokenSigner(nacl.signing.SigningKey(bytes.fromhex(mesh_key)))
-    channel = open_channel(worker.grpc_address, settings, signer=signer, subject="trainer")
+    channel = open_channel(address, settings, signer=signer, subject="trainer")
     return channel, inference_service_pb2_grpc.InferenceServiceStub(channel)

@@ -12,6 +12,7 @@ from trainer.grpo import (
     entropy,
     group_advantages,
     kl_k3,
+    mismatch_kl,
     policy_loss,
     staleness,
     staleness_counts,
@@ -58,6 +59,18 @@ def test_the_clipped_objective_by_hand() -> None:
     assert stats.clip_fraction == fp32(2 / 4)  # 1.5 clipped above (A>0), 0.5 clipped below (A<0)
     assert (stats.ratio_min, stats.ratio_max) == fp32((0.5, 1.5))
     assert stats.kl == 0.0 and stats.tokens == 4
+
+
+def test_the_sampler_trainer_mismatch_by_hand() -> None:
+    # Ratios pi/mu of the trained tokens: 1.5, 0.5 and 1.0; the last token is masked out (ratio 4).
+    logp = torch.log(torch.tensor([[1.5, 0.5], [1.0, 4.0]]))
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    _, stats = policy_loss(logp, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), mask)
+    assert stats.mismatch_abs == pytest.approx((0.5 + 0.5 + 0.0) / 3)
+    # r - 1 - log r per token: 0.5 - log 1.5, -0.5 - log 0.5, 0
+    assert stats.mismatch_kl == pytest.approx((0.5 - math.log(1.5) + (-0.5 - math.log(0.5))) / 3)
+    assert mismatch_kl(torch.zeros(3)).tolist() == [0.0, 0.0, 0.0]  # the same distribution: no mismatch
+    assert bool((mismatch_kl(torch.linspace(-3, 3, 13)) >= 0).all())
 
 
 def test_the_gradient_vanishes_where_the_ratio_is_clipped() -> None:

@@ -102,3 +102,12 @@ def test_rules_across_fields(tmp_path: Path) -> None:
         with pytest.raises(InvalidArgument) as info:
             load_job(write(tmp_path, text))
         assert field in [v.field for v in info.value.violations]
+
+
+def test_the_inference_engine_is_torch_unless_the_job_asks_for_vllm(tmp_path: Path) -> None:
+    assert Job(load_job(write(tmp_path, GOOD))).config.inference.engine == ""  # unset: the torch engine
+    vllm = Job(load_job(write(tmp_path, GOOD + '\n[inference]\nengine = "vllm"\nenforce_eager = true\n')))
+    assert vllm.config.inference.engine == "vllm" and vllm.config.inference.enforce_eager
+    with pytest.raises(InvalidArgument) as info:
+        load_job(write(tmp_path, GOOD + '\n[inference]\nengine = "tensorrt"\n'))
+    assert "inference.engine" in [v.field for v in info.value.violations]

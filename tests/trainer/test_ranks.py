@@ -144,7 +144,17 @@ def test_two_ranks_train_on_the_gradient_of_the_whole_batch(
         assert_close_at_scale([local(g) for g in gradients(t.policy)], want_grads, what="gradient")
         # The losses sum terms of the order of the advantages (1) that may cancel to about 0: their
         # reordering error is of the order of fp32's precision of 1, not of the (small) result.
-        for name in ("loss", "policy_loss", "kl", "ratio_mean", "ratio_min", "ratio_max"):
+        names = (
+            "loss",
+            "policy_loss",
+            "kl",
+            "ratio_mean",
+            "ratio_min",
+            "ratio_max",
+            "mismatch_abs",
+            "mismatch_kl",
+        )
+        for name in names:
             assert math.isclose(
                 getattr(got.stats, name), getattr(want.stats, name), rel_tol=1e-5, abs_tol=1e-6
             )

@@ -23,9 +23,19 @@ class WorkerSettings(BaseSettings):
     dtype: str = Field("", description="Served dtype (`bfloat16`, ...); empty: the checkpoint's.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="vLLM engine: GPUs per worker.")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="vLLM engine: share of GPU memory.")
-    transfer_backend: Literal["nccl", "ipc"] = Field(
-        "nccl",
-        description="vLLM engine: how weights arrive (`ipc` when the trainer shares the worker's GPUs).",
+    transfer_backend: Literal["auto", "nccl", "ipc", "gloo"] = Field(
+        "auto",
+        description="vLLM engine: how weights arrive; `auto` is `gloo` where vLLM runs on the CPU (Tandem's "
+        "packed broadcast through vLLM's weight-transfer API) and `nccl` on GPUs; `ipc` when the trainer "
+        "shares the worker's GPU.",
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="vLLM engine: run the model eagerly, without torch.compile or CUDA graphs: a faster "
+        "start (on 2 CPU cores about 12-23 s instead of 60 s with a cold compile cache), slower steps.",
+    )
+    max_model_len: int = Field(
+        0, ge=0, le=1 << 24, description="vLLM engine: the context length served; 0: the model's."
     )
     max_batch: int = Field(32, ge=1, le=4096, description="torch engine: most sequences per forward step.")
     http_host: str = Field("127.0.0.1", description="Interface of the OpenAI-compatible endpoint.")

@@ -173,15 +173,23 @@ class RemoteTransfer(Protocol):
     instead of staging buffers the worker fills. It loads in place: an update that fails after
     `start_update` leaves the weights matching no version until the next update completes."""
 
-    transfer_backends: tuple[str, ...]  # "nccl", "ipc"
+    transfer_backends: tuple[str, ...]  # "nccl", "ipc", "gloo"
 
     async def join_transfer(self, init_info: Mapping[str, Any]) -> None:
-        """Join the trainer's transfer group (NCCL: the rendezvous; IPC: nothing to join)."""
+        """Join the trainer's transfer group (NCCL, gloo: the rendezvous; IPC: nothing to join)."""
 
     async def start_update(self) -> None: ...
 
-    async def receive_update(self, manifest: Sequence[TensorMeta], ipc_handles: bytes = b"") -> None:
-        """Blocks until every tensor of `manifest` is loaded (NCCL: while the trainer broadcasts)."""
+    async def receive_update(
+        self,
+        manifest: Sequence[TensorMeta],
+        ipc_handles: bytes = b"",
+        *,
+        bucket_size: int = 0,
+        packed: bool = True,
+    ) -> None:
+        """Blocks until every tensor of `manifest` is loaded (NCCL, gloo: while the trainer broadcasts; gloo
+        plans its buckets from `bucket_size` and `packed` as the trainer does)."""
 
     async def finish_update(self, version: int) -> None: ...
 
@@ -210,4 +218,19 @@ class ManifestMismatch(EngineError):
 
 
 class ModelLoadError(EngineError):
-    """The model directory is missing, incomplete, or its tokenizer does not fit the model."""
+    """The model directory is missing, incomplete, or its tokenizer does not fit the model; or a setting the
+    engine needs is missing or refused (the message names the setting)."""
+
+
+class EngineFailure(EngineError):
+    """The engine itself failed while serving a call (vLLM: its engine-core process raised or died). `dead` is
+    True when it can serve nothing more: the worker must be restarted."""
+
+    def __init__(self, message: str, *, dead: bool = False) -> None:
+        super().__init__(message)
+        self.dead = dead
+
+
+class WeightTransferFailed(EngineFailure):
+    """A step of a weight update failed inside the engine (joining the group, receiving, loading). For an
+    engine that loads in place, the weights in service may then match no version."""

@@ -125,7 +125,7 @@ def _why(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-Backend = Literal["gloo", "nccl", "ipc"]
+Backend = Literal["auto", "gloo", "nccl", "ipc"]
 _BACKEND_NUMBERS = {
     "gloo": weights_pb2.WEIGHT_TRANSFER_BACKEND_GLOO,
     "nccl": weights_pb2.WEIGHT_TRANSFER_BACKEND_NCCL,
@@ -250,6 +250,21 @@ class _Ipc(_Transport):  # needs a GPU and the gpu extra: tests/gpu
 _TRANSPORTS: dict[str, type[_Transport]] = {"gloo": _Gloo, "nccl": _Nccl, "ipc": _Ipc}
 
 
+def _common_backend(offered: Sequence[Sequence[weights_pb2.WeightTransferBackend.ValueType]]) -> Backend:
+    """The first backend, in the order gloo, nccl, ipc, that every worker offers; WeightSyncError if none."""
+    for name in ("gloo", "nccl", "ipc"):
+        if all(_BACKEND_NUMBERS[name] in backends for backends in offered):
+            return name
+    raise WeightSyncError(
+        "GetWorkerInfo",
+        {
+            index: "no transfer backend in common with the other workers; this one offers "
+            + ", ".join(weights_pb2.WeightTransferBackend.Name(b) for b in backends)
+            for index, backends in enumerate(offered)
+        },
+    )
+
+
 class WeightPublisher:
     def __init__(
         self,
@@ -265,9 +280,10 @@ class WeightPublisher:
         gather: Gather = local_groups,
     ) -> None:
         """`workers`: an `InferenceServiceStub` per worker; `events`: an `EventServiceStub` for the job's
-        `weights.updated` events (with `job`), or None; `backend`: `gloo` (CPU, torch engine workers),
-        `nccl` (GPU workers on other GPUs, through vLLM) or `ipc` (vLLM workers on the trainer's GPU);
-        `gather`: how a bucket's tensors are made whole (the trainer ranks' `gathered` under FSDP)."""
+        `weights.updated` events (with `job`), or None; `backend`: `gloo` (CPU workers, torch or vLLM),
+        `nccl` (GPU workers on other GPUs, through vLLM), `ipc` (vLLM workers on the trainer's GPU) or `auto`:
+        the first of those every worker offers (GetWorkerInfo), chosen at the first `connect`; `gather`: how
+        a bucket's tensors are made whole (the trainer ranks' `gathered` under FSDP)."""
         self.workers = list(workers)
         self.host = host
         self.bucket_size = bucket_size_bytes
@@ -301,6 +317,8 @@ class WeightPublisher:
         sizes = [max(i.worker_info.tensor_parallel_size, 1) for i in infos]
         offsets = [1 + sum(sizes[:index]) for index in range(len(sizes))]
         world = 1 + sum(sizes)
+        if self.backend == "auto":
+            self.backend = _common_backend([list(i.worker_info.weight_transfer_backends) for i in infos])
         transport = _TRANSPORTS[self.backend](self.host, world, self.transfer_timeout_s)
         port = await asyncio.to_thread(transport.listen)
         requests = [

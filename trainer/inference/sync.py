@@ -11,6 +11,12 @@ in between two generation steps. The torch engine never writes into the weights 
 swap, so a failed or aborted update leaves the previous version serving; the transfer group is unusable
 after a failed collective, so the state returns to UNINITIALIZED and the trainer re-forms the group. Every
 wait is bounded: the join and each bucket by `transfer_timeout_s`.
+
+An engine with a transfer engine of its own (`RemoteTransfer`: vLLM, over NCCL, IPC or Tandem's gloo engine)
+moves through the same states, but it loads in place, so an update that fails once started (the receive
+fails on its own, say the trainer died mid-broadcast; an abort; a failure in vLLM's engine core, raised as
+an `EngineError`) goes to INCONSISTENT instead: the worker stays paused and refuses to resume until a new
+group is joined (InitWeightTransfer keeps INCONSISTENT) and an update completes (FinishWeightUpdate: READY).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any
 import torch
 
 from mesh.errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, R
-from trainer.inference.engine import Engine, ManifestMismatch, RemoteTransfer, TensorMeta
+from trainer.inference.engine import Engine, EngineError, ManifestMismatch, RemoteTransfer, TensorMeta
 from trainer.inference.weights import (
     Bucket,
     TransferError,
@@ -110,7 +116,7 @@ class WeightSync:
                     f"version {self.pending_version} is being received; abort or finish it first",
                     reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT,
                 )
-            if params.backend != "gloo":
+            if isinstance(self.engine, RemoteTransfer):  # vLLM: its own transfer engine, gloo included
                 return await self._init_remote(params)
             if self.params == params and self._group is not None:
                 return [params.rank]
@@ -141,17 +147,22 @@ class WeightSync:
         if not isinstance(engine, RemoteTransfer) or params.backend not in engine.transfer_backends:
             raise InvalidArgument(f"this worker's engine does not support the {params.backend} backend")
         ranks = [params.rank + i for i in range(engine.info.tensor_parallel_size)]
-        init_info: dict[str, Any] = {"packed": True}
-        if params.backend == "nccl":
+        init_info: dict[str, Any] = {}
+        if params.backend in ("nccl", "gloo"):
             init_info.update(
                 master_address=params.host,
                 master_port=params.port,
                 rank_offset=params.rank,
                 world_size=params.world_size,
             )
+        if params.backend == "nccl":
+            init_info["packed"] = True
+        if params.backend == "gloo":
+            init_info["timeout_s"] = params.timeout_s
         try:
-            await asyncio.wait_for(engine.join_transfer(init_info), timeout=params.timeout_s)
-        except (TimeoutError, RuntimeError, OSError, ValueError) as exc:
+            # vLLM's engine core bounds the gloo join by timeout_s itself; the wait here is a backstop.
+            await asyncio.wait_for(engine.join_transfer(init_info), timeout=params.timeout_s + 10)
+        except (TimeoutError, EngineError, RuntimeError, OSError, ValueError) as exc:
             self.state = TransferState.UNINITIALIZED
             raise Aborted(
                 f"joining the {params.backend} weight transfer failed: {exc or 'timed out'}",
@@ -203,7 +214,7 @@ class WeightSync:
                 )
             began = time.perf_counter()
             if self._remote:
-                return await self._begin_remote(version, manifest, ipc_handles, began)
+                return await self._begin_remote(version, manifest, bucket_size, packed, ipc_handles, began)
             try:
                 staged = self.engine.stage_update(manifest)
             except ManifestMismatch as exc:
@@ -239,7 +250,13 @@ class WeightSync:
             return update
 
     async def _begin_remote(
-        self, version: int, manifest: Sequence[TensorMeta], ipc_handles: bytes, began: float
+        self,
+        version: int,
+        manifest: Sequence[TensorMeta],
+        bucket_size: int,
+        packed: bool,
+        ipc_handles: bytes,
+        began: float,
     ) -> _Update:
         engine = self.engine
         assert isinstance(engine, RemoteTransfer)
@@ -250,10 +267,15 @@ class WeightSync:
                 reason=R.ERROR_REASON_WEIGHT_MANIFEST_MISMATCH,
                 violations=[FieldViolation("manifest", problem) for problem in problems],
             )
-        await engine.start_update()
+        try:
+            await engine.start_update()
+        except EngineError as exc:  # nothing was loaded yet: the version in service is intact
+            raise Aborted(
+                f"starting version {version} failed: {exc}", reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED
+            ) from None
         update = _Update(
             version,
-            plan_per_tensor(manifest),
+            plan_buckets(manifest, bucket_size) if packed else plan_per_tensor(manifest),
             {},
             threading.Event(),
             asyncio.get_running_loop().create_future(),
@@ -263,10 +285,11 @@ class WeightSync:
 
         async def receive() -> None:
             start = time.perf_counter()
-            await engine.receive_update(manifest, ipc_handles)
+            await engine.receive_update(manifest, ipc_handles, bucket_size=bucket_size, packed=packed)
             update.received_at.extend([start, time.perf_counter()])
 
         update.receive = asyncio.ensure_future(receive())
+        update.receive.add_done_callback(lambda done: self._received_remote(update, done))
         self._update = update
         self.state = TransferState.UPDATING
         return update
@@ -281,6 +304,8 @@ class WeightSync:
                 if version == self.engine.weight_version and self.last_timings is not None:
                     return self.last_timings
                 if self._last_failure is not None and self._last_failure[0] == version:
+                    if self.state is TransferState.INCONSISTENT:
+                        raise self._inconsistent(version, self._last_failure[1])
                     raise Aborted(
                         f"receiving version {version} failed: {self._last_failure[1]}; "
                         "the previous version stays in service",
@@ -297,12 +322,10 @@ class WeightSync:
                 raise Aborted(
                     f"version {version} is still being received", reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED
                 ) from None
-            except (TransferError, RuntimeError, ValueError) as exc:
+            except (TransferError, EngineError, RuntimeError, ValueError) as exc:
                 if self._remote:  # vLLM loads in place: some tensors may already be the new ones
-                    self._update = None
-                    self.state = TransferState.INCONSISTENT
-                else:
-                    self._fail_update(update)
+                    raise self._inconsistent(version, f"receiving version {version} failed: {exc}") from None
+                self._fail_update(update)
                 raise Aborted(
                     f"receiving version {version} failed: {exc}; the previous version stays in service",
                     reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED,
@@ -310,7 +333,10 @@ class WeightSync:
             load_start = time.perf_counter()
             if self._remote:
                 assert isinstance(self.engine, RemoteTransfer)
-                await self.engine.finish_update(version)
+                try:
+                    await self.engine.finish_update(version)
+                except EngineError as exc:
+                    raise self._inconsistent(version, f"loading version {version} failed: {exc}") from None
             else:
                 await self.engine.commit_update(version)
             done = time.perf_counter()
@@ -359,6 +385,27 @@ class WeightSync:
             self.engine.discard_update()
             self._update = None
             self.state = TransferState.READY if self._group is not None else TransferState.UNINITIALIZED
+
+    def _inconsistent(self, version: int, why: str) -> Aborted:
+        """An engine that loads in place failed part-way: what it holds matches no version. Its transfer
+        engine dropped the group (a failed collective breaks it), so the next update re-forms it. Returns
+        the error for the caller to raise."""
+        log.warning("weight update v%d failed in the engine; the worker is INCONSISTENT: %s", version, why)
+        self._last_failure = (version, why)
+        self._update = None
+        self.params = None
+        self.state = TransferState.INCONSISTENT
+        return Aborted(
+            f"{why}; the weights in service match no version (INCONSISTENT) until an update completes",
+            reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED,
+        )
+
+    def _received_remote(self, update: _Update, done: asyncio.Future[None]) -> None:
+        """A receive inside the engine that failed on its own (the trainer died or stalled past the
+        timeout) leaves the worker INCONSISTENT at once, whether or not a FinishWeightUpdate comes."""
+        if done.cancelled() or done.exception() is None or self._update is not update:
+            return
+        self._inconsistent(update.version, f"receiving version {update.version} failed: {done.exception()}")
 
     def _received(self, update: _Update, done: asyncio.Future[None]) -> None:
         """A receive that failed on its own (the trainer died or stalled past the timeout) ends the update

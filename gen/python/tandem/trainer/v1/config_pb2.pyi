@@ -153,6 +153,7 @@ class TrainerConfig(_message.Message):
     CHECKPOINT_INTERVAL_FIELD_NUMBER: _builtins.int
     EVAL_INTERVAL_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    INFERENCE_FIELD_NUMBER: _builtins.int
     checkpoint_interval: _builtins.int
     """Optional. Save a checkpoint every this many steps, 0 to 1000000; 0 means only at the end."""
     eval_interval: _builtins.int
@@ -191,6 +192,10 @@ class TrainerConfig(_message.Message):
     def topology(self) -> Global___TopologyConfig:
         """Optional. `[topology]`: GPUs and their split; unset means one CPU process of each kind."""
 
+    @_builtins.property
+    def inference(self) -> Global___InferenceConfig:
+        """Optional. `[inference]`: the engine the job's inference workers run; unset means the torch engine."""
+
     def __init__(
         self,
         *,
@@ -204,14 +209,45 @@ class TrainerConfig(_message.Message):
         checkpoint_interval: _builtins.int = ...,
         eval_interval: _builtins.int = ...,
         seed: _builtins.int = ...,
+        inference: Global___InferenceConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "data", b"data", "model", b"model", "optimizer", b"optimizer", "sampling", b"sampling", "task_app", b"task_app", "topology", b"topology"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "data", b"data", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "sampling", b"sampling", "task_app", b"task_app", "topology", b"topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "checkpoint_interval", b"checkpoint_interval", "data", b"data", "eval_interval", b"eval_interval", "model", b"model", "optimizer", b"optimizer", "sampling", b"sampling", "seed", b"seed", "task_app", b"task_app", "topology", b"topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "checkpoint_interval", b"checkpoint_interval", "data", b"data", "eval_interval", b"eval_interval", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "sampling", b"sampling", "seed", b"seed", "task_app", b"task_app", "topology", b"topology"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TrainerConfig: _TypeAlias = TrainerConfig  # noqa: Y015
+
+@_typing.final
+class InferenceConfig(_message.Message):
+    """InferenceConfig chooses the inference workers' generation engine."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    ENFORCE_EAGER_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """Optional. `torch` (transformers, on the CPU or one GPU) or `vllm` (vLLM: its CUDA build on GPUs, its
+    CPU build on a CPU, each an extra of its own); unset means `torch`.
+    """
+    enforce_eager: _builtins.bool
+    """Optional. vLLM only: run the model eagerly, without torch.compile or CUDA graphs, for a faster start
+    and slower steps; unset means false.
+    """
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        enforce_eager: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enforce_eager", b"enforce_eager", "engine", b"engine"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InferenceConfig: _TypeAlias = InferenceConfig  # noqa: Y015
 
 @_typing.final
 class ModelConfig(_message.Message):
