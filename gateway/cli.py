@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,36 @@ def _cmd_status(args: argparse.Namespace) -> int:
         for service, state in result.items():
             print(f"{service:<14} {settings.target(service):<22} {state}")
     return 0 if all(v == "SERVING" for v in result.values()) else 1
+
+
+def _cmd_rotate_mesh_key(args: argparse.Namespace) -> int:
+    from mesh.identity import rotate_signing_key  # noqa: PLC0415
+
+    settings = _settings(args)
+    if settings.mesh_key:
+        raise CliError(
+            "the mesh key is given in TANDEM_MESH_KEY", "replace it there; this rotates state_dir/mesh.key"
+        )
+    retired = rotate_signing_key(settings.state_dir, args.overlap_s)
+    until = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(retired.until))
+    print(f"new signing key in {settings.state_dir / 'mesh.key'}; the old one verifies until {until}")
+    print("restart the services one at a time (or `tandem up` once) to sign with the new key before then")
+    return 0
+
+
+def _cmd_rewrap_vault(args: argparse.Namespace) -> int:
+    from services.vault.config import VaultSettings  # noqa: PLC0415
+    from services.vault.rekey import rewrap  # noqa: PLC0415
+
+    try:
+        done = asyncio.run(rewrap(_settings(args), VaultSettings()))
+    except ValueError as error:
+        raise CliError(str(error), "") from None
+    print(
+        f"re-wrapped {done.org_keys} organization keys and {done.versions} secret versions under a new"
+        f" master key in {done.key_file}; start the vault again"
+    )
+    return 0
 
 
 def _cmd_taskapp_tool(args: argparse.Namespace) -> int:
@@ -615,6 +646,41 @@ def _sub(
     return parser
 
 
+def _add_keys(sub: Any) -> None:
+    p = _sub(
+        sub,
+        "keys",
+        "rotate the mesh's signing key or re-wrap the vault's master key (on the mesh's own machine)",
+        "  tandem keys rotate-mesh-key\n  tandem keys rewrap-vault",
+        [],
+    )
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    q = _sub(
+        actions,
+        "rotate-mesh-key",
+        "make a new mesh signing key; tokens of the old one verify until the overlap ends",
+        "  tandem keys rotate-mesh-key --overlap-s 7200",
+        [],
+    )
+    q.add_argument("--state-dir", help="state folder of the mesh (default .tandem)")
+    q.add_argument(
+        "--overlap-s",
+        type=float,
+        default=5400.0,
+        help="how long the old key still verifies (default 5400 s, past a job token's hour)",
+    )
+    q.set_defaults(func=_cmd_rotate_mesh_key)
+    q = _sub(
+        actions,
+        "rewrap-vault",
+        "re-wrap every organization key under a new vault master key, with the vault stopped",
+        "  tandem keys rewrap-vault --state-dir .tandem",
+        [],
+    )
+    q.add_argument("--state-dir", help="state folder of the mesh (default .tandem)")
+    q.set_defaults(func=_cmd_rewrap_vault)
+
+
 def _add_orgs(sub: Any, gw: argparse.ArgumentParser) -> None:
     p = _sub(
         sub,
@@ -910,6 +976,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_demo)
 
+    _add_keys(sub)
     _add_orgs(sub, gw)
     _add_secrets(sub, gw)
     _add_taskapp(sub, gw)

@@ -4,6 +4,12 @@ Services sign a short-lived token for every call they make to another service; t
 tokens for the processes it launches (the vault accepts those for runtime secret injection). A token is
 `tdm1.<claims>.<signature>`: base64url JSON claims and an Ed25519 signature (PyNaCl) over them. Verifying
 needs only the public key, so a deployment may hand the signing seed to the issuers alone.
+
+**Rotation** (`rotate_signing_key`, `tandem keys rotate-mesh-key`): a new seed replaces `mesh.key`, and the
+old key's public half goes to `mesh.key.retired` with a cutoff. Verifiers accept a token signed by a retired
+key until its cutoff (and never past it, whatever the token's own expiry says), so services restarted one at
+a time onto the new key keep accepting every token issued before: no call fails during the rotation. The
+cutoff defaults to an hour and a half, past the longest token life (job tokens: an hour).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import os
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -85,6 +92,62 @@ class TokenSigner:
         return f"{PREFIX}.{body}.{_b64(signature)}"
 
 
+RETIRED_FILE = "mesh.key.retired"  # JSON lines: {"verify_key": hex, "until": unix seconds}
+ROTATION_OVERLAP_S = 5400.0
+
+
+@dataclass(frozen=True)
+class RetiredKey:
+    """A signing key that was rotated out: tokens it signed verify until `until`."""
+
+    verify_key: nacl.signing.VerifyKey
+    until: float
+
+
+def load_retired_keys(state_dir: Path, now: float | None = None) -> list[RetiredKey]:
+    """The retired keys of `state_dir` whose cutoff has not passed."""
+    path = state_dir / RETIRED_FILE
+    if not path.exists():
+        return []
+    current = time.time() if now is None else now
+    keys = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            entry = json.loads(line)
+            if float(entry["until"]) > current:
+                keys.append(
+                    RetiredKey(
+                        nacl.signing.VerifyKey(bytes.fromhex(entry["verify_key"])), float(entry["until"])
+                    )
+                )
+    return keys
+
+
+def rotate_signing_key(state_dir: Path, overlap_s: float = ROTATION_OVERLAP_S) -> RetiredKey:
+    """A new `mesh.key`; the old key's public half retired until now + `overlap_s` (expired entries are
+    dropped). The new seed is written beside and renamed into place, so a reader sees the old or the new."""
+    old = load_signing_key("", state_dir)
+    retired = RetiredKey(old.verify_key, time.time() + overlap_s)
+    kept = [k for k in load_retired_keys(state_dir) if bytes(k.verify_key) != bytes(old.verify_key)]
+    lines = [
+        json.dumps({"verify_key": bytes(k.verify_key).hex(), "until": k.until}) for k in [*kept, retired]
+    ]
+    _write_private(state_dir / RETIRED_FILE, "\n".join(lines) + "\n")
+    _write_private(state_dir / "mesh.key", secrets.token_bytes(32).hex())
+    return retired
+
+
+def _write_private(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(partial, path)
+
+
 class TokenVerifier:
     """Checks a token's signature and expiry and returns its principal.
 
@@ -92,8 +155,14 @@ class TokenVerifier:
     signature checked out is remembered (bounded, least recently used first out) and only its expiry is
     checked again: a signature check costs far more than the rest of a small request's authentication."""
 
-    def __init__(self, verify_key: nacl.signing.VerifyKey, cache_size: int = VERIFIED_CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        verify_key: nacl.signing.VerifyKey,
+        cache_size: int = VERIFIED_CACHE_SIZE,
+        retired: Sequence[RetiredKey] = (),
+    ) -> None:
         self._key = verify_key
+        self._retired = list(retired)
         self._cache_size = cache_size
         self._verified: OrderedDict[str, Principal] = OrderedDict()
 
@@ -113,16 +182,27 @@ class TokenVerifier:
             raise Unauthenticated("credentials have expired", reason=R.ERROR_REASON_CREDENTIALS_EXPIRED)
         return principal
 
+    def _signed_until(self, message: bytes, signature: str) -> float | None:
+        """Until when the key that signed `message` is trusted (the current key: forever); None: no key did."""
+        if _signed(self._key, message, signature):
+            return float("inf")
+        for retired in self._retired:
+            if retired.until > time.time() and _signed(retired.verify_key, message, signature):
+                return retired.until
+        return None
+
     def _check_signature(self, token: str) -> Principal:
         parts = token.split(".")
         if len(parts) != 3 or parts[0] != PREFIX:
             raise Unauthenticated(
                 "credentials are not a Tandem token", reason=R.ERROR_REASON_INVALID_CREDENTIALS
             )
+        cutoff = self._signed_until(f"{parts[0]}.{parts[1]}".encode(), parts[2])
         try:
-            self._key.verify(f"{parts[0]}.{parts[1]}".encode(), _unb64(parts[2]))
             claims = json.loads(_unb64(parts[1]))
-        except (nacl.exceptions.BadSignatureError, ValueError, TypeError):
+        except (ValueError, TypeError):
+            claims = None
+        if cutoff is None or claims is None:
             raise Unauthenticated(
                 "credentials failed verification", reason=R.ERROR_REASON_INVALID_CREDENTIALS
             ) from None
@@ -131,7 +211,7 @@ class TokenVerifier:
                 "credentials carry no known kind", reason=R.ERROR_REASON_INVALID_CREDENTIALS
             )
         try:
-            expires_at = float(claims.get("exp", 0))
+            expires_at = min(float(claims.get("exp", 0)), cutoff)  # a retired key's tokens end at its cutoff
         except (TypeError, ValueError):
             raise Unauthenticated(
                 "credentials carry no valid expiry", reason=R.ERROR_REASON_INVALID_CREDENTIALS
@@ -144,6 +224,14 @@ class TokenVerifier:
             expires_at=expires_at,
             claims=claims,
         )
+
+
+def _signed(key: nacl.signing.VerifyKey, message: bytes, signature: str) -> bool:
+    try:
+        key.verify(message, _unb64(signature))
+    except (nacl.exceptions.BadSignatureError, ValueError, TypeError):
+        return False
+    return True
 
 
 def load_signing_key(seed_hex: str, state_dir: Path) -> nacl.signing.SigningKey:

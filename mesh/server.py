@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from mesh.clients import ClientFactory
-from mesh.identity import TokenSigner, TokenVerifier, load_signing_key
+from mesh.identity import TokenSigner, TokenVerifier, load_retired_keys, load_signing_key
 from mesh.interceptors import AuthInterceptor, server_interceptors
 from mesh.jobtokens import JobLiveness, scheduler_lookup
 from mesh.observability import configure_logging, configure_tracing, flush_tracing
@@ -117,8 +117,10 @@ def _server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
 async def start_service(
     service: str, settings: Settings, setup: Setup | None = None, colocated: Sequence[str] = ()
 ) -> RunningService:
-    signer = TokenSigner(load_signing_key(settings.mesh_key, settings.state_dir))
-    verifier = signer.verifier
+    key = load_signing_key(settings.mesh_key, settings.state_dir)
+    signer = TokenSigner(key)
+    # Tokens of a key rotated out still verify until its cutoff (mesh/identity.py: rotation).
+    verifier = TokenVerifier(key.verify_key, retired=load_retired_keys(settings.state_dir))
     public: set[str] = set()
     interceptors, auth = server_interceptors(service, verifier, public, settings.max_message_bytes)
     server = grpc.aio.server(interceptors=interceptors, options=server_options(settings))

@@ -22,6 +22,7 @@ from mesh.identity import Principal, TokenVerifier
 from mesh.interceptors import current_principal
 from mesh.jobtokens import JobLiveness
 from mesh.server import Deps, Registration
+from mesh.settings import SettingsError
 from mesh.store import open_database
 from mesh.timestamps import stamp as _stamp
 from services.vault import crypto
@@ -340,6 +341,11 @@ class VaultServiceServicer(vault_service_pb2_grpc.VaultServiceServicer):
 
 async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     config = VaultSettings()
+    key_file = config.master_key_file or deps.settings.state_dir / "vault-master.key"
+    if not config.master_key and (key_file.with_name(key_file.name + ".new")).exists():
+        raise SettingsError(
+            f"a master key rewrap of {key_file} did not finish: run `tandem keys rewrap-vault` again"
+        )
     master = crypto.load_master_key(config.master_key, config.master_key_file, deps.settings.state_dir)
     db = await open_database(deps.settings.store_url_for("vault"), "vault", MIGRATIONS)
     vault = Vault(db, master, config.max_value_bytes)
