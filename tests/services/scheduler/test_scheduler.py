@@ -558,6 +558,8 @@ async def test_job_token_refresh_and_secrets_opened_in_the_task(
         "task": "main",
         "attempt": 0,
         "secrets": ["orgs/acme/secrets/env-key"],
+        "task_apps": [],  # a command task plays no Task App
+        "revocable": True,  # mesh/jobtokens.py: revoked when the attempt ends
     }
     refreshed = await acme.scheduler.RefreshJobToken(pb.RefreshJobTokenRequest(job_token=token))
     assert verifier.verify(refreshed.job_token).claims["ext"] == claims["ext"]
