@@ -5,6 +5,8 @@ must refuse with an error naming the setting (never a hang)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -257,3 +259,33 @@ def test_the_gloo_transfer_without_tandems_vllm_plugin_is_named(
     # vLLM's own allowlist of plugins, leaving Tandem's out: its engine core would not know the backend.
     log = refusal(model_dir, tmp_path / "w", mesh_key, VLLM_PLUGINS="lora_filesystem_resolver")
     assert "TANDEM_WORKER_TRANSFER_BACKEND" in log and "tandem_gloo_weight_transfer" in log
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (vLLM's engine core and its worker, for a vLLM worker), from /proc."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        for child in map(int, children):
+            found += [child, *descendants(child)]
+    return found
+
+
+async def test_a_dead_engine_core_is_a_typed_error_not_a_hang(
+    model_dir: Path, mesh_key: str, tmp_path: Path
+) -> None:
+    started = start_worker(model_dir, tmp_path / "w", mesh_key, VLLM_CPU, timeout_s=START_S)
+    channel, stub = worker_stub(started, mesh_key)
+    try:
+        assert await greedy(stub, list(range(5, 25)), max_tokens=2)
+        below = descendants(started.proc.pid)
+        assert below  # vLLM runs its engine core in processes of its own
+        for pid in below:  # the test's own worker's children, by id
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RpcError) as failed:
+            await asyncio.wait_for(greedy(stub, list(range(5, 25)), max_tokens=2), 120)
+        assert failed.value.code.name == "UNAVAILABLE" and failed.value.reason == "DEPENDENCY_UNAVAILABLE"
+        assert "engine" in failed.value.message
+    finally:
+        await channel.close()
+        stop_worker(started)

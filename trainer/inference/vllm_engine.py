@@ -29,6 +29,7 @@ vLLM's own RL API:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -270,6 +271,7 @@ class VllmEngine(Engine):
     async def _stream(self, prompt: list[int], sampling: Sampling) -> AsyncIterator[TokenChunk | Finished]:
         from vllm import SamplingParams, TokensPrompt  # noqa: PLC0415
         from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
+        from vllm.v1.engine.exceptions import EngineDeadError  # noqa: PLC0415
 
         room = self.info.max_context_tokens - len(prompt)
         params = SamplingParams(
@@ -310,9 +312,16 @@ class VllmEngine(Engine):
                     yield Finished(reason, len(prompt), produced, first_version, last_version)
                     return
             yield Finished("abort", len(prompt), produced, first_version, last_version)
+        except EngineDeadError as exc:
+            raise EngineFailure(f"generating: vLLM's engine core died: {exc}", dead=True) from None
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # vLLM's engine core raised for this request
+            raise EngineFailure(f"generating: {type(exc).__name__}: {exc}") from None
         finally:
             self._in_flight.discard(request_id)
-            await stream.aclose()  # a caller that stops listening aborts the request in vLLM
+            with contextlib.suppress(Exception):  # a dead engine core fails the abort too
+                await stream.aclose()  # a caller that stops listening aborts the request in vLLM
 
     # ---- pause --------------------------------------------------------------------------------
 

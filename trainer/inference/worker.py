@@ -46,6 +46,7 @@ from mesh.settings import Settings
 from trainer.inference.config import WorkerSettings
 from trainer.inference.engine import (
     Engine,
+    EngineFailure,
     Finished,
     ModelLoadError,
     PauseMode,
@@ -240,6 +241,8 @@ class InferenceWorker:
                 yield item
         except PromptTooLong as exc:
             raise InvalidArgument(str(exc), reason=R.ERROR_REASON_CONTEXT_LENGTH_EXCEEDED) from None
+        except EngineFailure as exc:
+            raise engine_unavailable(exc) from None
         finally:
             if handle is not None and not recorded:
                 # Cancelled by the caller (or failed): keep what was sampled, as an aborted turn.
@@ -254,7 +257,10 @@ class InferenceWorker:
     async def pause(self, mode: PauseMode) -> tuple[int, int]:
         self._resumed.clear()
         self._pause_mode = mode
-        return await self.engine.pause(mode)
+        try:
+            return await self.engine.pause(mode)
+        except EngineFailure as exc:
+            raise engine_unavailable(exc) from None
 
     async def resume(self) -> int:
         if self.sync.state in (TransferState.UPDATING, TransferState.INCONSISTENT):
@@ -262,7 +268,10 @@ class InferenceWorker:
                 "a weight update is in progress; finish or abort it before resuming",
                 reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT,
             )
-        await self.engine.resume()
+        try:
+            await self.engine.resume()
+        except EngineFailure as exc:
+            raise engine_unavailable(exc) from None
         self._pause_mode = None
         self._resumed.set()
         return self.engine.weight_version
@@ -309,6 +318,15 @@ class InferenceWorker:
             incarnation=self.incarnation,
             start_time=_timestamp(self.start_time),
         )
+
+
+def engine_unavailable(failure: EngineFailure) -> Unavailable:
+    """The error a caller gets when the engine itself failed its call (vLLM's engine core raised or died)."""
+    log.error("the engine failed: %s", failure)
+    dead = "; this worker serves nothing more and must be restarted" if failure.dead else ""
+    return Unavailable(
+        f"the inference engine failed: {failure}{dead}", reason=R.ERROR_REASON_DEPENDENCY_UNAVAILABLE
+    )
 
 
 def timings_proto(timings: Timings) -> weights_pb2.WeightUpdateTimings:
