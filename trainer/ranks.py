@@ -63,6 +63,7 @@ from trainer.config import Job
 from trainer.grpo import Aggregation, LossStats, finite
 from trainer.inference.process import ROOT, die_with_parent, stop_process
 from trainer.inference.weights import checksum_digest, tensor_checksum
+from trainer.scoring import load_policy, load_reference
 
 log = logging.getLogger("tandem.ranks")
 HOST = "127.0.0.1"
@@ -95,6 +96,8 @@ def shard_batch(tokens: Sequence[int], world_size: int, aggregation: Aggregation
         shares = [float(t) for t in tokens]
     elif aggregation == "sequence_mean":
         shares = [1.0 if t > 0 else 0.0 for t in tokens]  # grpo.aggregate skips untrained sequences
+    elif aggregation == "constant":
+        shares = [1.0 for _ in tokens]  # grpo.aggregate divides by every completion of the batch
     else:
         raise ValueError(f"unknown aggregation {aggregation!r}")
     total = sum(shares)
@@ -513,12 +516,10 @@ def main() -> int:
     job = Job(config_pb2.TrainerConfig.FromString(base64.b64decode(os.environ["TANDEM_RANK_JOB"])))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    policy = train._load_model(Path(job.config.model.dir), device)
+    policy = load_policy(Path(job.config.model.dir), device, job)
     reference = None
     if job.config.algorithm.kl_coef > 0:
-        reference = train._load_model(Path(job.config.model.dir), device)
-        reference.train(False)
-        reference.requires_grad_(False)
+        reference = load_reference(Path(job.config.model.dir), device, job)
     store = TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=timeout_s))
     store.set(f"ready/{rank}", "1")
     _init_group(store, rank, world, device, timeout_s)

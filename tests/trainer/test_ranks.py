@@ -183,8 +183,9 @@ async def test_the_ranks_skip_a_non_finite_loss_together_and_train_on_after_it(
     model_dir: Path, tmp_path: Path
 ) -> None:
     job = make_job(model_dir)
-    # Four sequences; the NaN log-probs are in rank 1's half only, so rank 0's own loss is finite.
-    poisoned = [[episode(1.0, 3), episode(0.0, 4)], [episode(1.0, 2, logprob=math.nan), episode(0.0, 5)]]
+    # Four sequences; the NaN reward (so NaN advantages) is in rank 1's half only, so rank 0's own loss is
+    # finite. (A NaN sampler log-prob no longer poisons a loss: its token is dropped.)
+    poisoned = [[episode(1.0, 3), episode(0.0, 4)], [episode(math.nan, 2), episode(0.0, 5)]]
     ranks = start_ranks(job, tmp_path, ["cpu", "cpu"], timeout_s=60)
     try:
         t = trainer(job, tmp_path, ranks)
