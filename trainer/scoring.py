@@ -346,7 +346,8 @@ def accumulate(
         part = batch.rows(rows).to(device)
         with _gradient_sync(policy, number == len(plan) - 1):
             with _autocast(job, device):
-                loss, stats, entropy = _micro_loss(policy, reference, part, weights[rows].to(device), job)
+                share = weights[rows][:, : part.mask.shape[1]].to(device)  # trimmed as the rows are
+                loss, stats, entropy = _micro_loss(policy, reference, part, share, job)
             (loss * scale).backward()  # type: ignore[no-untyped-call]
         total += float(loss.detach())
         parts.append(stats)
