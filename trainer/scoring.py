@@ -44,7 +44,9 @@ from trainer.config import Job
 # temperature, and whether it was sampled by older weights than the policy's (the dual clip applies).
 TrainSequence = tuple[list[int], int, list[float], list[bool], float, bool]
 
-LOGIT_CHUNK_BYTES = 64 * 1024 * 1024  # float32 logits the LM head produces at once
+# float32 logits the LM head produces at once: 220 positions at a 152k vocabulary; smaller chunks run the
+# head's matrix product at a fraction of the speed on a CPU (24 against 54 GFLOP/s at 110 and 440 rows here)
+LOGIT_CHUNK_BYTES = 128 * 1024 * 1024
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,10 @@ def make_job(model_dir: Path, aggregation: Aggregation = "token_mean", ranks: in
                     "loss_aggregation": "LOSS_AGGREGATION_" + aggregation.upper(),
                 },
                 "optimizer": {"learning_rate": 1e-2, "max_grad_norm": 0},  # the raw gradients, unclipped
+                "sampling": {"max_tokens": 16},  # the constant aggregation's tokens per completion
                 "topology": {"cpu_trainer_ranks": ranks},
+                # Micro-batches of at most 12 tokens: the ranks run different numbers of them.
+                "training": {"micro_batch_tokens": 12},
             }
         )
     )
@@ -84,8 +87,8 @@ ONE = [[episode(1.0, 4), episode(0.0, 0)]]  # one sequence (an empty completion 
 
 @pytest.mark.parametrize(
     ("aggregation", "groups"),
-    [("token_mean", UNEVEN), ("sequence_mean", UNEVEN), ("token_mean", ONE)],
-    ids=["token_mean", "sequence_mean", "padded_rank"],
+    [("token_mean", UNEVEN), ("sequence_mean", UNEVEN), ("constant", UNEVEN), ("token_mean", ONE)],
+    ids=["token_mean", "sequence_mean", "constant", "padded_rank"],
 )
 def test_two_ranks_train_on_the_gradient_of_the_whole_batch(
     model_dir: Path, tmp_path: Path, aggregation: Aggregation, groups: list[list[Episode]]
@@ -147,7 +150,7 @@ def shard_gradients(
     return total
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
 def test_the_gradient_comparison_passes_the_shard_weights_and_fails_a_wrong_one(
     model_dir: Path, tmp_path: Path, aggregation: Aggregation
 ) -> None:
@@ -175,6 +178,10 @@ def test_shards_weigh_their_share_of_the_batch() -> None:
     assert [s.indices for s in shards] == [(0, 1), (2, 3, 4)]
     assert [s.weight for s in shards] == [2 * 3 / 10, 2 * 7 / 10]
     assert [s.weight for s in shard_batch(tokens, 2, "sequence_mean")] == [2 * 1 / 3, 2 * 2 / 3]
+    assert [s.weight for s in shard_batch(tokens, 2, "constant")] == [
+        2 * 2 / 5,
+        2 * 3 / 5,
+    ]  # every completion
     padded = shard_batch([4], 3, "sequence_mean")
     assert [(s.padding, s.weight) for s in padded] == [(True, 0.0), (True, 0.0), (False, 3.0)]
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
+from tandem.inference.v1 import generation_pb2, trace_pb2
 from transformers import AutoModelForCausalLM
 
 from tests.support.numerics import assert_close_at_scale
@@ -30,7 +31,7 @@ from trainer.scoring import (
     micro_batches,
     sequence_logprobs,
 )
-from trainer.train import Environment, Trainer
+from trainer.train import Environment, Episode, Trainer
 
 
 @pytest.fixture(scope="module")
@@ -256,3 +257,52 @@ def test_a_bf16_checkpoint_trains_with_every_weight_moving_and_is_saved_as_bf16(
     for mine, theirs in zip(t.policy.parameters(), again.policy.parameters(), strict=True):
         assert torch.equal(mine, theirs)
     assert math.isfinite(update.stats.loss)
+
+
+def turn_episode(reward: float, finish: int, version: int) -> Episode:
+    trace = trace_pb2.Trace(correlation_id="c", min_weight_version=version)
+    turn = trace.turns.add(temperature=1.0, weight_version=version, finish_reason=finish)  # type: ignore[arg-type]
+    turn.prompt_token_ids.extend([5, 6, 7])
+    turn.completion_token_ids.extend([8, 9])
+    turn.sampler_logprobs.extend([-1.0, -2.0])
+    turn.loss_mask.extend([True, True])
+    return Episode(seed=1, reward=reward, trace=trace)
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_truncated_completions_are_counted_and_masked_when_asked_and_lagging_turns_marked(
+    model_dir: Path, tmp_path: Path, mask_truncated: bool
+) -> None:
+    t = trainer(make_job(model_dir, {"mask_truncated": mask_truncated, "max_staleness": 2}), tmp_path)
+    t.version = 3
+    group = [
+        turn_episode(1.0, generation_pb2.FINISH_REASON_STOP, 3),
+        turn_episode(0.0, generation_pb2.FINISH_REASON_LENGTH, 2),
+    ]
+    made, advantages, counts = t._sequences([group])
+    assert counts["completions/truncated"] == 1.0
+    assert [s[3] for s in made] == [[True, True], [not mask_truncated] * 2]
+    assert [s[5] for s in made] == [False, True]  # sampled by version 2 while the policy is at 3
+    assert advantages == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)])  # the truncated reward counts
+
+
+def test_bf16_autocast_computes_in_bf16_and_keeps_float32_weights_and_gradients(model_dir: Path) -> None:
+    made, advantages = sequences()
+    device = torch.device("cpu")
+    results = []
+    for dtype in ("float32", "bfloat16"):
+        job = make_job(model_dir, {"kl_coef": 0.1}, compute_dtype=dtype)
+        policy = load_policy(model_dir, device, job)
+        reference = load_reference(model_dir, device, job)
+        loss, stats, *_ = batch_loss(policy, reference, made, advantages, job, device)
+        loss.backward()  # type: ignore[no-untyped-call]
+        assert (
+            {p.dtype for p in policy.parameters()}
+            == {p.grad.dtype for p in policy.parameters() if p.grad is not None}
+            == {torch.float32}
+        )
+        results.append((float(loss.detach()), stats, {p.dtype for p in reference.parameters()}))
+    (exact, exact_stats, exact_ref), (low, low_stats, low_ref) = results
+    assert (exact_ref, low_ref) == ({torch.float32}, {torch.bfloat16})
+    assert low == pytest.approx(exact, rel=0.05, abs=0.01)
+    assert low_stats.ratio_mean != exact_stats.ratio_mean  # it did compute in bf16
