@@ -39,7 +39,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from trainer import grpo
-from trainer.config import Job, parse_job
+from trainer.config import MICRO_BATCH_TOKENS, Job, parse_job
 from trainer.ranks import Ranks, StepShard
 from trainer.scoring import LOGIT_CHUNK_BYTES, TrainSequence, collate, load_policy, sequence_logprobs
 from trainer.train import train_shard
@@ -214,6 +214,10 @@ def full_model_arithmetic(saved_per_token_layer: float, micro: int, sequences: i
             f"({saved_per_token_layer / 1024:.0f} KiB per token and layer, measured)",
         ),
         (
+            "the same with activation_checkpointing (each layer's input kept, one layer's activations at once)",
+            f"{(FULL_LAYERS * micro * WIDTH['hidden_size'] * 4 + saved_per_token_layer * micro) / GIB:.2f} GiB",
+        ),
+        (
             f"activations of the whole batch in one forward ({tokens} tokens, today's path)",
             f"{saved_per_token_layer * FULL_LAYERS * tokens / GIB:.2f} GiB",
         ),
@@ -226,7 +230,7 @@ def full_model_arithmetic(saved_per_token_layer: float, micro: int, sequences: i
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--micro-batch-tokens", type=int, default=MICRO_BATCH_TOKENS)
     parser.add_argument("--child", dest="mode", choices=["today", "trainer"])
     parser.add_argument("--model", type=Path)
     parser.add_argument("--sequences", type=int, default=8)

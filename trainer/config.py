@@ -24,7 +24,7 @@ Aggregation = Literal["token_mean", "sequence_mean", "constant"]
 RatioLevel = Literal["token", "sequence"]
 Reference = Literal["none", "stacked", "own"]
 ComputeDtype = Literal["float32", "bfloat16"]
-MICRO_BATCH_TOKENS = 4096  # the default token budget of one forward pass of an update
+MICRO_BATCH_TOKENS = 2048  # the default token budget of one forward pass of an update
 STD_FLOOR = 1e-3  # the default least std that group advantages are divided by
 
 

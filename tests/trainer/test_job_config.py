@@ -59,13 +59,13 @@ def test_a_good_config_loads_with_its_defaults(tmp_path: Path) -> None:
     assert job.learning_rate(50) == pytest.approx(1e-4)  # cosine down to min_lr_ratio
     assert (job.std_floor, job.ratio_level, job.constant_tokens) == (1e-3, "token", None)
     assert not job.config.algorithm.mask_truncated
-    assert (job.compute_dtype, job.micro_batch_tokens) == ("float32", 4096)
+    assert (job.compute_dtype, job.micro_batch_tokens) == ("float32", 2048)
     assert not job.config.training.activation_checkpointing
 
 
 def test_the_loss_options_and_the_training_section_load(tmp_path: Path) -> None:
     text = GOOD.replace('"LOSS_AGGREGATION_SEQUENCE_MEAN"', '"LOSS_AGGREGATION_CONSTANT"') + (
-        '\n[training]\ncompute_dtype = "bfloat16"\nmicro_batch_tokens = 2048\nactivation_checkpointing = true\n'
+        '\n[training]\ncompute_dtype = "bfloat16"\nmicro_batch_tokens = 1024\nactivation_checkpointing = true\n'
     )
     text = text.replace(
         "kl_coef = 0.05", 'kl_coef = 0.05\nratio_level = "RATIO_LEVEL_SEQUENCE"\nstd_floor = 0.01'
@@ -73,7 +73,7 @@ def test_the_loss_options_and_the_training_section_load(tmp_path: Path) -> None:
     job = Job(load_job(write(tmp_path, text)))
     assert (job.aggregation, job.constant_tokens) == ("constant", 32)  # sampling.max_tokens
     assert (job.ratio_level, job.std_floor) == ("sequence", 0.01)
-    assert (job.compute_dtype, job.micro_batch_tokens) == ("bfloat16", 2048)
+    assert (job.compute_dtype, job.micro_batch_tokens) == ("bfloat16", 1024)
     assert job.config.training.activation_checkpointing
     own = Job(load_job(write(tmp_path, text.replace("std_floor = 0.01", "constant_tokens = 100"))))
     assert own.constant_tokens == 100

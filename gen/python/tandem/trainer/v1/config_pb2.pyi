@@ -588,7 +588,7 @@ class TrainingConfig(_message.Message):
     """Optional. The most tokens (padding included) one forward pass holds, 0 to 16777216: each rank's
     sequences are split into micro-batches of at most this many tokens (a longer sequence is a micro-batch
     of its own) whose gradients add up to the whole batch's gradient. Memory grows with this, not with the
-    batch. Unset or 0 means 4096.
+    batch. Unset or 0 means 2048.
     """
     activation_checkpointing: _builtins.bool
     """Optional. Whether each decoder layer's activations are recomputed in the backward pass instead of kept
