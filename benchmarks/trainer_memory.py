@@ -3,7 +3,7 @@
 today's path before it (one forward over the whole batch with its full-vocabulary float32 logits, the
 `batch_loss` of commit a6dd1d7) at 8 sequences, in the same run.
 
-Run from the repository root (about 10 minutes on 2 cores; it needs about 12 GiB of free memory):
+Run from the repository root (about 12 minutes on 2 cores; a measurement peaks near 6 GiB):
 
     .venv/bin/python benchmarks/trainer_memory.py
     .venv/bin/python benchmarks/trainer_memory.py --micro-batch-tokens 2048 --layers 2

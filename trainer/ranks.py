@@ -16,13 +16,14 @@ One job, on every rank:
    0 broadcasts its optimizer (class, hyperparameters and state); every rank wraps its policy in DDP,
    which copies rank 0's weights to all of them, and builds the same optimizer.
 2. per update: rank 0 splits the batch into one contiguous shard per rank (`shard_batch`) and broadcasts
-   every shard with the learning rate. Each rank computes the GRPO loss on its shard times the shard's
-   `weight`, all of them exchange their losses and statistics (an all-gather), and they skip the update
-   together when any loss is not finite; otherwise each runs backward (DDP all-reduces and averages the
-   gradients), clips and steps. The weight makes the DDP average the gradient of the whole batch:
-   `world_size * share`, the share being the rank's fraction of the batch's trained tokens (token mean) or
-   of its sequences with a trained token (sequence mean). A rank without a sequence of its own (fewer
-   sequences than ranks) trains on a copy of one with weight 0, so it still joins the all-reduce.
+   every shard with the learning rate. Each rank runs forward and backward over its shard in micro-batches
+   (the GRPO loss times the shard's `weight`; DDP all-reduces in the last micro-batch's backward), all of
+   them exchange their losses and statistics (an all-gather), and they skip the update together when any
+   loss is not finite (dropping the gradients); otherwise each clips and steps. The weight makes the DDP
+   average the gradient of the whole batch: `world_size * share`, the share being the rank's fraction of
+   the batch's trained tokens (token mean), of its sequences with a trained token (sequence mean) or of its
+   sequences (constant). A rank without a sequence of its own (fewer sequences than ranks) trains on a copy
+   of one with weight 0, so it still joins the all-reduce.
 3. finish (the end of `Trainer.run`): every rank hashes its weights; rank 0 compares the digests and raises
    `RankError` naming the ranks that differ; a child exits 1 on a mismatch and 0 otherwise.
 
