@@ -274,8 +274,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 def entropy(logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> float:
     """Mean entropy (nats) of the sampling distributions at the trained positions."""
-    logp = _log_softmax(logits, temperature)
-    per_token = -(logp.exp() * logp).sum(dim=-1)
+    with torch.no_grad():
+        logp = _log_softmax(logits, temperature)
+        per_token = -(logp.exp() * logp).sum(dim=-1)
     trained = mask.bool()
     return float(per_token[trained].mean()) if bool(trained.any()) else 0.0
 
