@@ -20,9 +20,13 @@ from tandem.trainer.v1 import config_pb2
 from mesh.errors import FieldViolation, InvalidArgument, R
 from mesh.validation import violations
 
-Aggregation = Literal["token_mean", "sequence_mean"]
+Aggregation = Literal["token_mean", "sequence_mean", "constant"]
+RatioLevel = Literal["token", "sequence"]
 Reference = Literal["none", "stacked", "own"]
 Sharding = Literal["ddp", "fsdp"]
+ComputeDtype = Literal["float32", "bfloat16"]
+MICRO_BATCH_TOKENS = 2048  # the default token budget of one forward pass of an update
+STD_FLOOR = 1e-3  # the default least std that group advantages are divided by
 
 
 def _invalid(message: str, found: list[FieldViolation]) -> InvalidArgument:
@@ -103,6 +107,16 @@ def _cross_field(config: config_pb2.TrainerConfig) -> list[FieldViolation]:
                 "topology.cpu_trainer_ranks", "is for CPU jobs (gpus = 0); with GPUs, ranks follow the plan"
             )
         )
+    if (
+        algorithm.loss_aggregation == config_pb2.LOSS_AGGREGATION_CONSTANT
+        and not algorithm.HasField("constant_tokens")
+        and not config.sampling.max_tokens
+    ):
+        found.append(
+            FieldViolation(
+                "algorithm.constant_tokens", "the CONSTANT aggregation needs it, or sampling.max_tokens"
+            )
+        )
     found.extend(_model_build(config.model))
     if config.optimizer.warmup_steps > algorithm.steps:
         found.append(FieldViolation("optimizer.warmup_steps", f"is more than the {algorithm.steps} steps"))
@@ -167,9 +181,37 @@ class Job:
         return "fsdp" if self.config.topology.sharding == config_pb2.SHARDING_FSDP else "ddp"
 
     @property
+    def std_floor(self) -> float:
+        a = self.config.algorithm
+        return a.std_floor if a.HasField("std_floor") else STD_FLOOR
+
+    @property
     def aggregation(self) -> Aggregation:
-        sequence = self.config.algorithm.loss_aggregation == config_pb2.LOSS_AGGREGATION_SEQUENCE_MEAN
-        return "sequence_mean" if sequence else "token_mean"
+        how = self.config.algorithm.loss_aggregation
+        if how == config_pb2.LOSS_AGGREGATION_SEQUENCE_MEAN:
+            return "sequence_mean"
+        return "constant" if how == config_pb2.LOSS_AGGREGATION_CONSTANT else "token_mean"
+
+    @property
+    def constant_tokens(self) -> int | None:
+        """The tokens per completion of the CONSTANT aggregation's divisor (None for the other two)."""
+        if self.aggregation != "constant":
+            return None
+        a = self.config.algorithm
+        return a.constant_tokens if a.HasField("constant_tokens") else self.config.sampling.max_tokens
+
+    @property
+    def ratio_level(self) -> RatioLevel:
+        sequence = self.config.algorithm.ratio_level == config_pb2.RATIO_LEVEL_SEQUENCE
+        return "sequence" if sequence else "token"
+
+    @property
+    def compute_dtype(self) -> ComputeDtype:
+        return "bfloat16" if self.config.training.compute_dtype == "bfloat16" else "float32"
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.config.training.micro_batch_tokens or MICRO_BATCH_TOKENS
 
     @property
     def temperature(self) -> float:

@@ -78,6 +78,17 @@ def write_metadata(
     (path / METADATA_FILE).write_text(json.dumps(document, indent=1, sort_keys=True))
 
 
+def model_dtype(path: Path) -> str:
+    """The dtype a Hugging Face model directory stores its weights in, as its config.json names it
+    (`dtype`, or the older `torch_dtype`); float32 when it names none."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    named = config.get("dtype") or config.get("torch_dtype")
+    return named if isinstance(named, str) and named else "float32"
+
+
 def make_durable(path: Path) -> None:
     """fsync every file of a checkpoint folder and the folder itself, before it is renamed into place."""
     for item in path.iterdir():

@@ -5,16 +5,23 @@ formula is tested on CPU against values computed by hand (tests/trainer/test_grp
 Shapes: B sequences (completions), T completion positions (right-padded), G completions per group.
 
 - `group_advantages(rewards)`: reward minus its group's mean, optionally divided by the group's standard
-  deviation (sample std, as TRL and the DeepSeekMath paper use). A group whose rewards are all equal carries
-  no signal: its advantages are 0 and `GroupStats.zero_variance` counts it.
+  deviation (sample std, as TRL and the DeepSeekMath paper use), never by less than `std_floor`. A group
+  whose rewards are all equal carries no signal: its advantages are 0 and `GroupStats.zero_variance`
+  counts it.
 - `policy_loss(...)`: per token, -min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) with the importance
-  ratio r = exp(logp - sampler_logp) against the log-probs the inference worker recorded, plus
-  `kl_coef` times the k3 estimator of KL(policy || reference), exp(ref - logp) - (ref - logp) - 1, which is
-  non-negative and unbiased for the KL under samples from the policy.
-- `aggregate(...)`: "token_mean" (every trained token weighs the same across the batch) or "sequence_mean"
-  (each sequence's mean over its trained tokens, then the mean over sequences).
+  ratio r = exp(logp - sampler_logp) against the log-probs the inference worker recorded (or, at the
+  sequence level as in GSPO, the geometric mean of a sequence's token ratios), plus `kl_coef` times the k3
+  estimator of KL(policy || reference), exp(ref - logp) - (ref - logp) - 1, which is non-negative and
+  unbiased for the KL under samples from the policy. A position whose sampler log-prob is NaN or infinite
+  is not trained on and cannot reach the loss.
+- `token_weights(...)` / `aggregate(...)`: "token_mean" (every trained token weighs the same across the
+  batch), "sequence_mean" (each sequence's mean over its trained tokens, then the mean over sequences) or
+  "constant" (the sum over trained tokens divided by a constant, tokens per completion times the batch's
+  completions: Dr. GRPO). The loss is the sum of per-token values times these weights, so a batch split
+  into micro-batches adds up to the whole batch's loss and gradient.
 - `staleness(...)`: how many weight versions behind a trace is, and whether it is used or dropped under
-  `max_staleness`; used stale traces are importance-corrected by the same ratio r.
+  `max_staleness`; used stale traces are importance-corrected by the same ratio r, and their tokens with a
+  negative advantage are dual-clipped at `max_ratio`.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ from typing import Literal
 
 import torch
 
-Aggregation = Literal["token_mean", "sequence_mean"]
+from tandem_jobs.config import STD_FLOOR
+
+Aggregation = Literal["token_mean", "sequence_mean", "constant"]
+RatioLevel = Literal["token", "sequence"]
 
 
 @dataclass(frozen=True)
@@ -38,17 +48,27 @@ class GroupStats:
 
 
 def group_advantages(
-    rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    normalize_std: bool = True,
+    std_floor: float = STD_FLOOR,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, GroupStats]:
-    """Advantages for `rewards` [B] laid out group after group (B = groups x group_size)."""
+    """Advantages for `rewards` [B] laid out group after group (B = groups x group_size). With
+    `normalize_std` each group is divided by max(its std, `std_floor`), so rewards that differ by less than
+    the floor make advantages below 1 instead of +-1; a group whose std is at most `eps` counts as flat."""
     if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if std_floor < 0:
+        raise ValueError(f"std_floor must be at least 0, not {std_floor}")
     grouped = rewards.double().view(-1, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     spread = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred[:, :1])
     flat = spread.squeeze(1) <= eps
     if normalize_std:
-        centred = centred / torch.where(spread > eps, spread, torch.ones_like(spread))
+        divisor = torch.where(spread > eps, spread.clamp(min=std_floor), torch.ones_like(spread))
+        centred = centred / divisor
     centred[flat] = 0.0
     stats = GroupStats(
         reward_mean=float(rewards.double().mean()),
@@ -81,19 +101,34 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, how: Aggregation) -> torch.Tensor:
-    """Reduce per-token `values` [B, T] over the trained tokens `mask` [B, T]."""
-    weights = mask.to(values.dtype)
+def token_weights(
+    mask: torch.Tensor, how: Aggregation, *, constant_tokens: int | None = None
+) -> torch.Tensor:
+    """Per-token weights [B, T] (zero off `mask`) such that the sum of per-token values times them is the
+    batch's loss under `how`. Computed once for a whole batch, they let each micro-batch's share of the loss
+    be its own tokens' weighted sum. "constant" divides by `constant_tokens` x B (every completion of the
+    batch counts, trained or not), whatever the completions' lengths."""
+    weights = mask.to(torch.float32)
     if how == "token_mean":
-        return (values * weights).sum() / weights.sum().clamp(min=1.0)
+        return weights / weights.sum().clamp(min=1.0)
     if how == "sequence_mean":
-        per_sequence = (values * weights).sum(dim=1)
-        counts = weights.sum(dim=1)
-        present = counts > 0
-        if not bool(present.any()):
-            return values.new_zeros(())
-        return (per_sequence[present] / counts[present]).mean()
-    raise ValueError(f"unknown aggregation {how!r}: token_mean or sequence_mean")
+        counts = weights.sum(dim=1, keepdim=True)
+        sequences = (counts > 0).sum().clamp(min=1)
+        return weights / (counts.clamp(min=1.0) * sequences)
+    if how == "constant":
+        if constant_tokens is None or constant_tokens < 1:
+            raise ValueError(f"the constant aggregation needs constant_tokens >= 1, not {constant_tokens}")
+        return weights / float(constant_tokens * max(mask.shape[0], 1))
+    raise ValueError(f"unknown aggregation {how!r}: token_mean, sequence_mean or constant")
+
+
+def aggregate(
+    values: torch.Tensor, mask: torch.Tensor, how: Aggregation, *, constant_tokens: int | None = None
+) -> torch.Tensor:
+    """Reduce per-token `values` [B, T] over the trained tokens `mask` [B, T]."""
+    trained = mask.bool()
+    weights = token_weights(trained, how, constant_tokens=constant_tokens).to(values.dtype)
+    return (torch.where(trained, values, torch.zeros_like(values)) * weights).sum()
 
 
 def policy_loss(
@@ -107,28 +142,54 @@ def policy_loss(
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     aggregation: Aggregation = "token_mean",
+    constant_tokens: int | None = None,
     max_ratio: float | None = None,
+    lagging: torch.Tensor | None = None,
+    ratio_level: RatioLevel = "token",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The GRPO loss (to minimise) for one batch and its diagnostics.
 
     `logprobs` [B, T]: the policy's log-probs of the sampled tokens, with gradient; `sampler_logprobs`
-    [B, T]: what the inference worker recorded; `advantages` [B]; `mask` [B, T]: tokens trained on;
-    `ref_logprobs` [B, T]: the reference model's, required when `kl_coef` > 0; `max_ratio`: the dual clip
-    (Ye et al., 2020) for negative advantages, so a token whose ratio grew large (a stale episode, a drifting
-    policy) costs at most `max_ratio * |A|` instead of an unbounded amount."""
+    [B, T]: what the inference worker recorded; `advantages` [B]; `mask` [B, T]: tokens trained on (a
+    position whose sampler log-prob is not finite is dropped from it); `ref_logprobs` [B, T]: the reference
+    model's, required when `kl_coef` > 0.
+
+    `ratio_level` "sequence" (GSPO, Zheng et al., 2025) replaces each token's ratio by its sequence's,
+    exp(mean over the sequence's trained tokens of logp - sampler_logp), clipped at the sequence level.
+    `max_ratio`: the dual clip (Ye et al., 2020) for negative advantages, so a token whose ratio grew large
+    costs at most `max_ratio * |A|` instead of an unbounded amount; it applies to the sequences `lagging`
+    [B] marks (those sampled by older weights than the policy's), to every sequence when `lagging` is None.
+    `weights` [B, T]: the batch's `token_weights` when this is a micro-batch of it; None computes them from
+    the mask with `aggregation` (and `constant_tokens` for "constant")."""
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs the reference model's log-probs")
-    trained = mask.bool()
-    ratio = torch.exp(logprobs - sampler_logprobs)
+    trained = mask.bool() & torch.isfinite(sampler_logprobs)
+    zeros = torch.zeros_like(logprobs)
+    # Untrained positions get a log-ratio of exactly 0 and no path from a NaN to the gradient.
+    log_ratio = torch.where(trained, logprobs - torch.where(trained, sampler_logprobs, zeros), zeros)
+    if ratio_level == "sequence":
+        counts = trained.sum(dim=1, keepdim=True).clamp(min=1)
+        log_ratio = (log_ratio.sum(dim=1, keepdim=True) / counts).expand_as(log_ratio)
+    elif ratio_level != "token":
+        raise ValueError(f"unknown ratio level {ratio_level!r}: token or sequence")
+    ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(1).to(logprobs.dtype)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
     if max_ratio is not None:
-        per_token = torch.where(adv < 0, torch.minimum(per_token, -max_ratio * adv), per_token)
-    kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else torch.zeros_like(per_token)
+        capped = torch.where(adv < 0, torch.minimum(per_token, -max_ratio * adv), per_token)
+        applies = lagging.bool().unsqueeze(1) if lagging is not None else torch.ones_like(trained)
+        per_token = torch.where(applies, capped, per_token)
+    kl = zeros  # and 0 off the trained positions, whatever the reference holds there
+    if ref_logprobs is not None:
+        kl = kl_k3(logprobs, torch.where(trained, ref_logprobs, logprobs.detach()))
     total = per_token + kl_coef * kl if kl_coef > 0 else per_token
-    loss = aggregate(total, trained, aggregation)
+    if weights is None:
+        weights = token_weights(trained, aggregation, constant_tokens=constant_tokens)
+    weights = weights.to(logprobs.dtype)
+    loss = (torch.where(trained, total, zeros) * weights).sum()
     with torch.no_grad():
         was_clipped = ((adv > 0) & (ratio > 1.0 + clip_high)) | ((adv < 0) & (ratio < 1.0 - clip_low))
         count = int(trained.sum())
@@ -137,14 +198,15 @@ def policy_loss(
         log_ratio = (logprobs - sampler_logprobs)[trained].double() if count else ratio.new_zeros(1).double()
         stats = LossStats(
             loss=float(loss),
-            policy_loss=float(aggregate(per_token, trained, aggregation)),
-            kl=float(aggregate(kl, trained, "token_mean")),
+            policy_loss=float((torch.where(trained, per_token, zeros) * weights).sum()),
+            kl=float(kl[trained].mean()) if count else 0.0,
             clip_fraction=float(was_clipped[trained].float().mean()) if count else 0.0,
             ratio_mean=float(picked.mean()),
             ratio_min=float(picked.min()),
             ratio_max=float(picked.max()),
             tokens=count,
-            mismatch_abs=float((picked - 1.0).abs().mean()),
+            # Token by token, whatever `ratio_level`: the sampler's and the trainer's numbers for each token.
+            mismatch_abs=float((torch.exp(log_ratio) - 1.0).abs().mean()),
             mismatch_kl=float(mismatch_kl(log_ratio).mean()),
         )
     return loss, stats
@@ -156,19 +218,87 @@ def mismatch_kl(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - 1.0 - log_ratio
 
 
+def combine(parts: Sequence[LossStats]) -> LossStats:
+    """A batch's statistics from its micro-batches': their losses already carry the batch's weights, so
+    they add; the means over tokens weigh each part by its trained tokens."""
+    tokens = sum(p.tokens for p in parts)
+    present = [p for p in parts if p.tokens]
+
+    def mean(name: str) -> float:
+        return sum(getattr(p, name) * p.tokens for p in present) / tokens if tokens else 0.0
+
+    return LossStats(
+        loss=sum(p.loss for p in parts),
+        policy_loss=sum(p.policy_loss for p in parts),
+        kl=mean("kl"),
+        clip_fraction=mean("clip_fraction"),
+        ratio_mean=mean("ratio_mean") if tokens else 1.0,
+        ratio_min=min((p.ratio_min for p in present), default=1.0),
+        ratio_max=max((p.ratio_max for p in present), default=1.0),
+        tokens=tokens,
+        mismatch_abs=mean("mismatch_abs"),
+        mismatch_kl=mean("mismatch_kl"),
+    )
+
+
+def drop_non_finite(
+    sampler_logprobs: Sequence[float], mask: Sequence[bool]
+) -> tuple[list[float], list[bool], int]:
+    """A turn's sampler log-probs and loss mask with every NaN or infinite log-prob replaced by 0.0 and its
+    position taken out of the mask, and how many trained positions that dropped (masked ones change
+    nothing: they were not trained on)."""
+    values: list[float] = []
+    kept: list[bool] = []
+    dropped = 0
+    for index, value in enumerate(sampler_logprobs):
+        trained = bool(mask[index]) if index < len(mask) else False
+        if finite(value):
+            values.append(value)
+            kept.append(trained)
+        else:
+            values.append(0.0)
+            kept.append(False)
+            dropped += trained
+    kept.extend(bool(m) for m in mask[len(kept) :])
+    return values, kept, dropped
+
+
+def _log_softmax(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """log_softmax of `logits` [..., V] in float32, divided by the temperature (a number, or one per row);
+    temperature 0 (greedy) is scored at 1."""
+    if isinstance(temperature, torch.Tensor):
+        divisor = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+        return torch.log_softmax(logits.float() / divisor.unsqueeze(-1), dim=-1)
+    return torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+
+
+def scored_tokens(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float | torch.Tensor = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of `tokens` [...] under `logits` [..., V] at the sampling temperature (a number, or one per
+    token), the way the inference worker scaled them, and the entropy (nats, without gradient) of each of
+    those distributions."""
+    logp = _log_softmax(logits, temperature)
+    with torch.no_grad():
+        entropies = _entropies(logp)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), entropies
+
+
+def _entropies(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each distribution of `logp` [..., V]; tokens a truncation dropped (at -inf) count 0."""
+    return -torch.where(logp.isfinite(), logp.exp() * logp, 0.0).sum(dim=-1)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs [B, T] of `tokens` [B, T] under `logits` [B, T, V] scaled by the sampling temperature, the
-    way the inference worker scaled them (temperature 0, greedy, is scored at temperature 1)."""
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
-    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    """Log-probs [B, T] of `tokens` [B, T] under `logits` [B, T, V] scaled by the sampling temperature."""
+    return _log_softmax(logits, temperature).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def entropy(logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> float:
     """Mean entropy (nats) of the sampling distributions at the trained positions (tokens a truncation
     dropped, at -inf, count 0)."""
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
-    logp = torch.log_softmax(scaled, dim=-1)
-    per_token = -torch.where(logp.isfinite(), logp.exp() * logp, 0.0).sum(dim=-1)
+    with torch.no_grad():
+        per_token = _entropies(_log_softmax(logits, temperature))
     trained = mask.bool()
     return float(per_token[trained].mean()) if bool(trained.any()) else 0.0
 

@@ -19,14 +19,15 @@ One job, on every rank:
    layer, then the root) and keeps its shard of the optimizer state; rank 0's optimizer is rebound to the
    sharded parameters in place. FSDP sets up once per job (a resume happens before the first update).
 2. per update: rank 0 splits the batch into one contiguous shard per rank (`shard_batch`) and broadcasts
-   every shard with the learning rate. Each rank computes the GRPO loss on its shard times the shard's
-   `weight`, all of them exchange their losses and statistics (an all-gather), and they skip the update
-   together when any loss is not finite; otherwise each runs backward (DDP all-reduces and averages the
-   gradients), clips and steps. The weight makes the DDP average the gradient of the whole batch:
-   `world_size * share`, the share being the rank's fraction of the batch's trained tokens (token mean) or
-   of its sequences with a trained token (sequence mean). A rank without a sequence of its own (fewer
-   sequences than ranks) trains on a copy of one with weight 0, so it still joins the all-reduce. FSDP's
-   reduce-scatter averages the gradients as DDP's all-reduce does, so the same weights hold.
+   every shard with the learning rate. Each rank runs forward and backward over its shard in micro-batches
+   (the GRPO loss times the shard's `weight`; DDP all-reduces in the last micro-batch's backward), all of
+   them exchange their losses and statistics (an all-gather), and they skip the update together when any
+   loss is not finite (dropping the gradients); otherwise each clips and steps. The weight makes the DDP
+   average the gradient of the whole batch: `world_size * share`, the share being the rank's fraction of
+   the batch's trained tokens (token mean), of its sequences with a trained token (sequence mean) or of its
+   sequences (constant). A rank without a sequence of its own (fewer sequences than ranks) trains on a copy
+   of one with weight 0, so it still joins the all-reduce. FSDP's reduce-scatter averages the gradients as
+   DDP's all-reduce does, so the same weights hold.
 3. gather (FSDP only; rank 0's weight sync, checkpoints and finish): rank 0 sends the names of the tensors
    it wants, in groups (one per weight-sync bucket or checkpoint file), and every rank gathers the groups
    in that order (`gathered`); rank 0 keeps them, the others drop them. For a checkpoint's optimizer state,
@@ -74,6 +75,7 @@ from tandem_jobs.config import Job, Sharding
 from trainer.grpo import Aggregation, LossStats, finite
 from trainer.inference.process import ROOT, die_with_parent, stop_process
 from trainer.inference.weights import checksum_digest, tensor_checksum
+from trainer.scoring import load_policy, load_reference
 from trainer.sharding import (
     SHARD_BYTES,
     Gathering,
@@ -83,6 +85,7 @@ from trainer.sharding import (
     is_sharded,
     optimizer_params,
     rebind,
+    save_in_dtype,
     shard,
     shard_optimizer_state,
     write_hf_folder,
@@ -120,6 +123,8 @@ def shard_batch(tokens: Sequence[int], world_size: int, aggregation: Aggregation
         shares = [float(t) for t in tokens]
     elif aggregation == "sequence_mean":
         shares = [1.0 if t > 0 else 0.0 for t in tokens]  # grpo.aggregate skips untrained sequences
+    elif aggregation == "constant":
+        shares = [1.0 for _ in tokens]  # grpo.aggregate divides by every completion of the batch
     else:
         raise ValueError(f"unknown aggregation {aggregation!r}")
     total = sum(shares)
@@ -330,16 +335,17 @@ class Ranks:
             self._call("gathering the weights", gathering.finish)
             self.gather_peak_bytes = gathering.peak_bytes
 
-    def save_pretrained(self, model: Any, folder: Path) -> None:
-        """Rank 0: `model` as one Hugging Face folder. Sharded, its weights are gathered one safetensors
-        file (`SHARD_BYTES`) at a time and written before the next is gathered."""
+    def save_pretrained(self, model: Any, folder: Path, dtype: torch.dtype | None = None) -> None:
+        """Rank 0: `model` as one Hugging Face folder, its weights in `dtype` (the checkpoint's own; None:
+        the parameters'). Sharded, its weights are gathered one safetensors file (`SHARD_BYTES`) at a time
+        and written before the next is gathered."""
         named = list(model.named_parameters())
         if not any(is_sharded(tensor) for _, tensor in named):
-            model.save_pretrained(folder)
+            save_in_dtype(model, folder, dtype)
             return
         groups = groups_by_size(named, SHARD_BYTES)
         with self.gathered(named, groups) as tensors:
-            write_hf_folder(folder, model, named, groups, tensors)
+            write_hf_folder(folder, model, named, groups, tensors, dtype)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Rank 0: the optimizer's whole state (`state_dict()`'s form), gathered from every rank when the
@@ -644,12 +650,10 @@ def main() -> int:
     job = Job(config_pb2.TrainerConfig.FromString(base64.b64decode(os.environ["TANDEM_RANK_JOB"])))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    policy = train._load_model(Path(job.config.model.dir), device)
+    policy = load_policy(Path(job.config.model.dir), device, job)
     reference = None
     if job.config.algorithm.kl_coef > 0:
-        reference = train._load_model(Path(job.config.model.dir), device)
-        reference.train(False)
-        reference.requires_grad_(False)
+        reference = load_reference(Path(job.config.model.dir), device, job)
     store = TCPStore(host, int(port), world, is_master=False, timeout=timedelta(seconds=timeout_s))
     store.set(f"ready/{rank}", "1")
     _init_group(store, rank, world, device, timeout_s)

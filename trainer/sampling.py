@@ -72,3 +72,16 @@ def truncated(
     if not truncates(top_k, top_p, min_p):
         return scaled
     return scaled.masked_fill(dropped(scaled, top_k, top_p, min_p, keep), -math.inf)
+
+
+def truncated_rows(scaled: torch.Tensor, targets: torch.Tensor, truncation: torch.Tensor) -> torch.Tensor:
+    """`scaled` [N, V] with each row truncated by its own settings, `truncation` [N, 3] (top_k, top_p,
+    min_p), keeping each row's target [N]; rows that share settings are truncated together."""
+    drop = torch.zeros_like(scaled, dtype=torch.bool)
+    for setting in torch.unique(truncation.detach().cpu(), dim=0):
+        top_k, top_p, min_p = int(setting[0]), float(setting[1]), float(setting[2])
+        if not truncates(top_k, top_p, min_p):
+            continue
+        rows = (truncation == setting.to(truncation.device)).all(dim=-1)
+        drop[rows] = dropped(scaled[rows], top_k, top_p, min_p, keep=targets[rows])
+    return scaled.masked_fill(drop, -math.inf)

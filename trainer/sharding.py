@@ -23,6 +23,7 @@ would keep it sharded; the reference model is not sharded.
 
 from __future__ import annotations
 
+import copy
 import json
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -182,18 +183,46 @@ def groups_by_size(named: Sequence[tuple[str, torch.Tensor]], limit: int) -> lis
     return groups
 
 
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor if dtype is None else tensor.to(dtype)
+
+
+def save_in_dtype(model: Any, path: Path, dtype: torch.dtype | None = None) -> None:
+    """`model` (whole, on one rank) as a Hugging Face folder whose weights and config are in `dtype`, the
+    model itself unchanged: its float32 master weights are cast once per tensor, so tied weights stay one
+    tensor. None saves the parameters as they are."""
+    if dtype is None:
+        model.save_pretrained(path)
+        return
+    cast: dict[int, torch.Tensor] = {}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        key = tensor.data_ptr()
+        if key not in cast:
+            cast[key] = tensor.detach().to(dtype)
+        state[name] = cast[key]
+    model.save_pretrained(path, state_dict=state)
+    config = copy.deepcopy(model.config)
+    config.dtype = dtype  # save_pretrained writes the dtype of the model's parameters
+    config.save_pretrained(path)
+
+
 def write_hf_folder(
     folder: Path,
     model: Any,
     named: Sequence[tuple[str, torch.Tensor]],
     groups: Sequence[Sequence[int]],
     tensors: Iterable[Sequence[torch.Tensor]],
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Write `model`'s config (and generation config) and its weights into `folder` as Hugging Face lays
-    them out: one `model.safetensors`, or one file per group with `model.safetensors.index.json`. `tensors`
-    yields each group's whole tensors (a Gathering); each file is written before the next group is asked
-    for."""
-    model.config.save_pretrained(folder)
+    them out: one `model.safetensors`, or one file per group with `model.safetensors.index.json`, in `dtype`
+    (None: the parameters'). `tensors` yields each group's whole tensors (a Gathering); each file is written
+    before the next group is asked for."""
+    config = copy.deepcopy(model.config)
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(folder)
     count = len(groups)
@@ -207,7 +236,7 @@ def write_hf_folder(
     for file, group, whole in zip(files, groups, tensors, strict=True):
         names = [named[i][0] for i in group]
         save_file(
-            {name: t.contiguous().cpu() for name, t in zip(names, whole, strict=True)},
+            {name: _cast(t, dtype).contiguous().cpu() for name, t in zip(names, whole, strict=True)},
             str(folder / file),
             metadata={"format": "pt"},
         )

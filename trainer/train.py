@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import secrets
 import shutil
@@ -38,19 +37,21 @@ from typing import Any
 import torch
 from opentelemetry import trace
 from tandem.events.v1 import event_pb2, events_service_pb2
+from tandem.inference.v1 import generation_pb2, trace_pb2
 from tandem.inference.v1 import inference_service_pb2 as ipb
-from tandem.inference.v1 import trace_pb2
 from tandem.taskapp.v1 import rollout_pb2
 from tandem.taskapp.v1 import taskapp_service_pb2 as tpb
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from tandem_jobs.config import Job
-from trainer import checkpoints, grpo, sampling
+from trainer import checkpoints, grpo, scoring
 from trainer.checkpoints import STATE_FILE, CheckpointInfo, Trigger
 from trainer.control import Control
 from trainer.inference.publisher import WeightPublisher
+from trainer.inference.weights import dtype_of
 from trainer.progress import Progress
 from trainer.ranks import Ranks, StepShard, Update
+from trainer.scoring import TrainSequence, batch_loss, load_policy, load_reference, trained_tokens
 
 log = logging.getLogger("tandem.trainer")
 _tracer = trace.get_tracer("tandem.trainer")
@@ -116,12 +117,12 @@ class Trainer:
         self.device = torch.device(device) if device else self.ranks.device
         config = job.config
         self.model_dir = Path(config.model.dir)
-        self.policy = _load_model(self.model_dir, self.device)
+        self.policy = load_policy(self.model_dir, self.device, job)  # float32 whatever the checkpoint's dtype
+        # Workers serve, and checkpoints store, the model's own dtype unless the job names another.
+        self.serve_dtype = dtype_of(config.model.dtype or checkpoints.model_dtype(self.model_dir))
         self.reference: PreTrainedModel | None = None
         if config.algorithm.kl_coef > 0:
-            self.reference = _load_model(self.model_dir, self.device)
-            self.reference.train(False)
-            self.reference.requires_grad_(False)
+            self.reference = load_reference(self.model_dir, self.device, job)
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(),
             lr=job.learning_rate(0),
@@ -403,8 +404,8 @@ class Trainer:
                 raise RuntimeError(f"{MAX_EMPTY_STEPS} steps in a row had nothing to train on: {errors}")
             await self._finish_step(report, started, update=False)
             return report
-        sequences, advantages, zero = self._sequences(kept)
-        metrics["groups/zero_variance"] = float(zero)
+        sequences, advantages, counts = self._sequences(kept)
+        metrics.update(counts)
         # On a worker thread, so the producer keeps playing the next batches while this one trains.
         update = await asyncio.to_thread(self._update, sequences, advantages, job.learning_rate(index))
         if not update.finite:  # on any rank: every rank skipped it
@@ -456,33 +457,52 @@ class Trainer:
         log.info("step %d", report.step, extra={"metrics": report.metrics})
         await self._publish_metrics(report, elapsed)
 
-    def _sequences(self, groups: list[list[Episode]]) -> tuple[list[TrainSequence], list[float], int]:
+    def _sequences(
+        self, groups: list[list[Episode]]
+    ) -> tuple[list[TrainSequence], list[float], dict[str, float]]:
         """Per trained turn: (token ids, completion start, sampler log-probs, loss mask, how it was
-        sampled), and each turn's advantage (its episode's)."""
+        sampled, whether older weights sampled it), each turn's advantage (its episode's), and the counts
+        the step reports: groups without signal, trained tokens dropped for a non-finite sampler log-prob, truncated
+        completions (left out of the loss with `mask_truncated`)."""
         sequences: list[TrainSequence] = []
         advantages: list[float] = []
-        zero = 0
+        zero = dropped = truncated = 0
+        job = self.job
         for group in groups:
             rewards = torch.tensor([e.reward for e in group], dtype=torch.float64)
-            adv, stats = grpo.group_advantages(rewards, len(group), normalize_std=self.job.normalize_std)
+            adv, stats = grpo.group_advantages(
+                rewards, len(group), normalize_std=job.normalize_std, std_floor=job.std_floor
+            )
             zero += stats.zero_variance
             for episode, value in zip(group, adv.tolist(), strict=True):
                 assert episode.trace is not None
                 for turn in episode.trace.turns:
                     if not turn.completion_token_ids:
                         continue
+                    logprobs, mask, bad = grpo.drop_non_finite(turn.sampler_logprobs, turn.loss_mask)
+                    dropped += bad
+                    if turn.finish_reason == generation_pb2.FINISH_REASON_LENGTH:
+                        truncated += 1
+                        if job.config.algorithm.mask_truncated:
+                            mask = [False] * len(mask)
                     prompt = list(turn.prompt_token_ids)
                     sequences.append(
                         (
                             prompt + list(turn.completion_token_ids),
                             len(prompt),
-                            list(turn.sampler_logprobs),
-                            list(turn.loss_mask),
+                            logprobs,
+                            mask,
                             (turn.temperature, turn.top_k, turn.top_p or 1.0, turn.min_p),
+                            turn.weight_version < self.version,
                         )
                     )
                     advantages.append(value)
-        return sequences, advantages, zero
+        counts = {
+            "groups/zero_variance": float(zero),
+            "tokens/non_finite_logprob": float(dropped),
+            "completions/truncated": float(truncated),
+        }
+        return sequences, advantages, counts
 
     def _update(self, sequences: list[TrainSequence], advantages: list[float], lr: float) -> Update:
         """One GRPO update on every trainer rank at once: rank 0 sends each rank its shard of the batch
@@ -499,8 +519,12 @@ class Trainer:
         return batch_loss(self.policy, self.reference, sequences, advantages, self.job, self.device)
 
     def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The parameters in checkpoint naming, a tied one once (as the workers' manifest lists them)."""
-        return [(name, parameter.detach()) for name, parameter in self.policy.named_parameters()]
+        """The parameters in checkpoint naming, a tied one once (as the workers' manifest lists them), in the
+        dtype the workers serve (a copy when it is not the trainer's float32)."""
+        return [
+            (name, parameter.detach().to(self.serve_dtype))
+            for name, parameter in self.policy.named_parameters()
+        ]
 
     # ---- progress and checkpoints -------------------------------------------------------------
 
@@ -556,7 +580,9 @@ class Trainer:
         shutil.rmtree(partial, ignore_errors=True)
         try:
             partial.mkdir(parents=True)
-            self.ranks.save_pretrained(self.policy, partial)  # gathered a file at a time under FSDP
+            self.ranks.save_pretrained(
+                self.policy, partial, self.serve_dtype
+            )  # gathered a file at a time under FSDP
             for item in self.model_dir.iterdir():
                 if "token" in item.name or item.name in ("chat_template.jinja", "special_tokens_map.json"):
                     shutil.copy2(item, partial / item.name)
@@ -567,6 +593,8 @@ class Trainer:
                 "torch_rng": torch.get_rng_state(),
                 "run_id": self.run_id,
             }
+            if self.serve_dtype != torch.float32:  # the folder's weights are rounded; resume from these
+                state["master_weights"] = self.policy.state_dict()
             torch.save(state, partial / STATE_FILE)
             last = self.history[-1] if self.history else None
             checkpoints.write_metadata(
@@ -617,13 +645,15 @@ class Trainer:
             return False
         self.control.last_checkpoint = found[0]
         latest = found[0].path
-        self.policy = _load_model(latest, self.device)
+        self.policy = load_policy(latest, self.device, self.job)
+        state = torch.load(latest / STATE_FILE, weights_only=False)
+        if "master_weights" in state:
+            self.policy.load_state_dict(state["master_weights"])
         self.optimizer = torch.optim.AdamW(
             self.policy.parameters(),
             lr=self.job.learning_rate(0),
             weight_decay=self.job.config.optimizer.weight_decay,
         )
-        state = torch.load(latest / STATE_FILE, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.step = int(state["step"])
@@ -650,101 +680,6 @@ async def _next_batch(
     raise RuntimeError("the rollout producer ended before the last step")
 
 
-def _load_model(path: Path, device: torch.device) -> PreTrainedModel:
-    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path)
-    model.to(device)  # type: ignore[arg-type]
-    return model
-
-
-def batch_loss(
-    policy: torch.nn.Module,
-    reference: torch.nn.Module | None,
-    sequences: Sequence[TrainSequence],
-    advantages: Sequence[float],
-    job: Job,
-    device: torch.device,
-) -> tuple[torch.Tensor, grpo.LossStats, float, int]:
-    """The GRPO loss of `sequences` under `policy` (a DDP module on several ranks), its statistics, the mean
-    entropy and the trained tokens. Right-padded batch; the logits at position p score the token at p + 1."""
-    width = max(len(ids) for ids, *_ in sequences)
-    completion = max(len(ids) - start for ids, start, *_ in sequences)
-    count = len(sequences)
-    input_ids = torch.zeros(count, width, dtype=torch.long)
-    attention = torch.zeros(count, width, dtype=torch.long)
-    targets = torch.zeros(count, completion, dtype=torch.long)
-    sampler = torch.zeros(count, completion)
-    mask = torch.zeros(count, completion, dtype=torch.bool)
-    positions = torch.zeros(count, completion, dtype=torch.long)
-    temperatures = torch.ones(count, 1, 1)
-    for row, (ids, start, logprobs, loss_mask, (temperature, *_)) in enumerate(sequences):
-        n = len(ids) - start
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention[row, : len(ids)] = 1
-        targets[row, :n] = torch.tensor(ids[start:])
-        sampler[row, :n] = torch.tensor(logprobs[:n])
-        mask[row, :n] = torch.tensor(loss_mask[:n])
-        positions[row, :n] = torch.arange(start - 1, start - 1 + n)
-        temperatures[row] = temperature if temperature > 0 else 1.0
-    input_ids, attention = input_ids.to(device), attention.to(device)
-    policy.train()
-    logits = policy(input_ids=input_ids, attention_mask=attention).logits.float() / temperatures.to(device)
-    picked = torch.gather(logits, 1, positions.to(device).unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-    picked = sampled_distribution(picked, targets.to(device), sequences)
-    logprobs_now = torch.log_softmax(picked, dim=-1).gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)
-    ref_logprobs = None
-    if reference is not None:
-        with torch.no_grad():
-            ref_logits = reference(input_ids=input_ids, attention_mask=attention).logits.float()
-            ref_logits = ref_logits / temperatures.to(device)
-            ref_picked = torch.gather(
-                ref_logits,
-                1,
-                positions.to(device).unsqueeze(-1).expand(-1, -1, ref_logits.shape[-1]),
-            )
-            ref_picked = sampled_distribution(ref_picked, targets.to(device), sequences)
-            ref_logprobs = (
-                torch.log_softmax(ref_picked, dim=-1).gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)
-            )
-    loss, stats = grpo.policy_loss(
-        logprobs_now,
-        sampler.to(device),
-        torch.tensor(advantages, device=device),
-        mask.to(device),
-        clip_low=job.clip_low,
-        clip_high=job.clip_high,
-        kl_coef=job.config.algorithm.kl_coef,
-        ref_logprobs=ref_logprobs,
-        aggregation=job.aggregation,
-        max_ratio=job.max_importance_ratio,
-    )
-    if not loss.requires_grad:  # no trained token (sequence mean): still a graph, for DDP's all-reduce
-        loss = logprobs_now.sum() * 0.0
-    entropy = grpo.entropy(picked.detach(), mask.to(device))
-    return loss, stats, entropy, int(mask.sum())
-
-
-def sampled_distribution(
-    scaled: torch.Tensor, targets: torch.Tensor, sequences: Sequence[TrainSequence]
-) -> torch.Tensor:
-    """`scaled` logits [B, T, V] (divided by each row's temperature) truncated as each row's turn was
-    sampled (min-p, top-k, top-p: trainer/sampling.py), so that log-probs are those of the distribution the
-    tokens came from; each row's own tokens always stay in."""
-    rows = [row for row, (*_, (_, k, p, m)) in enumerate(sequences) if sampling.truncates(k, p, m)]
-    if not rows:
-        return scaled
-    drop = torch.zeros_like(scaled, dtype=torch.bool)
-    for row in rows:
-        _, k, p, m = sequences[row][4]
-        drop[row] = sampling.dropped(scaled[row], k, p, m, keep=targets[row])
-    return scaled.masked_fill(drop, -math.inf)
-
-
-def trained_tokens(sequence: TrainSequence) -> int:
-    """How many of the sequence's completion tokens the loss trains on (its loss mask)."""
-    ids, start, _, loss_mask, _ = sequence
-    return sum(1 for keep in loss_mask[: len(ids) - start] if keep)
-
-
 def train_shard(
     ranks: Ranks,
     policy: torch.nn.Module,
@@ -754,33 +689,27 @@ def train_shard(
     job: Job,
     device: torch.device,
 ) -> Update:
-    """One rank's part of a GRPO update, the same code on every rank: the loss on its shard, weighted so
-    that DDP's mean of the ranks' gradients is the whole batch's; no rank steps unless every rank's loss is
-    finite; then backward (DDP all-reduces the gradients), clip and step."""
+    """One rank's part of a GRPO update, the same code on every rank: forward and backward over its shard in
+    micro-batches (trainer/scoring.py), the loss weighted so that DDP's mean of the ranks' gradients is the
+    whole batch's; then the ranks share their losses, and unless every rank's is finite none of them steps
+    (each drops its gradients); otherwise clip and step."""
     for param_group in optimizer.param_groups:
         param_group["lr"] = shard.lr
-    loss, stats, entropy, tokens = batch_loss(
-        policy, reference, shard.sequences, shard.advantages, job, device
+    optimizer.zero_grad(set_to_none=True)
+    loss, stats, entropy, tokens = scoring.accumulate(
+        policy, reference, shard.sequences, shard.advantages, job, device, scale=shard.weight
     )
-    weighted = loss * shard.weight
     update = ranks.exchange(
-        float(weighted.detach()),
+        float(loss) * shard.weight,
         stats.policy_loss * shard.weight,
         stats,
         entropy,
         0 if shard.padding else tokens,
     )
     if not update.finite:
+        optimizer.zero_grad(set_to_none=True)
         return update
-    optimizer.zero_grad(set_to_none=True)
-    weighted.backward()  # type: ignore[no-untyped-call]
     if job.max_grad_norm > 0:
         update.grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), job.max_grad_norm))
     optimizer.step()
     return update
-
-
-# How a turn was sampled: temperature, top_k, top_p, min_p (trainer/sampling.py).
-TurnSampling = tuple[float, int, float, float]
-# Per trained turn: token ids (prompt + completion), completion start, sampler log-probs, loss mask, sampling.
-TrainSequence = tuple[list[int], int, list[float], list[bool], TurnSampling]

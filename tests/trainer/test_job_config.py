@@ -57,6 +57,26 @@ def test_a_good_config_loads_with_its_defaults(tmp_path: Path) -> None:
     assert job.learning_rate(0) == pytest.approx(1e-3 / 5)  # warm-up
     assert job.learning_rate(5) == pytest.approx(1e-3)
     assert job.learning_rate(50) == pytest.approx(1e-4)  # cosine down to min_lr_ratio
+    assert (job.std_floor, job.ratio_level, job.constant_tokens) == (1e-3, "token", None)
+    assert not job.config.algorithm.mask_truncated
+    assert (job.compute_dtype, job.micro_batch_tokens) == ("float32", 2048)
+    assert not job.config.training.activation_checkpointing
+
+
+def test_the_loss_options_and_the_training_section_load(tmp_path: Path) -> None:
+    text = GOOD.replace('"LOSS_AGGREGATION_SEQUENCE_MEAN"', '"LOSS_AGGREGATION_CONSTANT"') + (
+        '\n[training]\ncompute_dtype = "bfloat16"\nmicro_batch_tokens = 1024\nactivation_checkpointing = true\n'
+    )
+    text = text.replace(
+        "kl_coef = 0.05", 'kl_coef = 0.05\nratio_level = "RATIO_LEVEL_SEQUENCE"\nstd_floor = 0.01'
+    )
+    job = Job(load_job(write(tmp_path, text)))
+    assert (job.aggregation, job.constant_tokens) == ("constant", 32)  # sampling.max_tokens
+    assert (job.ratio_level, job.std_floor) == ("sequence", 0.01)
+    assert (job.compute_dtype, job.micro_batch_tokens) == ("bfloat16", 1024)
+    assert job.config.training.activation_checkpointing
+    own = Job(load_job(write(tmp_path, text.replace("std_floor = 0.01", "constant_tokens = 100"))))
+    assert own.constant_tokens == 100
 
 
 @pytest.mark.parametrize(
@@ -68,6 +88,11 @@ def test_a_good_config_loads_with_its_defaults(tmp_path: Path) -> None:
         (("temperature = 0.8", "temperature = 3"), "sampling.temperature"),
         (("warmup_steps = 5", "warmup_steps = 500"), "optimizer.warmup_steps"),
         (('dir = "/models/tiny"', 'dir = ""'), "model.dir"),
+        (("kl_coef = 0.05", "kl_coef = 0.05\nstd_floor = -1"), "algorithm.std_floor"),
+        (
+            ("max_tokens = 32", 'max_tokens = 32\n[training]\ncompute_dtype = "float16"'),
+            "training.compute_dtype",
+        ),
     ],
 )
 def test_each_bad_field_is_named(tmp_path: Path, change: tuple[str, str], field: str) -> None:
@@ -94,7 +119,9 @@ def test_rules_across_fields(tmp_path: Path) -> None:
     )
     no_ref = GOOD + '\n[topology]\nreference_placement = "REFERENCE_PLACEMENT_NONE"\n'
     split = GOOD + "\n[topology]\ngpus = 8\ninference_gpus = 6\ntensor_parallel_size = 4\n"
+    constant = GOOD.replace('"LOSS_AGGREGATION_SEQUENCE_MEAN"', '"LOSS_AGGREGATION_CONSTANT"')
     for text, field in [
+        (constant.replace("max_tokens = 32", "max_tokens = 0"), "algorithm.constant_tokens"),
         (both, "task_app"),
         (no_ref, "topology.reference_placement"),
         (split, "topology.tensor_parallel_size"),

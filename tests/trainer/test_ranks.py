@@ -53,7 +53,10 @@ def make_job(
                     "loss_aggregation": "LOSS_AGGREGATION_" + aggregation.upper(),
                 },
                 "optimizer": {"learning_rate": 1e-2, "max_grad_norm": 0},  # the raw gradients, unclipped
+                "sampling": {"max_tokens": 16},  # the constant aggregation's tokens per completion
                 "topology": {"cpu_trainer_ranks": ranks, "sharding": "SHARDING_" + sharding.upper()},
+                # Micro-batches of at most 12 tokens: the ranks run different numbers of them.
+                "training": {"micro_batch_tokens": 12},
             }
         )
     )
@@ -119,8 +122,8 @@ ONE = [[episode(1.0, 4), episode(0.0, 0)]]  # one sequence (an empty completion 
 @SHARDINGS
 @pytest.mark.parametrize(
     ("aggregation", "groups"),
-    [("token_mean", UNEVEN), ("sequence_mean", UNEVEN), ("token_mean", ONE)],
-    ids=["token_mean", "sequence_mean", "padded_rank"],
+    [("token_mean", UNEVEN), ("sequence_mean", UNEVEN), ("constant", UNEVEN), ("token_mean", ONE)],
+    ids=["token_mean", "sequence_mean", "constant", "padded_rank"],
 )
 def test_two_ranks_train_on_the_gradient_of_the_whole_batch(
     model_dir: Path, tmp_path: Path, aggregation: Aggregation, groups: list[list[Episode]], sharding: Sharding
@@ -275,7 +278,7 @@ def shard_gradients(
     return total
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
 def test_the_gradient_comparison_passes_the_shard_weights_and_fails_a_wrong_one(
     model_dir: Path, tmp_path: Path, aggregation: Aggregation
 ) -> None:
@@ -303,6 +306,10 @@ def test_shards_weigh_their_share_of_the_batch() -> None:
     assert [s.indices for s in shards] == [(0, 1), (2, 3, 4)]
     assert [s.weight for s in shards] == [2 * 3 / 10, 2 * 7 / 10]
     assert [s.weight for s in shard_batch(tokens, 2, "sequence_mean")] == [2 * 1 / 3, 2 * 2 / 3]
+    assert [s.weight for s in shard_batch(tokens, 2, "constant")] == [
+        2 * 2 / 5,
+        2 * 3 / 5,
+    ]  # every completion
     padded = shard_batch([4], 3, "sequence_mean")
     assert [(s.padding, s.weight) for s in padded] == [(True, 0.0), (True, 0.0), (False, 3.0)]
 
@@ -312,8 +319,9 @@ async def test_the_ranks_skip_a_non_finite_loss_together_and_train_on_after_it(
     model_dir: Path, tmp_path: Path, sharding: Sharding
 ) -> None:
     job = make_job(model_dir, sharding=sharding)
-    # Four sequences; the NaN log-probs are in rank 1's half only, so rank 0's own loss is finite.
-    poisoned = [[episode(1.0, 3), episode(0.0, 4)], [episode(1.0, 2, logprob=math.nan), episode(0.0, 5)]]
+    # Four sequences; the NaN reward (so NaN advantages) is in rank 1's half only, so rank 0's own loss is
+    # finite. (A NaN sampler log-prob no longer poisons a loss: its token is dropped.)
+    poisoned = [[episode(1.0, 3), episode(0.0, 4)], [episode(math.nan, 2), episode(0.0, 5)]]
     ranks = start_ranks(job, tmp_path, ["cpu", "cpu"], timeout_s=60)
     try:
         t = trainer(job, tmp_path, ranks)

@@ -105,7 +105,7 @@ async def test_the_on_policy_ratio_is_one_under_the_distribution_sampled_from(
     assert 0.99 < stats.ratio_min <= stats.ratio_max < 1.01
     assert stats.clip_fraction == 0.0
     # Scored against the temperature-only distribution instead, the ratio is the kept mass, below 1.
-    full = [(*s[:4], (s[4][0], 0, 1.0, 0.0)) for s in sequences]
+    full = [(*s[:4], (s[4][0], 0, 1.0, 0.0), s[5]) for s in sequences]
     with torch.no_grad():
         _, unprocessed, _, _ = batch_loss(t.policy, t.reference, full, advantages, t.job, t.device)
     assert unprocessed.ratio_mean < 0.99

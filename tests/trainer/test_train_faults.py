@@ -42,13 +42,15 @@ def trainer(model_dir: Path, tmp_path: Path) -> Trainer:
     return Trainer(job, env)
 
 
-def episode(reward: float, logprob: float) -> Episode:
+def episode(
+    reward: float, logprob: float, *, logprobs: list[float] | None = None, mask: list[bool] | None = None
+) -> Episode:
     trace = trace_pb2.Trace(correlation_id="c", min_weight_version=0)
     turn = trace.turns.add(temperature=1.0)
     turn.prompt_token_ids.extend([5, 6, 7])
-    turn.completion_token_ids.extend([8, 9])
-    turn.sampler_logprobs.extend([logprob, logprob])
-    turn.loss_mask.extend([True, True])
+    turn.completion_token_ids.extend([8, 9, 10])
+    turn.sampler_logprobs.extend(logprobs or [logprob] * 3)
+    turn.loss_mask.extend(mask or [True] * 3)
     return Episode(seed=1, reward=reward, trace=trace)
 
 
@@ -78,10 +80,36 @@ async def test_a_non_finite_loss_skips_the_update_and_a_run_of_them_stops(
 ) -> None:
     t = trainer(model_dir, tmp_path)
     before = weights(t)
-    poisoned = [[episode(1.0, math.nan), episode(0.0, math.nan)]]
+    poisoned = [[episode(math.nan, -1.0), episode(0.0, -1.0)]]  # a NaN reward: NaN advantages
     report = await t._train(0, poisoned)
     assert report.skipped and report.metrics["loss/non_finite"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, weights(t), strict=True))
     with pytest.raises(RuntimeError, match="non-finite"):
         for index in range(1, MAX_BAD_STEPS):
             await t._train(index, poisoned)
+
+
+async def test_a_non_finite_sampler_logprob_changes_nothing_where_masked_and_is_dropped_and_counted_where_trained(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    first = {
+        "clean": ([-1.0, -1.2, -0.7], [True, True, False]),
+        "masked_nan": ([-1.0, -1.2, math.nan], [True, True, False]),
+        "masked_inf": ([-1.0, -1.2, -math.inf], [True, True, False]),
+        "trained_nan": ([-1.0, math.nan, -0.7], [True, True, True]),
+        "without": ([-1.0, -1.2, -0.7], [True, False, True]),
+    }
+    after: dict[str, list[torch.Tensor]] = {}
+    metrics: dict[str, dict[str, float]] = {}
+    for name, (logprobs, mask) in first.items():
+        t = trainer(model_dir, tmp_path / name)  # each from the same initial weights
+        report = await t._train(0, [[episode(1.0, 0, logprobs=logprobs, mask=mask), episode(0.0, -1.5)]])
+        assert not report.skipped, report.metrics
+        after[name], metrics[name] = weights(t), report.metrics
+    for name in ("masked_nan", "masked_inf"):  # exactly the clean step
+        assert all(torch.equal(a, b) for a, b in zip(after["clean"], after[name], strict=True))
+        assert metrics[name]["tokens/non_finite_logprob"] == 0.0
+    # At a trained position the token is dropped: the same step as with that token masked off, and counted.
+    assert all(torch.equal(a, b) for a, b in zip(after["without"], after["trained_nan"], strict=True))
+    assert metrics["trained_nan"]["tokens/non_finite_logprob"] == 1.0
+    assert metrics["trained_nan"]["tokens"] == metrics["without"]["tokens"] == 5.0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from tandem.events.v1 import events_service_pb2 as epb
 from tandem.inference.v1 import inference_service_pb2 as ipb
 
@@ -116,3 +117,20 @@ async def test_steps_train_sync_report_checkpoint_and_resume(model_dir: Path, tm
             )
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+async def test_a_bf16_model_trains_in_float32_and_its_workers_and_checkpoints_hold_bf16(
+    tmp_path: Path,
+) -> None:
+    model_dir = build_tiny_model(tmp_path / "bf16", dtype="bfloat16")
+    job = demo_job(model_dir, steps=2, max_staleness=0)
+    async with local_environment(job, tmp_path / "run") as env:
+        trainer = Trainer(job, env)
+        reports = await trainer.run()
+        assert any(not r.skipped for r in reports)
+        assert {p.dtype for p in trainer.policy.parameters()} == {torch.float32}
+        info = (await env.workers[0].stub.GetWorkerInfo(ipb.GetWorkerInfoRequest())).worker_info
+        assert info.dtype == "bfloat16"
+        await trainer.publisher.verify(trainer._named_weights())  # the worker serves the bf16 rounding
+    final = tmp_path / "run" / "checkpoints" / "step-000002"
+    assert json.loads((final / "config.json").read_text())["dtype"] == "bfloat16"

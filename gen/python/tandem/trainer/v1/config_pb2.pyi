@@ -33,6 +33,10 @@ class _LossAggregationEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LossA
     """Mean over every completion token of the batch (long answers weigh more; DAPO's choice)."""
     LOSS_AGGREGATION_SEQUENCE_MEAN: _LossAggregation.ValueType  # 2
     """Mean over tokens within each sequence, then over sequences (the original GRPO)."""
+    LOSS_AGGREGATION_CONSTANT: _LossAggregation.ValueType  # 3
+    """The sum over every trained token of the batch divided by a constant, `constant_tokens` times the
+    batch's completions (Dr. GRPO): a token weighs the same whatever its completion's length.
+    """
 
 class LossAggregation(_LossAggregation, metaclass=_LossAggregationEnumTypeWrapper):
     """LossAggregation says how per-token losses become the batch loss."""
@@ -43,7 +47,41 @@ LOSS_AGGREGATION_TOKEN_MEAN: LossAggregation.ValueType  # 1
 """Mean over every completion token of the batch (long answers weigh more; DAPO's choice)."""
 LOSS_AGGREGATION_SEQUENCE_MEAN: LossAggregation.ValueType  # 2
 """Mean over tokens within each sequence, then over sequences (the original GRPO)."""
+LOSS_AGGREGATION_CONSTANT: LossAggregation.ValueType  # 3
+"""The sum over every trained token of the batch divided by a constant, `constant_tokens` times the
+batch's completions (Dr. GRPO): a token weighs the same whatever its completion's length.
+"""
 Global___LossAggregation: _TypeAlias = LossAggregation  # noqa: Y015
+
+class _RatioLevel:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RatioLevelEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RatioLevel.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RATIO_LEVEL_UNSPECIFIED: _RatioLevel.ValueType  # 0
+    """Not set; treated as TOKEN."""
+    RATIO_LEVEL_TOKEN: _RatioLevel.ValueType  # 1
+    """Each token's own ratio, clipped token by token (PPO, GRPO)."""
+    RATIO_LEVEL_SEQUENCE: _RatioLevel.ValueType  # 2
+    """Each sequence's ratio, the geometric mean of its trained tokens' ratios, clipped per sequence (GSPO).
+    Sequence ratios stay much closer to 1 than token ratios: use clip ranges far below the token level's
+    (the GSPO paper uses 3e-4 below and 4e-4 above).
+    """
+
+class RatioLevel(_RatioLevel, metaclass=_RatioLevelEnumTypeWrapper):
+    """RatioLevel says what the importance ratio of the clipped objective is taken over."""
+
+RATIO_LEVEL_UNSPECIFIED: RatioLevel.ValueType  # 0
+"""Not set; treated as TOKEN."""
+RATIO_LEVEL_TOKEN: RatioLevel.ValueType  # 1
+"""Each token's own ratio, clipped token by token (PPO, GRPO)."""
+RATIO_LEVEL_SEQUENCE: RatioLevel.ValueType  # 2
+"""Each sequence's ratio, the geometric mean of its trained tokens' ratios, clipped per sequence (GSPO).
+Sequence ratios stay much closer to 1 than token ratios: use clip ranges far below the token level's
+(the GSPO paper uses 3e-4 below and 4e-4 above).
+"""
+Global___RatioLevel: _TypeAlias = RatioLevel  # noqa: Y015
 
 class _LrSchedule:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -154,6 +192,7 @@ class TrainerConfig(_message.Message):
     EVAL_INTERVAL_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     INFERENCE_FIELD_NUMBER: _builtins.int
+    TRAINING_FIELD_NUMBER: _builtins.int
     checkpoint_interval: _builtins.int
     """Optional. Save a checkpoint every this many steps, 0 to 1000000; 0 means only at the end."""
     eval_interval: _builtins.int
@@ -196,6 +235,12 @@ class TrainerConfig(_message.Message):
     def inference(self) -> Global___InferenceConfig:
         """Optional. `[inference]`: the engine the job's inference workers run; unset means the torch engine."""
 
+    @_builtins.property
+    def training(self) -> Global___TrainingConfig:
+        """Optional. `[training]`: how the trainer computes an update (precision, micro-batches, activation
+        checkpointing); unset fields take their defaults.
+        """
+
     def __init__(
         self,
         *,
@@ -210,10 +255,11 @@ class TrainerConfig(_message.Message):
         eval_interval: _builtins.int = ...,
         seed: _builtins.int = ...,
         inference: Global___InferenceConfig | None = ...,
+        training: Global___TrainingConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "data", b"data", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "sampling", b"sampling", "task_app", b"task_app", "topology", b"topology"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "data", b"data", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "sampling", b"sampling", "task_app", b"task_app", "topology", b"topology", "training", b"training"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "checkpoint_interval", b"checkpoint_interval", "data", b"data", "eval_interval", b"eval_interval", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "sampling", b"sampling", "seed", b"seed", "task_app", b"task_app", "topology", b"topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "checkpoint_interval", b"checkpoint_interval", "data", b"data", "eval_interval", b"eval_interval", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "sampling", b"sampling", "seed", b"seed", "task_app", b"task_app", "topology", b"topology", "training", b"training"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -264,7 +310,10 @@ class ModelConfig(_message.Message):
     1024 characters.
     """
     dtype: _builtins.str
-    """Optional. The torch dtype to train and serve in, e.g. `bfloat16`; unset means the model's own."""
+    """Optional. The torch dtype the inference workers serve and checkpoints are written in, e.g. `bfloat16`;
+    unset means the model's own (its config's `dtype`). The trainer keeps float32 weights and optimizer
+    state whatever this is (`[training] compute_dtype` sets the dtype it computes in).
+    """
     @_builtins.property
     def build(self) -> Global___TinyModelSpec:
         """Optional. When set and `dir` holds no model yet, the launcher builds a small randomly initialised model
@@ -479,6 +528,10 @@ class AlgorithmConfig(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _builtins.int
     MAX_IMPORTANCE_RATIO_FIELD_NUMBER: _builtins.int
     NORMALIZE_STD_FIELD_NUMBER: _builtins.int
+    STD_FLOOR_FIELD_NUMBER: _builtins.int
+    MASK_TRUNCATED_FIELD_NUMBER: _builtins.int
+    RATIO_LEVEL_FIELD_NUMBER: _builtins.int
+    CONSTANT_TOKENS_FIELD_NUMBER: _builtins.int
     group_size: _builtins.int
     """Required. Episodes per prompt (seed); advantages are normalized within a group. 2 to 1024."""
     prompts_per_step: _builtins.int
@@ -505,12 +558,30 @@ class AlgorithmConfig(_message.Message):
     means 1.
     """
     max_importance_ratio: _builtins.float
-    """Optional. The cap on the importance weight of a lagging token (truncated importance sampling), 1 to 100.
-    Unset means 2.
+    """Optional. The dual clip on lagging tokens, 1 to 100: a token of a turn sampled by older weights than the
+    policy being trained (a turn `max_staleness` let through) whose advantage is negative costs at most this
+    times |advantage|, however large its importance ratio grew; on-policy tokens are not capped. Unset
+    means 2.
     """
     normalize_std: _builtins.bool
     """Optional. Whether group advantages are divided by the group's reward standard deviation (GRPO as
     published) or only mean-centred (Dr. GRPO). Unset means true.
+    """
+    std_floor: _builtins.float
+    """Optional. With `normalize_std`: the least standard deviation a group's advantages are divided by, in
+    reward units, 0 to 1000000. Unset means 0.001. A group whose rewards differ by less than this gets
+    advantages below 1 instead of being scaled up to +-1; a group whose rewards are all equal gets 0.
+    """
+    mask_truncated: _builtins.bool
+    """Optional. Whether completions cut off by the token limit (finish reason LENGTH) are left out of the loss
+    (DAPO's overlong filtering); their rewards still count in their group's advantages. Unset means false.
+    """
+    ratio_level: Global___RatioLevel.ValueType
+    """Optional. Whether the importance ratio is taken per token or per sequence (GSPO); unset means TOKEN."""
+    constant_tokens: _builtins.int
+    """Optional. With `loss_aggregation = CONSTANT`: the tokens per completion that, times the batch's
+    completions, divide the loss's sum; 1 to 1048576. Unset means `sampling.max_tokens`, which must then
+    be set.
     """
     def __init__(
         self,
@@ -525,33 +596,87 @@ class AlgorithmConfig(_message.Message):
         max_staleness: _builtins.int | None = ...,
         max_importance_ratio: _builtins.float | None = ...,
         normalize_std: _builtins.bool | None = ...,
+        std_floor: _builtins.float | None = ...,
+        mask_truncated: _builtins.bool = ...,
+        ratio_level: Global___RatioLevel.ValueType = ...,
+        constant_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high", "_clip_low", b"_clip_low", "_max_importance_ratio", b"_max_importance_ratio", "_max_staleness", b"_max_staleness", "_normalize_std", b"_normalize_std", "clip_high", b"clip_high", "clip_low", b"clip_low", "max_importance_ratio", b"max_importance_ratio", "max_staleness", b"max_staleness", "normalize_std", b"normalize_std"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high", "_clip_low", b"_clip_low", "_constant_tokens", b"_constant_tokens", "_max_importance_ratio", b"_max_importance_ratio", "_max_staleness", b"_max_staleness", "_normalize_std", b"_normalize_std", "_std_floor", b"_std_floor", "clip_high", b"clip_high", "clip_low", b"clip_low", "constant_tokens", b"constant_tokens", "max_importance_ratio", b"max_importance_ratio", "max_staleness", b"max_staleness", "normalize_std", b"normalize_std", "std_floor", b"std_floor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high", "_clip_low", b"_clip_low", "_max_importance_ratio", b"_max_importance_ratio", "_max_staleness", b"_max_staleness", "_normalize_std", b"_normalize_std", "clip_high", b"clip_high", "clip_low", b"clip_low", "group_size", b"group_size", "kl_coef", b"kl_coef", "loss_aggregation", b"loss_aggregation", "max_importance_ratio", b"max_importance_ratio", "max_staleness", b"max_staleness", "normalize_std", b"normalize_std", "prompts_per_step", b"prompts_per_step", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high", "_clip_low", b"_clip_low", "_constant_tokens", b"_constant_tokens", "_max_importance_ratio", b"_max_importance_ratio", "_max_staleness", b"_max_staleness", "_normalize_std", b"_normalize_std", "_std_floor", b"_std_floor", "clip_high", b"clip_high", "clip_low", b"clip_low", "constant_tokens", b"constant_tokens", "group_size", b"group_size", "kl_coef", b"kl_coef", "loss_aggregation", b"loss_aggregation", "mask_truncated", b"mask_truncated", "max_importance_ratio", b"max_importance_ratio", "max_staleness", b"max_staleness", "normalize_std", b"normalize_std", "prompts_per_step", b"prompts_per_step", "ratio_level", b"ratio_level", "std_floor", b"std_floor", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__clip_high: _TypeAlias = _typing.Literal["clip_high"]  # noqa: Y015
     _WhichOneofArgType__clip_high: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high"]  # noqa: Y015
     _WhichOneofReturnType__clip_low: _TypeAlias = _typing.Literal["clip_low"]  # noqa: Y015
     _WhichOneofArgType__clip_low: _TypeAlias = _typing.Literal["_clip_low", b"_clip_low"]  # noqa: Y015
+    _WhichOneofReturnType__constant_tokens: _TypeAlias = _typing.Literal["constant_tokens"]  # noqa: Y015
+    _WhichOneofArgType__constant_tokens: _TypeAlias = _typing.Literal["_constant_tokens", b"_constant_tokens"]  # noqa: Y015
     _WhichOneofReturnType__max_importance_ratio: _TypeAlias = _typing.Literal["max_importance_ratio"]  # noqa: Y015
     _WhichOneofArgType__max_importance_ratio: _TypeAlias = _typing.Literal["_max_importance_ratio", b"_max_importance_ratio"]  # noqa: Y015
     _WhichOneofReturnType__max_staleness: _TypeAlias = _typing.Literal["max_staleness"]  # noqa: Y015
     _WhichOneofArgType__max_staleness: _TypeAlias = _typing.Literal["_max_staleness", b"_max_staleness"]  # noqa: Y015
     _WhichOneofReturnType__normalize_std: _TypeAlias = _typing.Literal["normalize_std"]  # noqa: Y015
     _WhichOneofArgType__normalize_std: _TypeAlias = _typing.Literal["_normalize_std", b"_normalize_std"]  # noqa: Y015
+    _WhichOneofReturnType__std_floor: _TypeAlias = _typing.Literal["std_floor"]  # noqa: Y015
+    _WhichOneofArgType__std_floor: _TypeAlias = _typing.Literal["_std_floor", b"_std_floor"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__clip_high) -> _WhichOneofReturnType__clip_high | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__clip_low) -> _WhichOneofReturnType__clip_low | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__constant_tokens) -> _WhichOneofReturnType__constant_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_importance_ratio) -> _WhichOneofReturnType__max_importance_ratio | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_staleness) -> _WhichOneofReturnType__max_staleness | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize_std) -> _WhichOneofReturnType__normalize_std | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__std_floor) -> _WhichOneofReturnType__std_floor | None: ...
 
 Global___AlgorithmConfig: _TypeAlias = AlgorithmConfig  # noqa: Y015
+
+@_typing.final
+class TrainingConfig(_message.Message):
+    """TrainingConfig is how the trainer computes an update; none of it changes the update's result beyond
+    floating-point rounding, except `compute_dtype`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPUTE_DTYPE_FIELD_NUMBER: _builtins.int
+    MICRO_BATCH_TOKENS_FIELD_NUMBER: _builtins.int
+    ACTIVATION_CHECKPOINTING_FIELD_NUMBER: _builtins.int
+    compute_dtype: _builtins.str
+    """Optional. The dtype the forward and backward passes compute in, under torch.autocast: `float32` or
+    `bfloat16`; unset means float32. The trained weights and the optimizer state are float32 whatever this
+    is, and so are the log-softmax and the loss.
+    """
+    micro_batch_tokens: _builtins.int
+    """Optional. The most tokens (padding included) one forward pass holds, 0 to 16777216: each rank's
+    sequences are split into micro-batches of at most this many tokens (a longer sequence is a micro-batch
+    of its own) whose gradients add up to the whole batch's gradient. Memory grows with this, not with the
+    batch. Unset or 0 means 2048.
+    """
+    activation_checkpointing: _builtins.bool
+    """Optional. Whether each decoder layer's activations are recomputed in the backward pass instead of kept
+    from the forward (about a third more compute; a micro-batch then keeps one layer's activations at a
+    time). Unset means false.
+    """
+    def __init__(
+        self,
+        *,
+        compute_dtype: _builtins.str = ...,
+        micro_batch_tokens: _builtins.int = ...,
+        activation_checkpointing: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation_checkpointing", b"activation_checkpointing", "compute_dtype", b"compute_dtype", "micro_batch_tokens", b"micro_batch_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrainingConfig: _TypeAlias = TrainingConfig  # noqa: Y015
 
 @_typing.final
 class OptimizerConfig(_message.Message):
