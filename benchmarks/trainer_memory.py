@@ -95,7 +95,7 @@ def batch(count: int) -> tuple[list[TrainSequence], list[float]]:
         sampler = (
             -12.0 + torch.rand(COMPLETION, generator=generator)
         ).tolist()  # near uniform: ln(1/V) = -11.9
-        sequences.append((ids, PROMPT, sampler, [True] * COMPLETION, 1.0, False))
+        sequences.append((ids, PROMPT, sampler, [True] * COMPLETION, (1.0, 0, 1.0, 0.0), False))
     advantages = (torch.rand(count, generator=generator) * 2 - 1).tolist()
     return sequences, advantages
 

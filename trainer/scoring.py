@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_module
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -178,7 +179,14 @@ def _head_chunk(
     temperatures: torch.Tensor,
     truncation: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight, bias)
+    return scored_logits(F.linear(hidden, weight, bias), targets, temperatures, truncation)
+
+
+def scored_logits(
+    logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor, truncation: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of `targets` [N] under `logits` [N, V] as each row was sampled: its
+    temperature, then its `truncation` (top_k, top_p, min_p; trainer/sampling.py), the target always kept."""
     if truncation is None or not bool((truncation != NO_TRUNCATION.to(truncation.device)).any()):
         return grpo.scored_tokens(logits, targets, temperatures)
     divisor = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures)).float()
@@ -241,28 +249,39 @@ def sequence_logprobs(model: torch.nn.Module, batch: Batch) -> Scores:
     hidden states at the trained positions only; with gradients enabled each chunk is recomputed in the
     backward pass. A batch without a trained position still scores one (weight 0 in the loss), so every
     parameter is in the graph, as DDP requires."""
-    output = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention,
-        output_hidden_states=True,
-        logits_to_keep=1,  # the logits the model computes itself: only the last position's
-        use_cache=False,
-    )
-    hidden = output.hidden_states[-1]  # after the final norm: what the LM head reads
-    rows, cols = batch.mask.nonzero(as_tuple=True)
-    if rows.numel() == 0:
-        rows = cols = torch.zeros(1, dtype=torch.long, device=batch.mask.device)
     head = _unwrapped(model).get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated upstream
     if head is None:
         raise TypeError("the model has no output embeddings (LM head)")
-    logp, entropies = head_logprobs(
-        hidden[rows, batch.positions[rows, cols]],
-        head,
-        batch.targets[rows, cols],
-        batch.temperatures[rows],
-        recompute=torch.is_grad_enabled(),
-        truncation=batch.truncation[rows],
+    # Under FSDP the head's weight is whole only inside the model's forward: there the model computes the
+    # micro-batch's logits itself (the micro-batch budget bounds them), elsewhere only the last position's.
+    sharded = isinstance(head.weight, DTensor)
+    output = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention,
+        output_hidden_states=not sharded,
+        logits_to_keep=0 if sharded else 1,
+        use_cache=False,
     )
+    rows, cols = batch.mask.nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        rows = cols = torch.zeros(1, dtype=torch.long, device=batch.mask.device)
+    if sharded:
+        logp, entropies = scored_logits(
+            output.logits[rows, batch.positions[rows, cols]],
+            batch.targets[rows, cols],
+            batch.temperatures[rows],
+            batch.truncation[rows],
+        )
+    else:
+        hidden = output.hidden_states[-1]  # after the final norm: what the LM head reads
+        logp, entropies = head_logprobs(
+            hidden[rows, batch.positions[rows, cols]],
+            head,
+            batch.targets[rows, cols],
+            batch.temperatures[rows],
+            recompute=torch.is_grad_enabled(),
+            truncation=batch.truncation[rows],
+        )
     scattered = torch.zeros(batch.mask.shape, dtype=logp.dtype, device=logp.device).index_put(
         (rows, cols), logp
     )
@@ -359,14 +378,19 @@ def accumulate(
     device: torch.device,
     *,
     scale: float = 1.0,
+    budget: int | None = 0,
 ) -> Scored:
-    """Forward and backward over `sequences` in micro-batches of `job.micro_batch_tokens`: the parameters'
-    gradients grow by `scale` times the gradient of the sequences' loss as one batch. Returns that loss
-    (unscaled, detached) and its statistics."""
+    """Forward and backward over `sequences` in micro-batches of `budget` tokens (0: the job's
+    `micro_batch_tokens`; None: all of them in one pass): the parameters' gradients grow by `scale` times
+    the gradient of the sequences' loss as one batch. Returns that loss (unscaled, detached) and its
+    statistics."""
     batch = collate(sequences, advantages)
     weights = _weights(batch, job)
     policy.train(False)  # dropout off; gradients still flow
-    plan = micro_batches(batch.lengths, job.micro_batch_tokens)
+    if budget is None:
+        plan = [list(range(len(batch.lengths)))]
+    else:
+        plan = micro_batches(batch.lengths, budget or job.micro_batch_tokens)
     parts: list[grpo.LossStats] = []
     total, entropy_sum = 0.0, 0.0
     for number, rows in enumerate(plan):

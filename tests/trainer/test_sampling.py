@@ -15,7 +15,8 @@ from tests.trainer.test_ranks import make_job, trainer
 from trainer.inference.engine import Finished, Sampling, TokenChunk
 from trainer.inference.torch_engine import TorchEngine
 from trainer.sampling import dropped, truncated, truncates
-from trainer.train import Episode, batch_loss
+from trainer.scoring import batch_loss
+from trainer.train import Episode
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 LOGITS = torch.log(torch.tensor(PROBS))

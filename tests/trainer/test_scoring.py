@@ -63,7 +63,7 @@ def sequences() -> tuple[list[TrainSequence], list[float]]:
         ids = torch.randint(3, 500, (prompt + completion,), generator=generator).tolist()
         logprobs = (-1.0 - torch.rand(completion, generator=generator)).tolist()
         mask = [index != 4 and (index + j) % 4 != 3 for j in range(completion)]
-        made.append((ids, prompt, logprobs, mask, [1.0, 0.7, 0.0][index % 3], index == 2))
+        made.append((ids, prompt, logprobs, mask, ([1.0, 0.7, 0.0][index % 3], 0, 1.0, 0.0), index == 2))
     return made, [1.0, -0.5, 0.25, -1.0, 0.5, 2.0]
 
 
