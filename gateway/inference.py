@@ -44,6 +44,7 @@ from tandem.inference.v1 import generation_pb2
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from tandem.trainer.v1 import checkpoint_pb2
 
+from gateway.httpinput import DIGITS
 from mesh.errors import FailedPrecondition, InvalidArgument, NotFound, R, Unavailable
 
 WORKER_TASK = "worker"
@@ -231,7 +232,7 @@ def served_checkpoint(job: job_pb2.Job) -> tuple[str, int] | None:
         bound = {binding.env for binding in task.secrets}
         if task.name == WORKER_TASK and CHECKPOINT_ENV in task.envs and KEY_ENV in bound:
             step = task.envs.get(STEP_ENV, "0")
-            return task.envs[CHECKPOINT_ENV], int(step) if step.isdigit() else 0
+            return task.envs[CHECKPOINT_ENV], int(step) if DIGITS.fullmatch(step) else 0
     return None
 
 

@@ -48,7 +48,7 @@ def test_a_retired_key_verifies_until_its_cutoff_and_no_longer(tmp_path: Path) -
 
 
 async def put_secret(settings: Settings, token: str) -> None:
-    async with open_channel(running_address(settings), settings, token=token) as channel:
+    async with open_channel(settings.target("vault"), settings, token=token) as channel:
         vault = vault_service_pb2_grpc.VaultServiceStub(channel)
         key = await vault.GetPublicKey(pb.GetPublicKeyRequest(parent="orgs/acme"))
         await vault.PutSecret(
@@ -61,15 +61,11 @@ async def put_secret(settings: Settings, token: str) -> None:
         )
 
 
-def running_address(settings: Settings) -> str:
-    return settings.target("vault")
-
-
 async def opened(settings: Settings, signer: TokenSigner) -> dict[str, bytes]:
     token = signer.issue(
         "job", "orgs/acme/jobs/run", org="acme", extra={"secrets": ["orgs/acme/secrets/env-key"]}
     )
-    async with open_channel(running_address(settings), settings, token=token) as channel:
+    async with open_channel(settings.target("vault"), settings, token=token) as channel:
         stub = vault_service_pb2_grpc.VaultServiceStub(channel)
         return await open_secrets(stub, ["orgs/acme/secrets/env-key"], token)
 
