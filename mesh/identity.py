@@ -29,6 +29,7 @@ import nacl.exceptions
 import nacl.signing
 
 from mesh.errors import R, Unauthenticated
+from mesh.files import write_atomic
 
 PREFIX = "tdm1"
 CLOCK_SKEW_S = 30.0
@@ -138,14 +139,7 @@ def rotate_signing_key(state_dir: Path, overlap_s: float = ROTATION_OVERLAP_S) -
 
 
 def _write_private(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)
+    write_atomic(path, text, mode=0o600, sync=True)
 
 
 class TokenVerifier:

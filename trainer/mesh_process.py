@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+from mesh.files import write_atomic
 from mesh.observability import configure_logging
 from mesh.server import RunningService, serve
 from mesh.settings import Ports, Settings, Targets
@@ -41,9 +42,7 @@ def local_settings(state_dir: Path, mesh_key: str) -> Settings:
 
 
 def _write_ready(path: Path, running: Sequence[RunningService]) -> None:
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps({service.name: service.port for service in running}))
-    partial.replace(path)  # the parent never reads half a file
+    write_atomic(path, json.dumps({service.name: service.port for service in running}))  # never half a file
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from tandem.trainer.v1 import checkpoint_pb2, status_pb2, trainer_service_pb2, t
 
 from mesh import paging
 from mesh.errors import NotFound, PermissionDenied, R
+from mesh.files import write_atomic
 from mesh.interceptors import current_principal
 from mesh.server import Deps, Registration, start_service
 from mesh.settings import Settings
@@ -170,9 +170,7 @@ class TrainerServicer(trainer_service_pb2_grpc.TrainerServiceServicer):
 
 
 def _write_address(path: Path, document: dict[str, str]) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(document))
-    os.replace(partial, path)  # readers see the whole file or none
+    write_atomic(path, json.dumps(document))  # readers see the whole file or none
 
 
 @contextlib.asynccontextmanager

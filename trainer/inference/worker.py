@@ -40,6 +40,7 @@ from tandem.inference.v1 import (
 )
 
 from mesh.errors import FailedPrecondition, InvalidArgument, R, Unavailable
+from mesh.files import write_atomic
 from mesh.observability import configure_logging
 from mesh.server import Deps, Registration, serve
 from mesh.settings import Settings
@@ -608,7 +609,7 @@ async def run_worker(
                 "model": engine.info.model,
                 "pid": os.getpid(),
             }
-            worker_settings.ready_file.write_text(json.dumps(payload))
+            write_atomic(worker_settings.ready_file, json.dumps(payload))  # read as soon as it exists
 
     stop = stop or asyncio.Event()
     idle = (

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mesh.files import write_atomic
 from services.scheduler.backends.base import (
     Handle,
     LaunchRefused,
@@ -118,12 +119,6 @@ def process_start_time(pid: int, *, zombie: bool = False) -> int | None:
     return int(fields[19])
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _first_failure(attempt_dir: Path) -> tuple[float, int] | None:
     """(when, rank) of the first rank seen failing, as recorded in the attempt folder."""
     try:
@@ -145,7 +140,7 @@ def _group_is_ours(rank: _Rank) -> bool:
 
 def _mark_cancelled(attempt_dir: Path) -> None:
     if attempt_dir.is_dir():
-        _write_atomic(attempt_dir / CANCELLED, f"{time.time()}\n")
+        write_atomic(attempt_dir / CANCELLED, f"{time.time()}\n")
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -344,7 +339,7 @@ class LocalBackend:
             return None
         handle["ranks"] = ranks
         handle["pid"], handle["pgid"] = ranks[0]["pid"], ranks[0]["pgid"]
-        _write_atomic(marker, json.dumps(handle))
+        write_atomic(marker, json.dumps(handle))
         return handle
 
     async def poll(self, handle: Handle) -> Observed:
@@ -465,7 +460,7 @@ class LocalBackend:
         }
         for rank in range(spec.num_nodes):  # a relaunch after a crash before any process started
             (attempt_dir / f"rank-{rank}.exit").unlink(missing_ok=True)
-        _write_atomic(attempt_dir / MARKER, json.dumps(handle))
+        write_atomic(attempt_dir / MARKER, json.dumps(handle))
         ranks: list[dict[str, Any]] = []
         try:
             for node in nodes:
@@ -477,7 +472,7 @@ class LocalBackend:
             raise LaunchRefused(f"cannot start the task: {exc}") from exc
         handle["ranks"] = ranks
         handle["pid"], handle["pgid"] = ranks[0]["pid"], ranks[0]["pgid"]
-        _write_atomic(attempt_dir / MARKER, json.dumps(handle))
+        write_atomic(attempt_dir / MARKER, json.dumps(handle))
         return handle
 
     def _assign(self, spec: LaunchSpec) -> list[NodeAssignment]:
@@ -595,7 +590,7 @@ class LocalBackend:
         first = _first_failure(attempt_dir)
         if first is None:
             first = (time.time(), rank)
-            _write_atomic(attempt_dir / FAILED_AT, json.dumps({"time": first[0], "rank": rank}))
+            write_atomic(attempt_dir / FAILED_AT, json.dumps({"time": first[0], "rank": rank}))
         sig = signal.SIGKILL if time.time() - first[0] > self.failure_grace_s else signal.SIGTERM
         for r in running:
             _signal_group(r.pgid, sig)
