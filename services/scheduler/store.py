@@ -202,6 +202,11 @@ def _job_params(j: JobRow) -> tuple[Any, ...]:
     )
 
 
+# Rows to enums by lookup: calling an Enum class costs microseconds, and a page of jobs makes hundreds.
+_JOB_STATES = {int(state): state for state in JobState}
+_TASK_STATES = {int(state): state for state in TaskState}
+
+
 def _job_from(row: dict[str, Any]) -> JobRow:
     return JobRow(
         name=row["name"],
@@ -210,7 +215,7 @@ def _job_from(row: dict[str, Any]) -> JobRow:
         priority=int(row["priority"]),
         backend=row["backend"],
         create_time=float(row["create_time"]),
-        state=JobState(int(row["state"])),
+        state=_JOB_STATES[int(row["state"])],
         failure=FailureInfo.from_json(row["failure"]),
         start_time=row["start_time"],
         end_time=row["end_time"],
@@ -273,7 +278,7 @@ def _task_from(row: dict[str, Any]) -> TaskRow:
         job=row["job"],
         task=row["task"],
         idx=int(row["idx"]),
-        state=TaskState(int(row["state"])),
+        state=_TASK_STATES[int(row["state"])],
         restart_count=int(row["restart_count"]),
         attempt=int(row["attempt"]),
         failure=FailureInfo.from_json(row["failure"]),
@@ -291,7 +296,7 @@ def _attempt_from(row: dict[str, Any]) -> AttemptRow:
         attempt=int(row["attempt"]),
         key=row["attempt_key"],
         backend=row["backend"],
-        state=TaskState(int(row["state"])),
+        state=_TASK_STATES[int(row["state"])],
         handle=json.loads(row["handle"]) if row["handle"] else None,
         nodes=json.loads(row["nodes"]),
         exit_code=row["exit_code"],
