@@ -3,8 +3,8 @@ gateway replicas on one address beside one, all in the same run.
 
 Run from the repository root:
 
-    .venv/bin/python benchmarks/gateway.py                # 4 rounds, 16 callers x 10 calls a phase, ~90 s
-    .venv/bin/python benchmarks/gateway.py --quick        # 2 rounds, 16 callers x 5 calls a phase, < 60 s
+    .venv/bin/python benchmarks/gateway.py                # 4 rounds, 16 callers x 10 calls a phase, ~30 s
+    .venv/bin/python benchmarks/gateway.py --quick        # 2 rounds, 16 callers x 5 calls a phase, ~20 s
     .venv/bin/python benchmarks/gateway.py --replicas 1   # without the scale-out phase
 
 Processes, each a child of this one so that none shares the measuring client's event loop:
