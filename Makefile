@@ -11,7 +11,7 @@ NPM_STAMP := node_modules/.installed
 HAND_WRITTEN := $(wildcard mesh services gateway trainer tandem_jobs tandem_taskapp tandem_client examples scripts benchmarks tests)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast setup-vllm test-vllm up demo train-demo bench-events bench-vault bench-weights bench-async bench-scheduler clean
+.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast setup-vllm test-vllm up demo train-demo bench-events bench-vault bench-weights bench-async bench-scheduler bench-gateway clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -110,6 +110,9 @@ bench-async: setup  ## async RL (max_staleness 2) against on-policy on the demo 
 
 bench-scheduler: setup  ## scheduler: submit-to-running latency against a direct spawn, one admission pass over 10,000 jobs against a sort
 	$(PY) benchmarks/scheduler.py
+
+bench-gateway: setup  ## gateway: ListJobs of 50 jobs against GetServerInfo at 16 callers, and ListJobs on 2 replicas against 1
+	$(PY) benchmarks/gateway.py
 
 clean:  ## remove the virtual environment, Node tools and local state
 	rm -rf $(VENV) $(VLLM_VENV) node_modules .tandem .pytest_cache .mypy_cache .ruff_cache

@@ -39,6 +39,12 @@ class GatewaySettings(BaseSettings):
         "settings (mTLS when TANDEM_TLS__* are set, else plaintext).",
     )
     tls_key_file: str = Field("", description="PEM private key of `tls_cert_file`.")
+    reuse_port: bool = Field(
+        False,
+        description="Let several gateway processes listen on the same gRPC and HTTP ports (SO_REUSEPORT, "
+        "Linux): the kernel hands each new connection to one of them. Every replica needs it, the same mesh "
+        "key, admin credential and store. Off: a second process on the port fails to start.",
+    )
     http_port: int = Field(
         -1,
         ge=-1,

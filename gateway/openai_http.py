@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import math
 import re
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -162,10 +163,11 @@ async def start(
     port: int,
     dashboard_key: bytes | None = None,
     tls: tuple[str, str] | None = None,
+    reuse_port: bool = False,
 ) -> RunningHttp:
     """The HTTP server: the OpenAI-compatible endpoint, and the dashboard (`gateway.dashboard`) when
     `dashboard_key` (the HMAC key of its stream tokens) is given; HTTPS with `tls` (certificate and key
-    files)."""
+    files). With `reuse_port` other gateway replicas may listen on the same port (SO_REUSEPORT)."""
     extra = Dashboard(servicer, orgs, dashboard_key).routes() if dashboard_key is not None else []
     server = uvicorn.Server(
         uvicorn.Config(
@@ -179,7 +181,8 @@ async def start(
             ssl_keyfile=tls[1] if tls else None,
         )
     )
-    task = asyncio.create_task(server.serve(), name="gateway-openai-http")
+    sockets = [_reusable_socket(host, port)] if reuse_port else None
+    task = asyncio.create_task(server.serve(sockets=sockets), name="gateway-openai-http")
     while not server.started:
         if task.done():
             await task
@@ -187,3 +190,20 @@ async def start(
         await asyncio.sleep(0.01)
     bound = server.servers[0].sockets[0].getsockname()[1]
     return RunningHttp(f"{'https' if tls else 'http'}://{host}:{bound}/v1", server, task)
+
+
+def _reusable_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on `host:port` that other processes may bind too (SO_REUSEPORT): the kernel spreads
+    new connections over every process listening on it. uvicorn binds only without the option."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock

@@ -795,6 +795,11 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         return sorted(unique.values(), key=lambda c: c.name)
 
 
+def shares_port() -> bool:
+    """Replicas may share the gateway's ports (`TANDEM_GATEWAY_REUSE_PORT`; read by `mesh.server`)."""
+    return GatewaySettings().reuse_port
+
+
 async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     config = GatewaySettings()
     admin_key, admin_file = load_admin_key(config.admin_key, deps.settings.state_dir)
@@ -818,6 +823,7 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
             config.http_port,
             dashboard.stream_key(seed),
             tls=(config.tls_cert_file, config.tls_key_file) if public_tls else None,
+            reuse_port=config.reuse_port,
         )
         servicer.openai_base_url = http.base_url
         on_stop.insert(0, http.stop)

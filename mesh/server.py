@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
 from pathlib import Path
+from types import ModuleType
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -79,14 +80,25 @@ class RunningService:
         await self.deps.clients.close()
 
 
+def _servicer_module(service: str) -> ModuleType:
+    return import_module("gateway.servicer" if service == "gateway" else f"services.{service}.servicer")
+
+
 def setup_for(service: str) -> Setup:
     """The `setup` function of `services/<service>` (or `gateway`)."""
-    module = import_module("gateway.servicer" if service == "gateway" else f"services.{service}.servicer")
-    fn: Setup = module.setup
+    fn: Setup = _servicer_module(service).setup
     return fn
 
 
-def server_options(settings: Settings) -> list[tuple[str, int]]:
+def shares_port(service: str) -> bool:
+    """Whether `service` lets other processes of it listen on its port (SO_REUSEPORT): its module's
+    `shares_port()` when it has one. Only the gateway may (stateless over the mesh, so any replica can take
+    any connection), and only when its settings say so; every other service owns its port alone."""
+    fn: Callable[[], bool] | None = getattr(_servicer_module(service), "shares_port", None)
+    return fn() if fn is not None else False
+
+
+def server_options(settings: Settings, reuse_port: bool = False) -> list[tuple[str, int]]:
     # gRPC core refuses anything past this hard limit itself (RESOURCE_EXHAUSTED); below it our validation
     # interceptor measures each request against max_message_bytes and answers with a reason.
     hard_limit = settings.max_message_bytes * 2 + 64 * 1024
@@ -98,7 +110,7 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(reuse_port)),  # a second process on the port fails unless it may share
     ]
 
 
@@ -123,7 +135,8 @@ async def start_service(
     verifier = TokenVerifier(key.verify_key, retired=load_retired_keys(settings.state_dir))
     public: set[str] = set()
     interceptors, auth = server_interceptors(service, verifier, public, settings.max_message_bytes)
-    server = grpc.aio.server(interceptors=interceptors, options=server_options(settings))
+    reuse_port = setup is None and shares_port(service)
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(settings, reuse_port))
     deps = Deps(
         service, settings, signer, verifier, ClientFactory(settings, signer, service), auth, colocated
     )

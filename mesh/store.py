@@ -129,6 +129,13 @@ class Database(Executor):
         async with self.transaction() as tx:
             return await _drive(tx, program)
 
+    async def read(self, program: Program[T]) -> T:
+        """Run a program of reads (`Fetch` only) in one read transaction, so all its statements see one
+        state of the store; it takes no write lock. SQLite runs it whole on the reader's thread: one
+        hand-off between threads, not one per statement."""
+        async with self.transaction() as tx:
+            return await _drive(_ReadOnly(tx), program)
+
     @abc.abstractmethod
     async def close(self) -> None: ...
 
@@ -173,6 +180,20 @@ class Database(Executor):
         return None
 
 
+class _ReadOnly(Executor):
+    """The reads of `tx`; a program given to `Database.read` that tries to write is a bug."""
+
+    def __init__(self, tx: Executor) -> None:
+        self.dialect = tx.dialect
+        self._tx = tx
+
+    async def fetchall(self, sql: str, params: Params = ()) -> list[Row]:
+        return await self._tx.fetchall(sql, params)
+
+    async def execute(self, sql: str, params: Params = ()) -> int:
+        raise StoreError("a read program tried to write")
+
+
 async def _drive(tx: Executor, program: Program[T]) -> T:
     """Run a transaction program's statements on `tx`, sending each result back, until it returns. A failed
     statement ends the program (it is closed, its `finally` blocks run) and the error comes out of here."""
@@ -188,6 +209,12 @@ async def _drive(tx: Executor, program: Program[T]) -> T:
     except StopIteration as stop:
         value: T = stop.value
         return value
+
+
+async def run_on(tx: Executor, program: Program[T]) -> T:
+    """Run a program's statements on `tx`, a transaction already open (`async with db.transaction() as
+    tx`), so that one program of reads serves both inside a transaction and in `Database.read`."""
+    return await _drive(tx, program)
 
 
 async def _run_async(tx: Executor, statement: Statement) -> Any:
@@ -299,6 +326,14 @@ def _sqlite_run_program(conn: sqlite3.Connection, program: Program[T]) -> T:
     return result
 
 
+def _sqlite_read_program(conn: sqlite3.Connection, program: Program[T]) -> T:
+    conn.execute("BEGIN")  # deferred: a read snapshot from the first statement on, no lock taken
+    try:
+        return _run_to_completion(_drive(_ReadOnly(_SqliteThreadTx(conn)), program))
+    finally:
+        conn.execute("COMMIT")  # nothing was written: this only ends the snapshot
+
+
 class _SqliteTx(Executor):
     dialect: Dialect = "sqlite"
 
@@ -378,6 +413,9 @@ class SqliteDatabase(Database):
         async with self._write_lock:
             return await self._writer.call(_sqlite_run_program, self._writer.raw, program)
 
+    async def read(self, program: Program[T]) -> T:
+        return await self._reader.call(_sqlite_read_program, self._reader.raw, program)
+
     async def close(self) -> None:
         await self._writer.close()
         await self._reader.close()
@@ -454,6 +492,11 @@ class PostgresDatabase(Database):
     async def transaction(self) -> AsyncIterator[Executor]:
         async with self.pool.connection() as conn, conn.transaction():
             yield _PostgresTx(conn)
+
+    async def read(self, program: Program[T]) -> T:
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")  # one snapshot
+            return await _drive(_ReadOnly(_PostgresTx(conn)), program)
 
     async def _lock_migrations(self, tx: Executor) -> None:
         await tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(b"tandem:migrations"),))

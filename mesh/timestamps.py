@@ -14,6 +14,13 @@ def stamp(seconds: float | None) -> timestamp_pb2.Timestamp | None:
     return value
 
 
+def put_stamp(field: timestamp_pb2.Timestamp, seconds: float | None) -> None:
+    """`stamp` written into a message's own Timestamp field, with no message made and copied in (a page of
+    jobs sets hundreds); None leaves the field unset."""
+    if seconds is not None:
+        field.FromNanoseconds(int(seconds * 1e9))
+
+
 def duration(seconds: float) -> duration_pb2.Duration:
     value = duration_pb2.Duration()
     value.FromNanoseconds(int(seconds * 1e9))

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from google.protobuf import timestamp_pb2
 from tandem.events.v1 import events_service_pb2_grpc
 from tandem.scheduler.v1 import (
     cluster_pb2,
@@ -47,6 +46,7 @@ from mesh.jobtokens import JobLiveness, Lookup, why_ended
 from mesh.server import Deps, Registration
 from mesh.status import RpcError
 from mesh.store import open_database
+from mesh.timestamps import put_stamp
 from mesh.timestamps import stamp as _stamp
 from services.scheduler import lifecycle as lc
 from services.scheduler import spec as specs
@@ -71,50 +71,50 @@ HEARTBEAT_S = 15.0
 
 
 def job_proto(record: JobRecord) -> job_pb2.Job:
+    # Fields are filled in place (the spec parsed into its field, tasks added, times set): a ListJobs page
+    # builds this for every job, and building sub-messages apart copies each one in again.
     job = record.job
     proto = job_pb2.Job(
         name=job.name,
-        spec=JobSpec.FromString(job.spec),
         state=int(job.state),  # type: ignore[arg-type]
-        failure=failure_proto(job.failure)
-        if job.state in (lc.JobState.FAILED, lc.JobState.RECOVERING)
-        else None,
         backend=BACKEND_ENUMS.get(job.backend, job_spec_pb2.BACKEND_UNSPECIFIED),
         restart_count=job.restart_count,
         creator=job.creator,
         request_id=job.request_id,
-        create_time=_stamp(job.create_time),
-        start_time=_stamp(job.start_time),
-        end_time=_stamp(job.end_time),
     )
+    proto.spec.ParseFromString(job.spec)
+    if job.state in (lc.JobState.FAILED, lc.JobState.RECOVERING):
+        failure = failure_proto(job.failure)
+        if failure is not None:
+            proto.failure.CopyFrom(failure)
+    put_stamp(proto.create_time, job.create_time)
+    put_stamp(proto.start_time, job.start_time)
+    put_stamp(proto.end_time, job.end_time)
     for task in record.tasks:
-        proto.tasks.append(_task_proto(record, task))
+        _task_proto(record, task, proto.tasks.add())
     return proto
 
 
-def _task_proto(record: JobRecord, task: TaskRow) -> job_pb2.TaskStatus:
-    status = job_pb2.TaskStatus(
-        task=task.task,
-        state=int(task.state),  # type: ignore[arg-type]
-        restart_count=task.restart_count,
-        endpoint=task.endpoint,
-        failure=failure_proto(task.failure),
-        end_time=_stamp(task.end_time),
-    )
+def _task_proto(record: JobRecord, task: TaskRow, status: job_pb2.TaskStatus) -> None:
+    status.task = task.task
+    status.state = int(task.state)  # type: ignore[assignment]
+    status.restart_count = task.restart_count
+    status.endpoint = task.endpoint
+    if task.failure is not None:
+        failure = failure_proto(task.failure)
+        assert failure is not None
+        status.failure.CopyFrom(failure)
+    put_stamp(status.end_time, task.end_time)
     current = record.current(task.task)
     status.attempt = max(task.attempt, 0)
     if current is not None:
-        status.start_time.CopyFrom(_stamp(current.start_time) or timestamp_pb2.Timestamp())
-        if current.start_time is None:
-            status.ClearField("start_time")
+        put_stamp(status.start_time, current.start_time)
         for node in current.nodes:
-            status.nodes.append(
-                job_pb2.NodeHandle(
-                    rank=int(node["rank"]),
-                    node=str(node.get("node", "")),
-                    address=str(node.get("address", "")),
-                    gpu_indices=[int(i) for i in node.get("gpu_indices", [])],
-                )
+            status.nodes.add(
+                rank=int(node["rank"]),
+                node=str(node.get("node", "")),
+                address=str(node.get("address", "")),
+                gpu_indices=[int(i) for i in node.get("gpu_indices", [])],
             )
         handle = current.handle or {}
         if current.backend == "local" and "pid" in handle:
@@ -130,7 +130,6 @@ def _task_proto(record: JobRecord, task: TaskRow) -> job_pb2.TaskStatus:
             k8s.namespace = str(handle.get("namespace", ""))
             k8s.name = str(handle["job"])
             k8s.uid = str(handle.get("uid", ""))
-    return status
 
 
 def _node_proto(backend: str, node: NodeInventory) -> cluster_pb2.Node:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mesh.errors import AlreadyExists, NotFound, R
-from mesh.store import Database, Executor, IntegrityError, Migration
+from mesh.store import Database, Executor, Fetch, IntegrityError, Migration, Program, Row, run_on
 from services.scheduler.lifecycle import JOB_TERMINAL, FailureClass, JobState, TaskState
 
 _TABLES = """
@@ -202,6 +202,11 @@ def _job_params(j: JobRow) -> tuple[Any, ...]:
     )
 
 
+# Rows to enums by lookup: calling an Enum class costs microseconds, and a page of jobs makes hundreds.
+_JOB_STATES = {int(state): state for state in JobState}
+_TASK_STATES = {int(state): state for state in TaskState}
+
+
 def _job_from(row: dict[str, Any]) -> JobRow:
     return JobRow(
         name=row["name"],
@@ -210,7 +215,7 @@ def _job_from(row: dict[str, Any]) -> JobRow:
         priority=int(row["priority"]),
         backend=row["backend"],
         create_time=float(row["create_time"]),
-        state=JobState(int(row["state"])),
+        state=_JOB_STATES[int(row["state"])],
         failure=FailureInfo.from_json(row["failure"]),
         start_time=row["start_time"],
         end_time=row["end_time"],
@@ -227,12 +232,53 @@ def _job_from(row: dict[str, Any]) -> JobRow:
     )
 
 
+LOAD_CHUNK = 500  # job names per IN (...) list, well under any store's limit on parameters
+
+
+def _records(rows: Sequence[Row]) -> Program[list[JobRecord]]:
+    """The records of these job rows, in their order, with their tasks and attempts read in two statements
+    per `LOAD_CHUNK` jobs rather than two per job."""
+    records = {str(row["name"]): JobRecord(_job_from(row), []) for row in rows}
+    names = list(records)
+    for start in range(0, len(names), LOAD_CHUNK):
+        chunk = names[start : start + LOAD_CHUNK]
+        marks = ", ".join("?" * len(chunk))
+        tasks: list[Row] = yield Fetch(
+            f"SELECT * FROM sched_tasks WHERE job IN ({marks}) ORDER BY job, idx",  # noqa: S608 - placeholders
+            chunk,
+        )
+        attempts: list[Row] = yield Fetch(
+            f"SELECT * FROM sched_attempts WHERE job IN ({marks}) ORDER BY job, task, attempt",  # noqa: S608 - placeholders
+            chunk,
+        )
+        for t in tasks:
+            records[t["job"]].tasks.append(_task_from(t))
+        for a in attempts:
+            records[a["job"]].attempts.setdefault(a["task"], []).append(_attempt_from(a))
+    return list(records.values())
+
+
+def _jobs_where(condition: str, params: Sequence[Any]) -> Program[list[JobRecord]]:
+    """The jobs `condition` (a WHERE clause and what follows it) selects, whole. Run by `Database.read`, a
+    page of ListJobs is one hand-off to SQLite's reader thread and one snapshot, not three reads per job."""
+    rows: list[Row] = yield Fetch(
+        f"SELECT seq, {_JOB_COLUMNS} FROM sched_jobs WHERE {condition}",  # noqa: S608 - constant columns, our clauses
+        params,
+    )
+    return (yield from _records(rows))
+
+
+def _job_named(name: str) -> Program[JobRecord | None]:
+    records = yield from _jobs_where("name = ?", (name,))
+    return records[0] if records else None
+
+
 def _task_from(row: dict[str, Any]) -> TaskRow:
     return TaskRow(
         job=row["job"],
         task=row["task"],
         idx=int(row["idx"]),
-        state=TaskState(int(row["state"])),
+        state=_TASK_STATES[int(row["state"])],
         restart_count=int(row["restart_count"]),
         attempt=int(row["attempt"]),
         failure=FailureInfo.from_json(row["failure"]),
@@ -250,7 +296,7 @@ def _attempt_from(row: dict[str, Any]) -> AttemptRow:
         attempt=int(row["attempt"]),
         key=row["attempt_key"],
         backend=row["backend"],
-        state=TaskState(int(row["state"])),
+        state=_TASK_STATES[int(row["state"])],
         handle=json.loads(row["handle"]) if row["handle"] else None,
         nodes=json.loads(row["nodes"]),
         exit_code=row["exit_code"],
@@ -318,64 +364,36 @@ class JobStore:
         return str(row["job"]) if row else None
 
     async def get(self, name: str) -> JobRecord:
-        record = await self._load(self.db, name)
+        record = await self.find(name)
         if record is None:
             raise NotFound(f"{name} not found", reason=R.ERROR_REASON_JOB_NOT_FOUND)
         return record
 
     async def find(self, name: str) -> JobRecord | None:
-        return await self._load(self.db, name)
+        return await self.db.read(_job_named(name))
 
     async def _load(self, tx: Executor, name: str) -> JobRecord | None:
-        row = await tx.fetchone(
-            f"SELECT seq, {_JOB_COLUMNS} FROM sched_jobs WHERE name = ?",  # noqa: S608 - constant columns
-            (name,),
-        )
-        if row is None:
-            return None
-        tasks = await tx.fetchall("SELECT * FROM sched_tasks WHERE job = ? ORDER BY idx", (name,))
-        attempts = await tx.fetchall(
-            "SELECT * FROM sched_attempts WHERE job = ? ORDER BY task, attempt", (name,)
-        )
-        record = JobRecord(_job_from(row), [_task_from(t) for t in tasks])
-        for a in attempts:
-            record.attempts.setdefault(a["task"], []).append(_attempt_from(a))
-        return record
+        return await run_on(tx, _job_named(name))
 
     async def list_jobs(
         self, org: str, states: Sequence[JobState], before_seq: int, limit: int
     ) -> list[JobRecord]:
         """One page of an organization's jobs, newest first, below `before_seq` (0: from the newest)."""
-        sql = f"SELECT seq, {_JOB_COLUMNS} FROM sched_jobs WHERE org = ?"  # noqa: S608 - constant columns
+        condition = "org = ?"
         params: list[Any] = [org]
         if before_seq:
-            sql += " AND seq < ?"
+            condition += " AND seq < ?"
             params.append(before_seq)
         if states:
-            sql += f" AND state IN ({', '.join('?' * len(states))})"
+            condition += f" AND state IN ({', '.join('?' * len(states))})"
             params.extend(int(s) for s in states)
-        sql += " ORDER BY seq DESC LIMIT ?"
         params.append(limit)
-        rows = await self.db.fetchall(sql, params)
-        records = []
-        for row in rows:
-            record = await self._load(self.db, row["name"])
-            if record is not None:
-                records.append(record)
-        return records
+        return await self.db.read(_jobs_where(condition + " ORDER BY seq DESC LIMIT ?", params))
 
     async def active(self) -> list[JobRecord]:
         """Every job not in a terminal state, oldest first: what a starting engine resumes."""
         terminal = ", ".join(str(int(s)) for s in JOB_TERMINAL)
-        rows = await self.db.fetchall(
-            f"SELECT name FROM sched_jobs WHERE state NOT IN ({terminal}) ORDER BY seq"  # noqa: S608 - integers
-        )
-        records = []
-        for row in rows:
-            record = await self._load(self.db, row["name"])
-            if record is not None:
-                records.append(record)
-        return records
+        return await self.db.read(_jobs_where(f"state NOT IN ({terminal}) ORDER BY seq", ()))
 
     async def live_attempts(self) -> list[AttemptRow]:
         """Attempts not known to have ended, of any job: a restarted engine reattaches each."""

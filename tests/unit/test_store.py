@@ -118,6 +118,32 @@ async def test_a_transaction_program_commits_when_it_returns_and_only_then(store
         await db.close()
 
 
+def _count_then_items() -> Program[tuple[int, list[str]]]:
+    counted: list[Row] = yield Fetch("SELECT COUNT(*) AS n FROM items")
+    rows: list[Row] = yield Fetch("SELECT id FROM items ORDER BY id")
+    return int(counted[0]["n"]), [str(r["id"]) for r in rows]
+
+
+def _read_then_write() -> Program[None]:
+    yield Fetch("SELECT COUNT(*) AS n FROM items")
+    yield Execute("INSERT INTO items (id, n) VALUES (?, ?)", ("sneaky", 1))
+
+
+async def test_a_read_program_reads_and_refuses_to_write(store_url: str) -> None:
+    db = await open_database(store_url, "svc", MIGRATIONS)
+    try:
+        await db.run(_insert_then(["a", "b"]))
+        assert await db.read(_count_then_items()) == (2, ["a", "b"])
+        with pytest.raises(StoreError):
+            await db.read(_read_then_write())
+        assert await db.read(_count_then_items()) == (2, ["a", "b"])
+        await db.execute("INSERT INTO items (id, n) VALUES (?, ?)", ("c", 1))  # the snapshot ended
+        reads = await asyncio.gather(*(db.read(_count_then_items()) for _ in range(8)))
+        assert reads == [(3, ["a", "b", "c"])] * 8
+    finally:
+        await db.close()
+
+
 async def test_constraint_violation_is_an_integrity_error(store_url: str) -> None:
     db = await open_database(store_url, "svc", MIGRATIONS)
     try:

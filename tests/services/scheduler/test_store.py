@@ -78,3 +78,23 @@ async def test_list_newest_first_with_state_filter(store: JobStore) -> None:
     assert [r.job.name for r in rest] == ["orgs/acme/jobs/j2", "orgs/acme/jobs/j1", "orgs/acme/jobs/j0"]
     assert await store.list_jobs("acme", [JobState.RUNNING], 0, 10) == []
     assert await store.list_jobs("globex", [], 0, 10) == []
+
+
+async def test_a_page_of_jobs_reads_each_job_whole(store: JobStore) -> None:
+    # A page reads every job's tasks and attempts together: each record must still get exactly its own.
+    for n in range(4):
+        name = f"orgs/acme/jobs/j{n}"
+        tasks = [TaskRow(name, f"t{i}", i) for i in range(n % 3 + 1)]
+        await store.create(job(name), tasks, f"f{n}", b"e")
+        attempts = [
+            AttemptRow(name, task.task, a, f"key-{n}-{task.task}-{a}", "local", create_time=float(a))
+            for task in tasks
+            for a in range(n % 2 + 1)
+        ]
+        await store.save(attempts=attempts)
+    page = await store.list_jobs("acme", [], 0, 10)
+    assert [r.job.name for r in page] == [f"orgs/acme/jobs/j{n}" for n in (3, 2, 1, 0)]
+    assert page == [await store.get(r.job.name) for r in page]
+    assert [[t.task for t in r.tasks] for r in page] == [["t0"], ["t0", "t1", "t2"], ["t0", "t1"], ["t0"]]
+    assert [len(r.attempts["t0"]) for r in page] == [2, 1, 2, 1]
+    assert sorted(r.job.name for r in await store.active()) == sorted(r.job.name for r in page)
