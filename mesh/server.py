@@ -54,6 +54,8 @@ class Registration:
     service_names: Sequence[str]
     public_methods: Sequence[str] = ()
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # Shutdown hooks, run one after another in the order listed once the server has stopped: the service's
+    # own loops first, the store last (a loop stopped after its store logged errors on every shutdown).
     # Credentials for this service's own port instead of the mesh's (the gateway's public TLS, for clients
     # that have no mesh certificate); None: the mesh's mTLS when configured, else plaintext.
     server_credentials: grpc.ServerCredentials | None = None
@@ -75,7 +77,7 @@ class RunningService:
     async def stop(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
-        for hook in reversed(self.registration.on_stop):
+        for hook in self.registration.on_stop:  # in the order listed: what uses the store before the store
             await hook()
         await self.deps.clients.close()
 
