@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -36,30 +37,37 @@ pytestmark = [
 ATTACK = r"""
 import json, os, pathlib
 found = {"files": {}, "environ": {}, "env": dict(os.environ)}
+budget = [16 << 20]  # bytes kept in all: nearest folders first, so the mesh's state is read before the rest
+SKIP = {".git", "node_modules", "site-packages", "__pycache__"}  # bulk that holds no key of this mesh
 def take(path):
     try:
-        if path.is_file() and path.stat().st_size < 1 << 20:
-            found["files"][str(path)] = path.read_text(errors="replace")
+        if path.is_file() and str(path) not in found["files"] and path.stat().st_size < min(1 << 20, budget[0]):
+            found["files"][str(path)] = text = path.read_text(errors="replace")
+            budget[0] -= len(text)
     except OSError:
         pass
+def walk(folder):
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            inside = entry.is_dir() and not entry.is_symlink() and entry.name not in SKIP
+        except OSError:
+            continue
+        walk(entry) if inside else take(entry)
 here = pathlib.Path.cwd().resolve()
 names = ["mesh.key", "vault-master.key", "admin.key", "vault.db", "gateway.db", "scheduler.db", "events.db",
          "taskapp_proxy.db", "traces.jsonl", "logs/tandem.log"]
 for folder in [here, *here.parents]:
     for name in names:
         take(folder / name)
-    try:
-        entries = list(folder.iterdir())
-    except OSError:
-        continue
-    for entry in entries:
-        take(entry)
-        if entry.is_dir() and folder != pathlib.Path("/"):
-            try:
-                for inner in entry.rglob("*"):
-                    take(inner)
-            except OSError:
-                pass
+    if folder == pathlib.Path("/"):
+        for entry in folder.iterdir():
+            take(entry)
+    else:
+        walk(folder)
 for pid in os.listdir("/proc"):
     if pid.isdigit():
         try:
@@ -77,6 +85,8 @@ async def attack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_as: str) -
     monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__MEMORY_GIB", "8")
     monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__RUN_AS", run_as)
     state = tmp_path / "state"
+    # Made now, so it is in no file (this one included) that the search could reach but the mesh's own.
+    plaintext = f"globex-plaintext-{secrets.token_hex(8)}"
     async with running_mesh(mesh_settings(state)) as mesh:
         admin_key = (state / ADMIN_KEY_FILE).read_text().strip()
         async with open_channel(mesh.address("gateway"), mesh.settings, token=admin_key) as channel:
@@ -91,7 +101,7 @@ async def attack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_as: str) -
                     parent="orgs/globex",
                     secret_id="env-key",
                     key_id=key.name.rsplit("/", 1)[1],
-                    ciphertext=seal_for_upload(key.public_key, b"globex-plaintext-7f3a9c"),
+                    ciphertext=seal_for_upload(key.public_key, plaintext.encode()),
                 )
             )
         async with open_channel(mesh.address("gateway"), mesh.settings, token=acme) as channel:
@@ -122,15 +132,15 @@ async def attack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_as: str) -
                 await asyncio.sleep(0.2)
             assert got.state == got.STATE_SUCCEEDED, got.failure
         [report] = list((state / "scheduler").rglob("found.json"))
-        secrets = {
+        hidden = {
             "mesh signing key": (state / "mesh.key").read_text().strip(),
             "vault master key": (state / "vault-master.key").read_text().strip(),
             "admin key": admin_key,
             "acme's API key": acme,
             "globex's API key": globex,
-            "globex's secret": "globex-plaintext-7f3a9c",
+            "globex's secret": plaintext,
         }
-        return secrets, report.read_text()
+        return hidden, report.read_text()
 
 
 def leaks(secrets: dict[str, str], report: str) -> list[str]:
