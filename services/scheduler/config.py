@@ -38,6 +38,13 @@ class SlurmSettings(BaseModel):
     conf: Path | None = Field(
         None, description="`SLURM_CONF` for the Slurm commands; unset: Slurm's default."
     )
+    run_as: Literal["mesh", "org"] = Field(
+        "mesh",
+        description="Whose account jobs run under. `org`: the organization's own unprivileged user "
+        "(`tdm-<org>`, as on the local backend; `sbatch --uid`, so the scheduler runs as root, and every node "
+        "must know the user by the same uid), which owns the job's folders and cannot read the mesh's "
+        "state. `mesh`: the scheduler's own account, which can read all of it: serve one organization only.",
+    )
 
 
 class KubernetesSettings(BaseModel):
