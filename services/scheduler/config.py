@@ -64,6 +64,18 @@ class KubernetesSettings(BaseModel):
         description="A kubeconfig file to reach the cluster with; empty: the pod's in-cluster credentials, "
         "else $KUBECONFIG or ~/.kube/config.",
     )
+    run_as_user: int | None = Field(
+        10001,
+        ge=1,
+        description="The uid (and gid) task containers run as, the trainer image's by default; unset: the "
+        "image's own user, which must be numeric and not root (pods always run as non-root).",
+    )
+    network_policy: bool = Field(
+        False,
+        description="Give each attempt a NetworkPolicy letting the pods of one job reach each other; with "
+        "deploy/kubernetes/base/networkpolicy.yaml (DNS and the services a job calls) applied, a task pod "
+        "reaches nothing else.",
+    )
 
 
 class SchedulerSettings(BaseSettings):

@@ -564,6 +564,8 @@ def make_backends(config: SchedulerSettings, work_dir: Path) -> dict[str, Backen
                 namespaces=k.namespaces,
                 service_account=k.service_account,
                 configuration=load_configuration(k.kubeconfig),
+                run_as_user=k.run_as_user,
+                network_policy=k.network_policy,
             )
     return backends
 

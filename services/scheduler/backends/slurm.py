@@ -30,6 +30,11 @@ complete is reported as 143 (SIGTERM) when cancelled or timed out, 137 when out 
 Priorities: `--nice=1000 - priority`, so priority 1000 submits at nice 0 and priority 0 at nice 1000 (nice
 is only ever raised, which any user may do). `qos_by_priority` optionally picks a QoS by priority threshold.
 
+**Whose account** (`run_as`). `mesh`: the scheduler's own, which can read the mesh's state folder, fit for
+one organization only. `org` (the scheduler running as root): `sbatch --uid=tdm-<org> --gid=<its group>`,
+the organization's unprivileged user of the local backend, which gets the job's working and log folders
+(and its named volumes) and its own HOME, USER and LOGNAME; every node must know the user by the same uid.
+
 A Slurm command that cannot reach slurmctld (or is not installed, or runs past `command_timeout_s`) raises
 `BackendUnavailable`; a submission Slurm rejects raises `LaunchRefused` with Slurm's message.
 """
