@@ -8,8 +8,10 @@ knows the secrets, searches that. In order:
 1. **Guessed names.** In its working folder and every folder above it, the files the mesh's state is made of
    (`mesh.key`, `vault-master.key`, the databases, ...): a folder that cannot be listed may still be entered.
 2. **Processes.** Every process's environment and command line (`/proc/<pid>/environ`, `cmdline`).
-3. **Near.** The whole tree of its working folder and of every folder above it but `/`, nearest first.
-4. **Everything else** from `/` (not `/proc`, `/sys`, `/dev` but `/dev/shm`), as far as the budget goes.
+3. **Near.** The whole tree of its working folder and of every folder above it, nearest first, up to a
+   folder every user may write to (`/tmp`: on a shared machine gigabytes of other people's files) or `/`.
+4. **Everything else** from `/` (not `/proc`, `/sys`, `/dev` but `/dev/shm`), the shared folders first, as
+   far as the budget goes.
 
 Steps 1 to 3 write every byte read (at most `MAX_READ` a file) to `found.bin`; step 4 writes only what looks
 like a key or a token (hex and base64 runs, the forms keys are stored in), since all of `/` is gigabytes.
@@ -19,6 +21,7 @@ and 2 always finish; 3 and 4 share the budget, 3 first).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -45,7 +48,20 @@ STATE_NAMES = (
 )
 TOKENS = re.compile(rb"[A-Za-z0-9_-]{24,}|[A-Za-z0-9+/]{40,}={0,2}")
 SKIP = {"/proc", "/sys", "/dev"}
-FIRST = ("/etc", "/var", "/run", "/root", "/home", "/dev/shm", "/srv", "/opt", "/mnt", "/media", "/tmp")
+FIRST = (
+    "/tmp",
+    "/var/tmp",
+    "/dev/shm",
+    "/etc",
+    "/var",
+    "/run",
+    "/root",
+    "/home",
+    "/srv",
+    "/opt",
+    "/mnt",
+    "/media",
+)
 
 
 class Search:
@@ -104,6 +120,12 @@ class Search:
         (self.here / "found.json").write_text(json.dumps(report))
 
 
+def shared(folder: Path) -> bool:
+    """Sticky and writable by everyone, as /tmp is."""
+    mode = folder.stat().st_mode
+    return bool(mode & stat.S_ISVTX and mode & stat.S_IWOTH)
+
+
 def processes() -> Iterator[str]:
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -120,7 +142,8 @@ def main(budget_s: float) -> None:
     for path in processes():  # 2
         search.take(path)
     search.out.write(b"environment\n" + json.dumps(dict(os.environ)).encode() + b"\n")
-    near = all(search.walk(str(folder), True) for folder in above if folder != Path("/"))  # 3
+    own = [f for f in itertools.takewhile(lambda f: f != Path("/") and not shared(f), above)]
+    near = all(search.walk(str(folder), True) for folder in own)  # 3
     far = near
     if near:  # 4
         tops = [*FIRST, *sorted(str(p) for p in Path("/").iterdir() if str(p) not in FIRST)]
