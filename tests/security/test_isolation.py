@@ -218,3 +218,31 @@ async def test_the_control_run_as_the_mesh_finds_its_keys(
 ) -> None:
     found = await attack(tmp_path, monkeypatch, backend, "mesh", 0.0, slurm)  # its first steps suffice
     assert {"mesh signing key", "vault master key", "globex's job token"} <= set(found.leaks())
+
+
+def test_slurm_submits_as_the_orgs_user_and_warns_when_it_cannot(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.scheduler.backends.base import LaunchSpec  # noqa: PLC0415
+    from services.scheduler.backends.slurm import SlurmBackend  # noqa: PLC0415
+    from services.scheduler.config import SchedulerSettings  # noqa: PLC0415
+    from services.scheduler.servicer import make_backends  # noqa: PLC0415
+
+    monkeypatch.setenv("TANDEM_SCHEDULER_SLURM__ENABLED", "true")
+    with caplog.at_level("WARNING"):
+        slurm = make_backends(SchedulerSettings(), tmp_path)["slurm"]
+    assert isinstance(slurm, SlurmBackend) and slurm.run_as == "mesh"
+    assert "serve one organization only" in caplog.text and "SLURM__RUN_AS=org" in caplog.text
+
+    work = tmp_path / "jobs" / "orgs-acme-jobs-j1" / "main"
+    task = LaunchSpec(
+        key="orgs-acme-jobs-j1.main.0", job="orgs/acme/jobs/j1", task="main", attempt=0, command="id -u",
+        env={"TANDEM_JOB_TOKEN": "tdm1.claims.sig"}, log_dir=work / "logs", workdir=work,
+    )  # fmt: skip
+    args = SlurmBackend(run_as="org", work_dir=tmp_path).sbatch_args(task)
+    assert "--uid=tdm-acme" in args and "--gid=tdm-acme" in args
+    exported = next(a for a in args if a.startswith("--export=")).removeprefix("--export=").split(",")
+    assert not {"HOME", "USER", "LOGNAME"} & set(exported), "the scheduler's own account stays out"
+    script = SlurmBackend(run_as="org").batch_script(task)
+    assert f"export HOME={work}" in script and "export USER=tdm-acme" in script
+    assert "--uid" not in " ".join(SlurmBackend().sbatch_args(task))
