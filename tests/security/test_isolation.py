@@ -97,7 +97,8 @@ async def attack(
     monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__RUN_AS", run_as)
     state = tmp_path / "state"
     # Slurm finds attempts by name and the cluster outlives a test: each test's jobs are its own
-    busy, snoop_id = f"busy-{tmp_path.name[-6:].lower()}", f"snoop-{tmp_path.name[-6:].lower()}"
+    suffix = os.urandom(3).hex()
+    busy, snoop_id = f"busy-{suffix}", f"snoop-{suffix}"
     shutil.copy(ATTACK, tmp_path / ATTACK.name)
     os.chmod(tmp_path / ATTACK.name, 0o644)  # the attack script itself is readable
 
