@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -76,8 +77,10 @@ class JsonLinesSpanExporter(SpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lines = [json.dumps(json.loads(span.to_json()), separators=(",", ":")) for span in spans]
-        with self._lock, self._path.open("a") as handle:
-            handle.write("".join(line + "\n" for line in lines))
+        with self._lock:  # owner-only from the first span on: tasks may run as other users
+            fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "a") as handle:
+                handle.write("".join(line + "\n" for line in lines))
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:

@@ -38,6 +38,13 @@ class SlurmSettings(BaseModel):
     conf: Path | None = Field(
         None, description="`SLURM_CONF` for the Slurm commands; unset: Slurm's default."
     )
+    run_as: Literal["mesh", "org"] = Field(
+        "mesh",
+        description="Whose account jobs run under. `org`: the organization's own unprivileged user "
+        "(`tdm-<org>`, as on the local backend; `sbatch --uid`, so the scheduler runs as root, and every node "
+        "must know the user by the same uid), which owns the job's folders and cannot read the mesh's "
+        "state. `mesh`: the scheduler's own account, which can read all of it: serve one organization only.",
+    )
 
 
 class KubernetesSettings(BaseModel):
@@ -56,6 +63,18 @@ class KubernetesSettings(BaseModel):
         "",
         description="A kubeconfig file to reach the cluster with; empty: the pod's in-cluster credentials, "
         "else $KUBECONFIG or ~/.kube/config.",
+    )
+    run_as_user: int | None = Field(
+        10001,
+        ge=1,
+        description="The uid (and gid) task containers run as, the trainer image's by default; unset: the "
+        "image's own user, which must be numeric and not root (pods always run as non-root).",
+    )
+    network_policy: bool = Field(
+        False,
+        description="Give each attempt a NetworkPolicy letting the pods of one job reach each other; with "
+        "deploy/kubernetes/base/networkpolicy.yaml (DNS and the services a job calls) applied, a task pod "
+        "reaches nothing else.",
     )
 
 

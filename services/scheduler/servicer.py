@@ -536,12 +536,19 @@ def make_backends(config: SchedulerSettings, work_dir: Path) -> dict[str, Backen
             from services.scheduler.backends.slurm import SlurmBackend  # noqa: PLC0415
 
             s = config.slurm
+            if s.run_as == "mesh":
+                log.warning(
+                    "slurm backend: jobs run as the scheduler's own account and can read the mesh's state;"
+                    " serve one organization only, or run as root with TANDEM_SCHEDULER_SLURM__RUN_AS=org"
+                )
             backends[name] = SlurmBackend(
                 partition=s.partition,
                 account=s.account,
                 qos=s.qos,
                 cluster=s.cluster,
                 env={"SLURM_CONF": str(s.conf)} if s.conf else None,
+                run_as=s.run_as,
+                work_dir=work_dir,
             )
         else:
             from services.scheduler.backends.kubernetes import (  # noqa: PLC0415
@@ -556,6 +563,8 @@ def make_backends(config: SchedulerSettings, work_dir: Path) -> dict[str, Backen
                 namespaces=k.namespaces,
                 service_account=k.service_account,
                 configuration=load_configuration(k.kubeconfig),
+                run_as_user=k.run_as_user,
+                network_policy=k.network_policy,
             )
     return backends
 

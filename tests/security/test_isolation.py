@@ -1,163 +1,249 @@
-"""No job reads the mesh's keys or another organization's state: an attack job on the local backend looks
-for them everywhere it can reach (every folder above its own, the names the mesh's key files have there,
-the environment of every process, its own environment) and writes down what it could read. With the
-scheduler's `local.run_as = org` (tasks run as an unprivileged user of their organization) it finds
-nothing; run as the mesh's own account, as the control, it finds the mesh's signing key, which shows the
-search works."""
+"""No job reads the mesh's keys or another organization's state, on the local backend and on a real Slurm
+cluster (tests/support/slurm.py). Beside a running job of another organization (globex), an attack job of
+acme (`attack_job.py`) reads every file it can reach, from its working folder and from `/`, and every
+process's environment; the test then looks in what it read for the mesh's signing key and the vault's
+master key (as stored, as bytes, in hex and base64), the admin and API keys, globex's secret, globex's job
+token, and any name in globex's folders. With the organization's own user (`run_as = org`) it finds none
+of them; run as the mesh's own account, as the control, it finds the signing key, which shows the search
+works."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
-import secrets
+import pwd
+import shutil
+import tempfile
 import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tandem.gateway.v1 import gateway_service_pb2 as pb
 from tandem.gateway.v1 import gateway_service_pb2_grpc
-from tandem.scheduler.v1 import job_spec_pb2
+from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 
 from gateway.orgs import ADMIN_KEY_FILE
 from mesh.clients import open_channel
 from mesh.secrets import seal_for_upload
 from tests.support.mesh import mesh_settings, running_mesh
+from tests.support.slurm import SlurmCluster
 
 SYSTEM_PYTHON = "/usr/bin/python3"
+ATTACK = Path(__file__).with_name("attack_job.py")
+FAR_BUDGET_S = 45.0  # how long the attack searches the rest of `/` once its own surroundings are done
+ENDED = (job_pb2.Job.State.STATE_SUCCEEDED, job_pb2.Job.State.STATE_FAILED, job_pb2.Job.State.STATE_CANCELLED)
+BACKENDS = {"local": job_spec_pb2.BACKEND_LOCAL, "slurm": job_spec_pb2.BACKEND_SLURM}
 pytestmark = [
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(600),
     pytest.mark.skipif(os.geteuid() != 0, reason="starting tasks as other users needs root"),
     pytest.mark.skipif(
         not os.access(SYSTEM_PYTHON, os.X_OK), reason="the attack job runs the system's python3"
     ),
 ]
 
-# Reads what it can and writes it, base64-free, as JSON beside itself: its findings are the test's to judge.
-ATTACK = r"""
-import json, os, pathlib
-found = {"files": {}, "environ": {}, "env": dict(os.environ)}
-budget = [16 << 20]  # bytes kept in all: nearest folders first, so the mesh's state is read before the rest
-SKIP = {".git", "node_modules", "site-packages", "__pycache__"}  # bulk that holds no key of this mesh
-def take(path):
-    try:
-        if path.is_file() and str(path) not in found["files"] and path.stat().st_size < min(1 << 20, budget[0]):
-            found["files"][str(path)] = text = path.read_text(errors="replace")
-            budget[0] -= len(text)
-    except OSError:
-        pass
-def walk(folder):
-    try:
-        entries = sorted(folder.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        try:
-            inside = entry.is_dir() and not entry.is_symlink() and entry.name not in SKIP
-        except OSError:
-            continue
-        walk(entry) if inside else take(entry)
-here = pathlib.Path.cwd().resolve()
-names = ["mesh.key", "vault-master.key", "admin.key", "vault.db", "gateway.db", "scheduler.db", "events.db",
-         "taskapp_proxy.db", "traces.jsonl", "logs/tandem.log"]
-for folder in [here, *here.parents]:
-    for name in names:
-        take(folder / name)
-    if folder == pathlib.Path("/"):
-        for entry in folder.iterdir():
-            take(entry)
-    else:
-        walk(folder)
-for pid in os.listdir("/proc"):
-    if pid.isdigit():
-        try:
-            found["environ"][pid] = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace")
-        except OSError:
-            pass
-(pathlib.Path.cwd() / "found.json").write_text(json.dumps(found))
-print("searched", len(found["files"]), "files and", len(found["environ"]), "environments")
-"""
+Gateway = gateway_service_pb2_grpc.GatewayServiceStub
 
 
-async def attack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_as: str) -> tuple[dict[str, str], str]:
-    """(every key and secret of the mesh and of the other organization, by what it is; what the attack read)."""
+@dataclass
+class Attack:
+    secrets: dict[str, str]  # what must not be found, by what it is
+    found: bytes  # everything the attack read (found.bin)
+    report: dict[str, Any]  # found.json
+    state: Path
+
+    def leaks(self) -> list[str]:
+        return [what for what, value in self.secrets.items() if any(f in self.found for f in forms(value))]
+
+
+def forms(secret: str) -> set[bytes]:
+    """The ways a secret may be written down: as it is, and a hex key also as bytes, in capitals and in
+    base64; a token's or API key's signature and secret parts on their own."""
+    found = {secret.encode()}
+    found |= {part.encode() for part in secret.replace("_", ".").split(".") if len(part) >= 24}
+    try:
+        raw = bytes.fromhex(secret)
+    except ValueError:
+        return found
+    found |= {raw, secret.upper().encode(), base64.b64encode(raw), base64.urlsafe_b64encode(raw)}
+    return found | {f.rstrip(b"=") for f in found}
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], what: str, within_s: float = 180.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not await check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.2)
+
+
+async def job_state(client: Gateway, name: str) -> job_pb2.Job:
+    return (await client.GetJob(pb.GetJobRequest(name=name))).job
+
+
+async def attack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, run_as: str, budget_s: float, slurm: Any
+) -> Attack:
+    if backend == "slurm":
+        cluster: SlurmCluster = slurm()
+        monkeypatch.setenv("TANDEM_SCHEDULER_SLURM__ENABLED", "true")
+        monkeypatch.setenv("TANDEM_SCHEDULER_SLURM__CONF", str(cluster.conf))
+        monkeypatch.setenv("TANDEM_SCHEDULER_SLURM__RUN_AS", run_as)
     monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__CPUS", "4")
     monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__MEMORY_GIB", "8")
     monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__RUN_AS", run_as)
     state = tmp_path / "state"
-    # Made now, so it is in no file (this one included) that the search could reach but the mesh's own.
-    plaintext = f"globex-plaintext-{secrets.token_hex(8)}"
+    # Slurm finds attempts by name and the cluster outlives a test: each test's jobs are its own
+    suffix = os.urandom(3).hex()
+    busy, snoop_id = f"busy-{suffix}", f"snoop-{suffix}"
+    shutil.copy(ATTACK, tmp_path / ATTACK.name)
+    os.chmod(tmp_path / ATTACK.name, 0o644)  # the attack script itself is readable
+
+    def job(run: str) -> job_spec_pb2.JobSpec:
+        task = job_spec_pb2.TaskSpec(name="main", kind=job_spec_pb2.TaskSpec.KIND_COMMAND, run=run)
+        return job_spec_pb2.JobSpec(tasks=[task], backend=BACKENDS[backend])
+
     async with running_mesh(mesh_settings(state)) as mesh:
         admin_key = (state / ADMIN_KEY_FILE).read_text().strip()
-        async with open_channel(mesh.address("gateway"), mesh.settings, token=admin_key) as channel:
-            admin = gateway_service_pb2_grpc.GatewayServiceStub(channel)
-            acme = (await admin.CreateOrg(pb.CreateOrgRequest(org_id="acme"))).key
-            globex = (await admin.CreateOrg(pb.CreateOrgRequest(org_id="globex"))).key
-        async with open_channel(mesh.address("gateway"), mesh.settings, token=globex) as channel:
-            other = gateway_service_pb2_grpc.GatewayServiceStub(channel)
+        gateway = mesh.address("gateway")
+        async with open_channel(gateway, mesh.settings, token=admin_key) as channel:
+            acme = (await Gateway(channel).CreateOrg(pb.CreateOrgRequest(org_id="acme"))).key
+            globex = (await Gateway(channel).CreateOrg(pb.CreateOrgRequest(org_id="globex"))).key
+        async with (
+            open_channel(gateway, mesh.settings, token=globex) as other_channel,
+            open_channel(gateway, mesh.settings, token=acme) as channel,
+        ):
+            other, user = Gateway(other_channel), Gateway(channel)
             key = (await other.GetPublicKey(pb.GetPublicKeyRequest(parent="orgs/globex"))).key
+            secret = os.urandom(20).hex()
             await other.PutSecret(
                 pb.PutSecretRequest(
                     parent="orgs/globex",
                     secret_id="env-key",
                     key_id=key.name.rsplit("/", 1)[1],
-                    ciphertext=seal_for_upload(key.public_key, plaintext.encode()),
+                    ciphertext=seal_for_upload(key.public_key, secret.encode()),
                 )
             )
-        async with open_channel(mesh.address("gateway"), mesh.settings, token=acme) as channel:
-            user = gateway_service_pb2_grpc.GatewayServiceStub(channel)
-            (tmp_path / "attack.py").write_text(ATTACK)
-            os.chmod(tmp_path / "attack.py", 0o644)
-            for folder in (tmp_path, *tmp_path.parents):  # the attack script itself is readable
-                os.chmod(folder, folder.stat().st_mode | 0o001)
-
-            task = job_spec_pb2.TaskSpec(
-                name="main",
-                kind=job_spec_pb2.TaskSpec.KIND_COMMAND,
-                run=f"{SYSTEM_PYTHON} {tmp_path}/attack.py",
-            )
-            job = (
-                await user.CreateJob(
+            # globex's job runs all along, its token in its environment and its own folder
+            neighbour = (
+                await other.CreateJob(
                     pb.CreateJobRequest(
-                        parent="orgs/acme", job_id="snoop", spec=job_spec_pb2.JobSpec(tasks=[task])
+                        parent="orgs/globex",
+                        job_id=busy,
+                        spec=job('printf %s "$TANDEM_JOB_TOKEN" > token; exec sleep 600'),
                     )
                 )
             ).job
-            deadline = time.monotonic() + 120
-            while (got := (await user.GetJob(pb.GetJobRequest(name=job.name))).job).state not in (
-                got.STATE_SUCCEEDED,
-                got.STATE_FAILED,
-            ):
-                assert time.monotonic() < deadline, got
-                await asyncio.sleep(0.2)
-            assert got.state == got.STATE_SUCCEEDED, got.failure
-        [report] = list((state / "scheduler").rglob("found.json"))
-        hidden = {
-            "mesh signing key": (state / "mesh.key").read_text().strip(),
-            "vault master key": (state / "vault-master.key").read_text().strip(),
-            "admin key": admin_key,
-            "acme's API key": acme,
-            "globex's API key": globex,
-            "globex's secret": plaintext,
-        }
-        return hidden, report.read_text()
+            token_file = state / "scheduler" / "jobs" / f"orgs-globex-jobs-{busy}" / "main" / "token"
+
+            async def neighbour_ready() -> bool:
+                now = await job_state(other, neighbour.name)
+                assert now.state not in ENDED, now.failure
+                return token_file.is_file() and token_file.stat().st_size > 0
+
+            await wait_until(neighbour_ready, "globex's job never started")
+            run = f"{SYSTEM_PYTHON} {tmp_path / ATTACK.name} {budget_s}"
+            snoop = (
+                await user.CreateJob(pb.CreateJobRequest(parent="orgs/acme", job_id=snoop_id, spec=job(run)))
+            ).job
+
+            async def snoop_ended() -> bool:
+                return (await job_state(user, snoop.name)).state in ENDED
+
+            await wait_until(snoop_ended, "the attack job never ended", within_s=240 + budget_s)
+            done = await job_state(user, snoop.name)
+            assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure
+            await other.CancelJob(pb.CancelJobRequest(name=neighbour.name))
+
+            async def neighbour_ended() -> bool:
+                return (await job_state(other, neighbour.name)).state in ENDED
+
+            await wait_until(neighbour_ended, "globex's job was not cancelled")
+        here = state / "scheduler" / "jobs" / f"orgs-acme-jobs-{snoop_id}" / "main"
+        return Attack(
+            secrets={
+                "mesh signing key": (state / "mesh.key").read_text().strip(),
+                "vault master key": (state / "vault-master.key").read_text().strip(),
+                "admin key": admin_key,
+                "acme's API key": acme,
+                "globex's API key": globex,
+                "globex's secret": secret,
+                "globex's job token": token_file.read_text(),
+            },
+            found=(here / "found.bin").read_bytes(),
+            report=json.loads((here / "found.json").read_text()),
+            state=state,
+        )
 
 
-def leaks(secrets: dict[str, str], report: str) -> list[str]:
-    return [what for what, value in secrets.items() if value in report]
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A folder of the test's own outside pytest's, which every pytest session starting on this machine
+    shuts to other users again (0700), and with it the tasks' way to their own folders."""
+    folder = Path(tempfile.mkdtemp(prefix="tandem-isolation-"))
+    folder.chmod(0o711)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def slurm(request: pytest.FixtureRequest) -> Callable[[], SlurmCluster]:
+    """The session's Slurm cluster, started only by a test that runs on it."""
+    return lambda: request.getfixturevalue("slurm_cluster")
 
 
 async def test_a_job_of_one_org_reads_no_key_and_no_other_orgs_state(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, slurm: Callable[[], SlurmCluster]
 ) -> None:
-    secrets, report = await attack(tmp_path, monkeypatch, "org")
-    assert leaks(secrets, report) == []
-    found = json.loads(report)
-    assert found["env"]["USER"] == "tdm-acme" and "TANDEM_JOB_TOKEN" in found["env"]
+    found = await attack(tmp_path, monkeypatch, backend, "org", FAR_BUDGET_S, slurm)
+    assert found.leaks() == []
+    report = found.report
+    assert report["uid"] == pwd.getpwnam("tdm-acme").pw_uid and report["env"]["USER"] == "tdm-acme"
+    assert "TANDEM_JOB_TOKEN" in report["env"]
+    assert report["near_complete"], "the search of the job's own surroundings did not finish"
+    seen = [p for p in (*report["read"], *report["listed"]) if p.startswith(str(found.state))]
+    assert [p for p in seen if "globex" in p] == []
+    assert any(p.endswith("rank-0.log") for p in seen), "the attack should read its own log"
 
 
 async def test_the_control_run_as_the_mesh_finds_its_keys(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, slurm: Callable[[], SlurmCluster]
 ) -> None:
-    secrets, report = await attack(tmp_path, monkeypatch, "mesh")
-    assert "mesh signing key" in leaks(secrets, report)
+    found = await attack(tmp_path, monkeypatch, backend, "mesh", 0.0, slurm)  # its first steps suffice
+    assert {"mesh signing key", "vault master key", "globex's job token"} <= set(found.leaks())
+
+
+def test_slurm_submits_as_the_orgs_user_and_warns_when_it_cannot(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.scheduler.backends.base import LaunchSpec  # noqa: PLC0415
+    from services.scheduler.backends.slurm import SlurmBackend  # noqa: PLC0415
+    from services.scheduler.config import SchedulerSettings  # noqa: PLC0415
+    from services.scheduler.servicer import make_backends  # noqa: PLC0415
+
+    monkeypatch.setenv("TANDEM_SCHEDULER_SLURM__ENABLED", "true")
+    with caplog.at_level("WARNING"):
+        slurm = make_backends(SchedulerSettings(), tmp_path)["slurm"]
+    assert isinstance(slurm, SlurmBackend) and slurm.run_as == "mesh"
+    assert "serve one organization only" in caplog.text and "SLURM__RUN_AS=org" in caplog.text
+
+    work = tmp_path / "jobs" / "orgs-acme-jobs-j1" / "main"
+    task = LaunchSpec(
+        key="orgs-acme-jobs-j1.main.0", job="orgs/acme/jobs/j1", task="main", attempt=0, command="id -u",
+        env={"TANDEM_JOB_TOKEN": "tdm1.claims.sig"}, log_dir=work / "logs", workdir=work,
+    )  # fmt: skip
+    args = SlurmBackend(run_as="org", work_dir=tmp_path).sbatch_args(task)
+    assert "--uid=tdm-acme" in args and "--gid=tdm-acme" in args
+    exported = next(a for a in args if a.startswith("--export=")).removeprefix("--export=").split(",")
+    assert not {"HOME", "USER", "LOGNAME"} & set(exported), "the scheduler's own account stays out"
+    script = SlurmBackend(run_as="org").batch_script(task)
+    assert f"export HOME={work}" in script and "export USER=tdm-acme" in script
+    assert "--uid" not in " ".join(SlurmBackend().sbatch_args(task))

@@ -9,6 +9,7 @@ client calls for the backend, with the API server's JSON shapes and status codes
     /api/v1/namespaces/{ns}/pods/{name}/log                  the pod's log as text
     /api/v1/pods, /api/v1/nodes                              list (fieldSelector on status.phase)
     /apis/scheduling.k8s.io/v1/priorityclasses[/{name}]      list, create, get
+    /apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies[/{name}]  list, create, get, delete
 
 Objects live in memory. Every created object is checked against the Kubernetes OpenAPI schema with
 `kubernetes-validate` (422 Invalid when it fails, as a real API server refuses it), names are unique per
@@ -64,9 +65,10 @@ _KINDS = {  # plural -> (kind, apiVersion, namespaced)
     "pods": ("Pod", "v1", True),
     "nodes": ("Node", "v1", False),
     "priorityclasses": ("PriorityClass", "scheduling.k8s.io/v1", False),
+    "networkpolicies": ("NetworkPolicy", "networking.k8s.io/v1", True),
 }
 _PATH = re.compile(
-    r"^/(?:api/v1|apis/batch/v1|apis/scheduling\.k8s\.io/v1)"
+    r"^/(?:api/v1|apis/batch/v1|apis/scheduling\.k8s\.io/v1|apis/networking\.k8s\.io/v1)"
     r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?(?P<log>/log)?$"
 )
 

@@ -67,7 +67,8 @@ def _start_munge(root: Path) -> Path:
     user), so that clusters of concurrent test sessions never share or stop each other's munged. Returns its
     socket."""
     munge = root / "munge"
-    munge.mkdir(mode=0o700)
+    munge.mkdir()
+    munge.chmod(0o711)  # as /run/munge: jobs of any user reach the socket (their srun needs it), list nothing
     key = munge / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)

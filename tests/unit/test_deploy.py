@@ -246,6 +246,52 @@ def test_each_overlay_renders_to_valid_wired_objects(overlay: Path) -> None:
     assert set(by_kind["PriorityClass"]) == {"tandem-low", "tandem-normal", "tandem-high", "tandem-critical"}
 
 
+JOB_PEERS = ("tandem-vault", "tandem-scheduler", "tandem-taskapp-proxy", "tandem-events")  # what a job calls
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_task_pods_reach_only_dns_and_the_services_a_job_calls(overlay: Path) -> None:
+    from services.scheduler.backends.kubernetes import MANAGED_BY  # noqa: PLC0415
+
+    objects = render(overlay)
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": {MANAGED_BY: "tandem"}}, "selects the backend's task pods"
+    assert sorted(spec["policyTypes"]) == ["Egress", "Ingress"] and not spec.get("ingress")
+    dns, *services = spec["egress"]
+    assert dns["to"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+        }
+    ]
+    assert sorted((p["port"], p["protocol"]) for p in dns["ports"]) == [(53, "TCP"), (53, "UDP")]
+    reached = {}
+    for rule in services:
+        (peer,) = rule["to"]
+        assert set(peer) == {"podSelector"}, "only pods of this namespace"
+        (port,) = rule["ports"]
+        matched = [
+            name
+            for name, d in deployments.items()
+            if peer["podSelector"]["matchLabels"].items()
+            <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert len(matched) == 1, peer
+        reached[matched[0]] = (port["port"], port["protocol"])
+    assert reached == {name: (SERVICES[name][1], "TCP") for name in JOB_PEERS}, "never the gateway"
+    scheduler_config = next(o for o in objects if o["metadata"]["name"] == "tandem-scheduler-config")["data"]
+    assert scheduler_config["TANDEM_SCHEDULER_KUBERNETES__NETWORK_POLICY"] == "true"
+    role = next(o for o in objects if o["kind"] == "Role" and o["metadata"]["name"] == "tandem-scheduler")
+    assert any(
+        r["apiGroups"] == ["networking.k8s.io"]
+        and r["resources"] == ["networkpolicies"]
+        and "create" in r["verbs"]
+        for r in role["rules"]
+    )
+
+
 def test_the_deployed_priority_classes_are_the_backends_bands() -> None:
     from services.scheduler.backends.kubernetes import PRIORITY_BANDS  # noqa: PLC0415
 

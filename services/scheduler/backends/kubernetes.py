@@ -92,6 +92,8 @@ INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 CONTAINER = "task"
 KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # what the other backends accept, too
 GPU_RESOURCE = "nvidia.com/gpu"
+TASK_UID = 10001  # the trainer image's user (deploy/docker/trainer.Dockerfile)
+SCRATCH = "/tmp"  # noqa: S108 - an emptyDir of the pod's own, not the host's /tmp
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,9 @@ class KubernetesBackend:
         ttl_after_finished_s: int | None = 86400,
         request_timeout_s: float = 30.0,
         log_refresh_s: float = 2.0,
-        run_as_user: int | None = None,
+        run_as_user: int | None = TASK_UID,
+        read_only_root_filesystem: bool = True,
+        network_policy: bool = False,
     ) -> None:
         """
         image: the container image every task runs in (Tandem installed for secrets and the trainer).
@@ -206,9 +210,16 @@ class KubernetesBackend:
         ttl_after_finished_s: finished Jobs are removed this long after they end; None keeps them.
         request_timeout_s: the deadline of every API call.
         log_refresh_s: the shortest interval between two log refreshes of one node rank.
-        run_as_user: a uid the task containers run as (with runAsNonRoot); None keeps the image's user.
-            Either way the pods get the RuntimeDefault seccomp profile, no privilege escalation and no
-            added capabilities.
+        run_as_user: the uid (and gid, fsGroup) the task containers run as, the trainer image's own by
+            default; None keeps the image's user, which must then be a numeric one other than 0. Either way
+            the pods run as non-root (`runAsNonRoot`), with the RuntimeDefault seccomp profile, no privilege
+            escalation, every capability dropped and no ServiceAccount token.
+        read_only_root_filesystem: the container's root filesystem read-only; the task writes to its
+            working folder and /tmp (emptyDir volumes, HOME the working folder) and its mounts.
+        network_policy: give each attempt a NetworkPolicy that lets its pods and the other pods of the
+            same job (ranks, inference workers) reach each other. On its own a task pod may then reach
+            nothing else: deploy/kubernetes/base/networkpolicy.yaml adds DNS and the services a job
+            calls, so turn this on with that manifest applied.
         """
         if configuration is None:
             configuration = load_configuration()
@@ -226,10 +237,13 @@ class KubernetesBackend:
         self.request_timeout_s = request_timeout_s
         self.log_refresh_s = log_refresh_s
         self.run_as_user = run_as_user
+        self.read_only_root_filesystem = read_only_root_filesystem
+        self.network_policy = network_policy
         self._api_client = k8s.ApiClient(configuration)
         self._batch = k8s.BatchV1Api(self._api_client)
         self._core = k8s.CoreV1Api(self._api_client)
         self._scheduling = k8s.SchedulingV1Api(self._api_client)
+        self._networking = k8s.NetworkingV1Api(self._api_client)
         self._priority_classes_ready: set[str] = set()
         self._log_refreshed: dict[tuple[str, int], float] = {}
         self._log_tasks: set[asyncio.Task[None]] = set()
@@ -261,13 +275,15 @@ class KubernetesBackend:
         nodes = max(1, spec.num_nodes)
         labels = self.labels(spec)
         annotations = {ANNOTATION_KEY: spec.key, ANNOTATION_JOB: spec.job}
-        security: Json = {"seccompProfile": {"type": "RuntimeDefault"}}
+        security: Json = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
         if self.run_as_user is not None:
-            security.update(runAsNonRoot=True, runAsUser=self.run_as_user)
+            uid = self.run_as_user
+            security.update(runAsUser=uid, runAsGroup=uid, fsGroup=uid)
         pod_spec: Json = {
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": self.termination_grace_s,
             "securityContext": security,
+            "automountServiceAccountToken": False,  # a task has no business with the Kubernetes API
             "containers": [self._container(spec, name, nodes)],
         }
         if nodes > 1:
@@ -349,6 +365,23 @@ class KubernetesBackend:
             },
         }
 
+    def network_policy_object(self, spec: LaunchSpec, owner_uid: str = "") -> Json:
+        """The attempt's NetworkPolicy: its pods and the other pods of its job may reach each other, in both
+        directions (deploy/kubernetes/base/networkpolicy.yaml allows the rest a task needs)."""
+        metadata = self.service_object(spec, owner_uid)["metadata"]
+        same_job = {"podSelector": {"matchLabels": {MANAGED_BY: "tandem", LABEL_JOB: label_value(spec.job)}}}
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": metadata,
+            "spec": {
+                "podSelector": {"matchLabels": {MANAGED_BY: "tandem", LABEL_KEY: label_value(spec.key)}},
+                "policyTypes": ["Ingress", "Egress"],
+                "ingress": [{"from": [same_job]}],
+                "egress": [{"to": [same_job]}],
+            },
+        }
+
     def _container(self, spec: LaunchSpec, name: str, nodes: int) -> Json:
         env: list[Json] = []
         own = {"TANDEM_NODE_RANK", "SKYPILOT_NODE_RANK", "TANDEM_NODE_IPS", "SKYPILOT_NODE_IPS", SECRETS_ENV}
@@ -357,6 +390,8 @@ class KubernetesBackend:
             "SKYPILOT_NUM_NODES": str(nodes),
             "TANDEM_RESTART_COUNT": str(spec.attempt),
         }
+        if self.read_only_root_filesystem:  # the writable places are its volumes: HOME is one of them
+            fixed["HOME"] = str(spec.workdir) if spec.workdir is not None else SCRATCH
         for variable, value in sorted({**fixed, **spec.env}.items()):
             if variable not in own:
                 env.append({"name": variable, "value": value})
@@ -398,7 +433,11 @@ class KubernetesBackend:
             "command": script,
             "env": env,
             "resources": resources,
-            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"]},
+                "readOnlyRootFilesystem": self.read_only_root_filesystem,
+            },
         }
         if spec.workdir is not None:
             container["workingDir"] = str(spec.workdir)
@@ -406,12 +445,24 @@ class KubernetesBackend:
             {"name": f"mount-{index}", "mountPath": path, "readOnly": read_only}
             for index, (path, _source, read_only) in enumerate(spec.file_mounts)
         ]
+        mounts += [{"name": volume, "mountPath": path} for volume, path in self._scratch(spec)]
         if mounts:
             container["volumeMounts"] = mounts
         return container
 
+    def _scratch(self, spec: LaunchSpec) -> list[tuple[str, str]]:
+        """(emptyDir volume, mount path) a read-only root filesystem leaves the task to write in: /tmp and
+        its working folder, unless a mount of the spec is already there."""
+        if not self.read_only_root_filesystem:
+            return []
+        taken = {path.rstrip("/") for path, _source, _read_only in spec.file_mounts}
+        wanted = [("tandem-tmp", SCRATCH)]
+        if spec.workdir is not None:
+            wanted.append(("tandem-work", str(spec.workdir)))
+        return [(volume, path) for volume, path in wanted if path.rstrip("/") not in taken]
+
     def _volumes(self, spec: LaunchSpec) -> list[Json]:
-        volumes: list[Json] = []
+        volumes: list[Json] = [{"name": volume, "emptyDir": {}} for volume, _path in self._scratch(spec)]
         for index, (_path, source, read_only) in enumerate(spec.file_mounts):
             if source.startswith("/"):
                 volumes.append({"name": f"mount-{index}", "hostPath": {"path": source}})
@@ -443,18 +494,24 @@ class KubernetesBackend:
             if created["metadata"].get("annotations", {}).get(ANNOTATION_KEY) != spec.key:
                 raise LaunchRefused(f"Job {name} exists and belongs to another attempt") from None
         uid = str(created["metadata"].get("uid", ""))
+        if self.network_policy:
+            await self._create_owned(
+                self._networking.create_namespaced_network_policy,
+                namespace,
+                self.network_policy_object(spec, uid),
+            )
         service = ""
         if max(1, spec.num_nodes) > 1:
             service = name
-            with contextlib.suppress(_Conflict):  # already there: an earlier launch of this key made it
-                await self._call(
-                    self._core.create_namespaced_service,
-                    namespace,
-                    self.service_object(spec, uid),
-                    refusal=True,
-                    conflict_ok=True,
-                )
+            await self._create_owned(
+                self._core.create_namespaced_service, namespace, self.service_object(spec, uid)
+            )
         return self._handle(spec.key, name, uid, max(1, spec.num_nodes), service, spec.log_dir, namespace)
+
+    async def _create_owned(self, create: Callable[..., Any], namespace: str, body: Json) -> None:
+        """An object the attempt's Job owns; one already there was made by an earlier launch of this key."""
+        with contextlib.suppress(_Conflict):
+            await self._call(create, namespace, body, refusal=True, conflict_ok=True)
 
     async def find(self, key: str) -> Handle | None:
         for namespace in self.namespaces:

@@ -241,12 +241,7 @@ class LocalBackend:
         failure_grace_s: float = 10.0,
         run_as: str = "mesh",
     ) -> None:
-        if run_as not in ("mesh", "org"):
-            raise ValueError(f"run_as must be mesh or org, not {run_as!r}")
-        if run_as == "org" and os.geteuid() != 0:
-            raise ValueError(
-                "run_as = org needs the scheduler to run as root (it starts tasks as other users)"
-            )
+        check_run_as(run_as)
         self.run_as = run_as
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -433,12 +428,7 @@ class LocalBackend:
             raise LaunchRefused(f"workdir {cwd} is not a folder")
         account = None
         if self.run_as == "org":
-            account = org_account(spec.job.split("/")[1])
-            for folder in {attempt_dir, cwd, log_dir}:  # small, and what the engine wrote there is the task's
-                hand_over(folder, account, recursive=True)
-            for _, source, _ in spec.file_mounts:  # its volumes; a host path of the spec stays as it is
-                if Path(source).resolve().is_relative_to(self.root.parent.resolve()):
-                    hand_over(Path(source), account)
+            account = hand_over_attempt(spec, (attempt_dir, cwd, log_dir), self.root.parent)
         nodes = self._assign(spec)
         handle: Handle = {
             "backend": self.name,
@@ -609,6 +599,45 @@ class LocalBackend:
 
 
 # ---- accounts (run_as = "org") ---------------------------------------------------------------------
+
+
+def check_run_as(run_as: str) -> None:
+    """`mesh` or `org`; `org` only for a scheduler running as root (it starts tasks as other users)."""
+    if run_as not in ("mesh", "org"):
+        raise ValueError(f"run_as must be mesh or org, not {run_as!r}")
+    if run_as == "org" and os.geteuid() != 0:
+        raise ValueError("run_as = org needs the scheduler to run as root (it starts tasks as other users)")
+
+
+def hand_over_attempt(spec: LaunchSpec, folders: Sequence[Path], work_dir: Path) -> pwd.struct_passwd:
+    """The attempt's organization's account (`org_account`), made the owner of the attempt's `folders`
+    with what they hold (small, and what the engine wrote there is the task's) and of the named volumes it
+    mounts (those under `work_dir`; a host path the spec names stays as it is). The folders between
+    `work_dir` and them, `work_dir` included, become execute-only for others, so no task lists the jobs and
+    volumes of other organizations."""
+    account = org_account(job_org(spec.job))
+    work_dir = work_dir.resolve()
+    handed = list(dict.fromkeys(folders))
+    for folder in handed:
+        hand_over(folder, account, recursive=True)
+    for _, source, _ in spec.file_mounts:
+        if Path(source).resolve().is_relative_to(work_dir):
+            hand_over(Path(source), account)
+            handed.append(Path(source))
+    for folder in handed:
+        for parent in folder.resolve().parents:
+            mode = parent.stat()
+            if parent.is_relative_to(work_dir) and mode.st_uid != account.pw_uid:
+                os.chmod(parent, (mode.st_mode & 0o7700) | 0o011)  # noqa: S103 - others may enter, not list
+    return account
+
+
+def job_org(job: str) -> str:
+    """`acme` of `orgs/acme/jobs/j1`."""
+    parts = job.split("/")
+    if len(parts) < 2 or parts[0] != "orgs" or not parts[1]:
+        raise LaunchRefused(f"cannot tell the organization of job {job!r}")
+    return parts[1]
 
 
 def org_user_name(org: str) -> str:

@@ -30,6 +30,11 @@ complete is reported as 143 (SIGTERM) when cancelled or timed out, 137 when out 
 Priorities: `--nice=1000 - priority`, so priority 1000 submits at nice 0 and priority 0 at nice 1000 (nice
 is only ever raised, which any user may do). `qos_by_priority` optionally picks a QoS by priority threshold.
 
+**Whose account** (`run_as`). `mesh`: the scheduler's own, which can read the mesh's state folder, fit for
+one organization only. `org` (the scheduler running as root): `sbatch --uid=tdm-<org> --gid=<its group>`,
+the organization's unprivileged user of the local backend, which gets the job's working and log folders
+(and its named volumes) and its own HOME, USER and LOGNAME; every node must know the user by the same uid.
+
 A Slurm command that cannot reach slurmctld (or is not installed, or runs past `command_timeout_s`) raises
 `BackendUnavailable`; a submission Slurm rejects raises `LaunchRefused` with Slurm's message.
 """
@@ -38,8 +43,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import math
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -57,7 +64,16 @@ from services.scheduler.backends.base import (
     Observed,
     Phase,
 )
-from services.scheduler.backends.local import INHERITED_ENV, MAX_COMMAND_BYTES, check_key, check_mounts
+from services.scheduler.backends.local import (
+    INHERITED_ENV,
+    MAX_COMMAND_BYTES,
+    check_key,
+    check_mounts,
+    check_run_as,
+    hand_over_attempt,
+    job_org,
+    org_account,
+)
 
 _UNREACHABLE = (
     "unable to contact slurm controller",
@@ -71,6 +87,7 @@ _UNREACHABLE = (
     "slurmctld not responding",
 )
 _INVALID_JOB = ("invalid job id", "unknown job")
+_OWN_ACCOUNT_ENV = ("HOME", "USER", "LOGNAME")  # under run_as = org, the job's user's, never the scheduler's
 QUEUED_STATES = {"PENDING", "CONFIGURING", "SUSPENDED", "RESV_DEL_HOLD", "RESIZING"}
 REQUEUED_STATES = {"REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
 RUNNING_STATES = {"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT", "STOPPED"}
@@ -187,6 +204,13 @@ class SlurmBackend:
     inherit_env: variables of this process a job gets (`--export`); the task's own environment comes from
       the spec, so nothing else of the scheduler's leaks into a job.
     use_sacct: True/False forces it; None asks `sacct` once whether accounting is enabled.
+    run_as: whose account a job runs as. `mesh`: the scheduler's own (`sbatch` as it is), which can read
+      the mesh's state folder. `org` (the scheduler running as root): the organization's own unprivileged
+      user, `tdm-<org>` as on the local backend (`sbatch --uid --gid`), which owns the job's working and
+      log folders; every node must know that user by the same uid (`useradd` here on first use covers
+      this machine only).
+    work_dir: the scheduler's work folder; under `org`, the named volumes below it that a job mounts are
+      handed to its user too.
     """
 
     name = "slurm"
@@ -204,7 +228,12 @@ class SlurmBackend:
         inherit_env: Sequence[str] = INHERITED_ENV,
         command_timeout_s: float = 30.0,
         use_sacct: bool | None = None,
+        run_as: str = "mesh",
+        work_dir: Path | None = None,
     ) -> None:
+        check_run_as(run_as)
+        self.run_as = run_as
+        self.work_dir = work_dir
         self.partition = partition
         self.account = account
         self.qos = qos
@@ -310,6 +339,8 @@ class SlurmBackend:
             if str(spec.log_dir) in ("", "."):
                 raise LaunchRefused("the Slurm backend needs a log_dir (on storage the nodes share)")
             log_dir = await asyncio.to_thread(_make_dir, Path(spec.log_dir))
+            if self.run_as == "org":
+                await asyncio.to_thread(self._hand_over, spec, log_dir)
             rc, out, err = await self._run(*self.sbatch_args(spec), stdin=self.batch_script(spec))
             if rc != 0:
                 raise LaunchRefused(err.strip() or out.strip() or f"sbatch exited {rc}")
@@ -386,10 +417,20 @@ class SlurmBackend:
 
     # -- the job ---------------------------------------------------------------------------------------
 
+    def _hand_over(self, spec: LaunchSpec, log_dir: Path) -> None:
+        workdir = Path(spec.workdir).absolute() if spec.workdir else log_dir
+        hand_over_attempt(spec, (workdir, log_dir), self.work_dir or workdir)
+
+    def job_user(self, spec: LaunchSpec) -> pwd.struct_passwd | None:
+        """The user the job runs as under `run_as = org` (created on first use); None under `mesh`."""
+        return org_account(job_org(spec.job)) if self.run_as == "org" else None
+
     def sbatch_args(self, spec: LaunchSpec) -> list[str]:
         log_dir = Path(spec.log_dir).absolute()
         workdir = Path(spec.workdir).absolute() if spec.workdir else log_dir
-        exported = sorted(n for n in {*self.inherit_env, *self.env} if n in os.environ or n in self.env)
+        account = self.job_user(spec)
+        inherited = set(self.inherit_env) - (set(_OWN_ACCOUNT_ENV) if account else set())
+        exported = sorted(n for n in {*inherited, *self.env} if n in os.environ or n in self.env)
         args = [
             "sbatch",
             "--parsable",
@@ -422,6 +463,8 @@ class SlurmBackend:
         chosen = {"partition": self.partition, "account": self.account, "qos": qos}
         chosen.update({k: v for k, v in spec.options.items() if k in chosen and v})  # the spec's win
         args += [f"--{flag}={value}" for flag, value in chosen.items() if value]
+        if account is not None:  # root's sbatch submits the job as this user
+            args += [f"--uid={account.pw_name}", f"--gid={grp.getgrgid(account.pw_gid).gr_name}"]
         return [*args, *self.extra_sbatch_args]
 
     def batch_script(self, spec: LaunchSpec) -> str:
@@ -429,6 +472,10 @@ class SlurmBackend:
         command on every node."""
         env = dict(spec.env)
         env.setdefault("TANDEM_RESTART_COUNT", str(spec.attempt))
+        account = self.job_user(spec)
+        if account is not None:  # the job's own, not the scheduler's (which --export leaves out)
+            home = str(Path(spec.workdir or spec.log_dir).absolute())
+            env.update(HOME=home, USER=account.pw_name, LOGNAME=account.pw_name)
         lines = [
             "#!/bin/bash",
             f"# Tandem attempt {spec.key} ({spec.job}, task {spec.task}, attempt {spec.attempt})",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,6 +101,7 @@ def test_every_generated_object_matches_the_kubernetes_schema(tmp_path: Path) ->
     for variant in variants:
         validate(backend.job_object(variant))
         validate(backend.service_object(variant, owner_uid="0b9f7c1e-0000-4000-8000-000000000001"))
+        validate(backend.network_policy_object(variant, owner_uid="0b9f7c1e-0000-4000-8000-000000000001"))
     for band in PRIORITY_BANDS:
         validate(priority_class(band))
 
@@ -198,6 +200,96 @@ async def test_launch_creates_an_indexed_job_and_a_headless_service(
     pods = kube_api.pods(NS, name)
     assert sorted(pods) == [0, 1]  # what the Job controller makes from it: one pod per index
     assert all(p["spec"]["hostname"] == f"{name}-{r}" for r, p in pods.items())
+
+
+async def test_task_pods_run_as_non_root_read_only_with_no_mesh_secret(
+    kube_api: FakeKubeApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mesh_key, master_key = os.urandom(32).hex(), os.urandom(32).hex()
+    monkeypatch.setenv("TANDEM_MESH_KEY", mesh_key)  # the scheduler's own environment holds them
+    monkeypatch.setenv("TANDEM_VAULT__MASTER_KEY", master_key)
+    task = spec(
+        tmp_path, num_nodes=2, workdir=Path("/work/task"), secret_env={"HF_TOKEN": "orgs/acme/secrets/hf"}
+    )
+    await make_backend(kube_api).launch(task)
+    job = kube_api.job(NS, object_name(task.key))
+    pod = job["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "fsGroup": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert pod["automountServiceAccountToken"] is False
+    (container,) = pod["containers"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+    }
+    writable = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert writable == {"/tmp": "tandem-tmp", "/work/task": "tandem-work"}
+    assert {v["name"]: v for v in pod["volumes"]}["tandem-work"] == {"name": "tandem-work", "emptyDir": {}}
+    assert env_of(job)["HOME"] == "/work/task"
+    sent = json.dumps(kube_api.created)
+    assert (
+        mesh_key not in sent
+        and master_key not in sent
+        and "MESH_KEY" not in sent
+        and "MASTER_KEY" not in sent
+    )
+    assert not [o for o in kube_api.created if o["kind"] == "Secret"]
+    assert not [v for v in pod["volumes"] if set(v) - {"name", "emptyDir"}]
+    assert "envFrom" not in container and all("secretKeyRef" not in str(e) for e in container["env"])
+
+    kube_api.created.clear()
+    await make_backend(kube_api, run_as_user=None, read_only_root_filesystem=False).launch(
+        spec(tmp_path, key="k2", workdir=Path("/work/task"))
+    )
+    (job,) = [o for o in kube_api.created if o["kind"] == "Job"]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is False
+    assert "volumes" not in pod and "HOME" not in env_of(job)
+
+
+async def test_an_attempts_network_policy_opens_its_pods_to_its_own_job_only(
+    kube_api: FakeKubeApi, tmp_path: Path
+) -> None:
+    task = spec(tmp_path, num_nodes=2)
+    await make_backend(kube_api).launch(task)
+    assert not [key for key in kube_api.objects if key[0] == "networkpolicies"], "off by default"
+
+    other = spec(tmp_path, key="orgs-acme-jobs-j1.trainer.1", attempt=1)
+    await make_backend(kube_api, network_policy=True).launch(other)
+    name = object_name(other.key)
+    policy = kube_api.objects[("networkpolicies", NS, name)]  # the stand-in checked it against the schema
+    job = kube_api.job(NS, name)
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    rules = policy["spec"]
+    assert rules["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/managed-by": "tandem",
+        "tandem.dev/key": label_value(other.key),
+    }
+    assert sorted(rules["policyTypes"]) == ["Egress", "Ingress"]
+    same_job = {"app.kubernetes.io/managed-by": "tandem", "tandem.dev/job": label_value("orgs/acme/jobs/j1")}
+    assert rules["ingress"] == [{"from": [{"podSelector": {"matchLabels": same_job}}]}]
+    assert rules["egress"] == [{"to": [{"podSelector": {"matchLabels": same_job}}]}]
+
+    def selected(pod_labels: dict[str, str], labels: dict[str, str]) -> bool:
+        return matches_labels(pod_labels, ",".join(f"{k}={v}" for k, v in labels.items()))
+
+    first = kube_api.job(NS, object_name(task.key))["spec"]["template"]["metadata"]["labels"]
+    mine = job["spec"]["template"]["metadata"]["labels"]
+    elsewhere = {**mine, "tandem.dev/job": label_value("orgs/globex/jobs/j1")}
+    assert selected(mine, rules["podSelector"]["matchLabels"]) and not selected(
+        first, rules["podSelector"]["matchLabels"]
+    )
+    assert selected(first, same_job) and not selected(elsewhere, same_job)
+    await make_backend(kube_api, network_policy=True).launch(other)  # a relaunch meets it
+    kube_api.remove_job(NS, name)
+    assert ("networkpolicies", NS, name) not in kube_api.objects, "deleted with its Job"
 
 
 async def test_a_single_node_task_gets_no_service_and_its_pod_ip(
