@@ -692,9 +692,9 @@ _RESOURCE_KEYS = ("gpus", "accelerators", "cpus", "memory", "cloud", "infra")
 # SkyPilot's keys (its task and resources schema) that Tandem does not take, each with the reason; SPEC.md has
 # the whole table. A key here is refused naming why; any other unknown key names the nearest known one.
 _NOT_YET = "not yet in Tandem"
+_GROUP_KEYS = ("primary_tasks", "termination_delay")  # SkyPilot's job-group header keys, in a group only
 _SKY_JOB_KEYS = {
-    "primary_tasks": f"{_NOT_YET}: write `role: auxiliary` on each task that is not primary",
-    "termination_delay": "is a task's key here: write `termination_delay` on each auxiliary task",
+    "primary_tasks": "names the primary tasks of a job group; a one-task file's task is its primary",
     "inter_connection": f"{_NOT_YET}: the tasks of a group reach each other as the backend's network allows",
 }
 _SKY_TASK_KEYS = {
@@ -800,6 +800,8 @@ class _Reader:
         self.found: list[FieldViolation] = []
         self.aliases: dict[str, str] = {"display_name": "name"}
         self.single = False  # a file that is one SkyPilot task: its keys are at the top, not under tasks[0]
+        self.primary: list[str] | None = None  # a group header's `primary_tasks`
+        self.delays: dict[str, duration_pb2.Duration] = {}  # its `termination_delay`, by task ("default")
         self.named: set[int] = set()  # the tasks whose file gives a name
         self.unset_envs: dict[int, list[str]] = {}  # per task, the variables declared without a value
         self.backends: list[
@@ -855,10 +857,11 @@ class _Reader:
         else:
             tasks = head.get("tasks") if isinstance(head, dict) else None
         try:
-            document = self.table(head, "", _JOB_KEYS, _SKY_JOB_KEYS)
+            document = self.table(head, "", (*_JOB_KEYS, *_GROUP_KEYS), _SKY_JOB_KEYS)
         except _Stop:
             return spec
         self.guard(lambda: self.header(spec, document))
+        self.guard(lambda: self.group_header(document))
         if tasks is None:
             self.found.append(FieldViolation("tasks", "is required: a list of tasks"))
         elif not isinstance(tasks, list):
@@ -892,12 +895,58 @@ class _Reader:
             self.named.add(0)
         self.finish(spec)
 
+    def group_header(self, doc: dict[str, Any]) -> None:
+        """SkyPilot's job-group keys: `primary_tasks` (the others are auxiliary) and `termination_delay` (one
+        duration, or one per task name with a `default`), applied to the tasks in `finish`."""
+        if "primary_tasks" in doc:
+            names = doc["primary_tasks"]
+            if not isinstance(names, list):
+                self.fail("primary_tasks", "must be a list of task names")
+            self.primary = [self.text(n, f"primary_tasks[{i}]") for i, n in enumerate(names)] or None
+        if "termination_delay" in doc:
+            value = doc["termination_delay"]
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    where = f"termination_delay[{_key(key)}]"
+                    self.guard(
+                        lambda k=key, v=item, w=where: self.delays.update({str(k): self.duration(v, w)})
+                    )
+            else:
+                self.delays["default"] = self.duration(value, "termination_delay")
+
+    def roles(self, spec: JobSpec) -> None:
+        names = [t.name for t in spec.tasks]
+        for index, name in enumerate(self.primary or []):
+            if name not in names:
+                self.found.append(FieldViolation(f"primary_tasks[{index}]", f"{name!r} is no task's name"))
+        for index, task in enumerate(spec.tasks):
+            if self.primary is not None:
+                listed = task.name in self.primary
+                if task.role == (TaskSpec.ROLE_AUXILIARY if listed else TaskSpec.ROLE_PRIMARY):
+                    self.found.append(FieldViolation(f"tasks[{index}].role", "disagrees with primary_tasks"))
+                task.role = TaskSpec.ROLE_PRIMARY if listed else TaskSpec.ROLE_AUXILIARY
+            delay = self.delays.get(task.name, self.delays.get("default"))
+            if (
+                delay is not None
+                and task.role == TaskSpec.ROLE_AUXILIARY
+                and not task.HasField("termination_delay")
+            ):
+                task.termination_delay.CopyFrom(delay)
+        for key in self.delays:
+            if key != "default" and key not in names:
+                self.found.append(
+                    FieldViolation(f"termination_delay[{_key(key)}]", f"{key!r} is no task's name")
+                )
+
     def finish(self, spec: JobSpec) -> None:
-        """What spans the tasks: default names, the values given at submission, the backend `cloud:` names."""
+        """What spans the tasks: default names, SkyPilot's group roles and delays, the values given at
+        submission, the backend `cloud:` names."""
         stem = default_task_name(spec.display_name) if spec.display_name else "task"
         for index, task in enumerate(spec.tasks):
             if index not in self.named:  # SkyPilot's rule: a group's unnamed tasks are NAME-0, NAME-1, ...
                 task.name = stem if len(spec.tasks) == 1 else f"{stem[: 62 - len(str(index))]}-{index}"
+        self.roles(spec)
+        for index, task in enumerate(spec.tasks):
             for name, value in self.given_envs.items():
                 task.envs[name] = value
             for name in self.unset_envs.get(index, []):
@@ -905,8 +954,8 @@ class _Reader:
                     self.found.append(
                         FieldViolation(
                             f"tasks[{index}].envs[{_key(name)}]",
-                            f"has no value: give it at submission (--env {name}=VALUE), or write "
-                            f'{name}: "" for an empty one',
+                            "has no value: give it when the job is submitted (load_yaml's envs, as "
+                            f'SkyPilot\'s --env {name}=VALUE), or write {name}: "" for an empty one',
                         )
                     )
         named = {backend for _, backend in self.backends}

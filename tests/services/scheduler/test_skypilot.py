@@ -228,13 +228,33 @@ def test_a_secrets_value_in_the_file_is_refused() -> None:
         ("run: x\nfile_mounts: {/data: 's3://bucket/data'}\n", 'file_mounts["/data"]', "bucket"),
         ("run: x\nfile_mounts: {/data: {name: b, store: s3}}\n", 'file_mounts["/data"].name', "bucket"),
         ("run: x\nconfig: {kubernetes: {}}\n", "config", "SkyPilot's own configuration"),
-        ("name: g\nexecution: parallel\nprimary_tasks: [a]\n---\nname: a\nrun: x\n", "primary_tasks", "role"),
+        ("run: x\nprimary_tasks: [task]\n", "primary_tasks", "one-task file"),
     ],
 )
 def test_skypilot_keys_that_mean_nothing_here_say_why(text: str, field: str, words: str) -> None:
     found = refusals(text)
     assert field in found, found
     assert words in found[field]
+
+
+def test_skypilots_group_header_keys_set_roles_and_delays() -> None:
+    header = "name: g\nexecution: parallel\nprimary_tasks: [train]\n"
+    tasks = "---\nname: train\nrun: t\n---\nname: env\nrun: e\n---\nname: eval\nrun: v\n"
+    spec = parse(header + "termination_delay: {default: 30s, eval: 2m}\n" + tasks)
+    roles = {t.name: (t.role, t.termination_delay.seconds) for t in spec.tasks}
+    assert roles == {
+        "train": (js.TaskSpec.ROLE_PRIMARY, 0),
+        "env": (js.TaskSpec.ROLE_AUXILIARY, 30),
+        "eval": (js.TaskSpec.ROLE_AUXILIARY, 120),
+    }
+    assert parse(header + "termination_delay: 45\n" + tasks).tasks[1].termination_delay.seconds == 45
+    everyone = parse("name: g\nexecution: parallel\nprimary_tasks: []\n" + tasks)
+    assert {t.role for t in everyone.tasks} == {js.TaskSpec.ROLE_UNSPECIFIED}  # all primary
+    found = refusals(
+        "name: g\nprimary_tasks: [nope]\ntermination_delay: {other: 1m}\ntasks:\n"
+        "  - {name: a, run: x, role: auxiliary}\n  - {name: b, run: y, role: primary}\n"
+    )
+    assert {"primary_tasks[0]", 'termination_delay["other"]', "tasks[1].role"} <= set(found)
 
 
 def test_a_typo_names_the_nearest_key() -> None:
@@ -307,6 +327,8 @@ SKY_FILES: dict[str, tuple[str, dict[str, str]]] = {
         """\
         name: rl_group
         execution: parallel
+        primary_tasks: [trainer]
+        termination_delay: 1m
         ---
         name: trainer
         resources:
@@ -346,7 +368,8 @@ for path, envs in json.loads(sys.argv[1]).items():
             "cpus": [r.cpus for r in resources],
             "memory": [r.memory for r in resources],
         })
-    out[path] = {"name": dag.name, "tasks": tasks}
+    primary = getattr(dag, "primary_tasks", None)
+    out[path] = {"name": dag.name, "tasks": tasks, "primary": primary}
 print(json.dumps(out))
 """
 
@@ -382,6 +405,9 @@ def test_skypilot_and_tandem_read_the_same_files_alike(tmp_path: Path) -> None:
         assert len(spec.tasks) == len(sky["tasks"]), path.name
         if sky["name"] is not None:
             assert spec.display_name == sky["name"], path.name
+        if sky["primary"]:
+            primary = {t.name for t in spec.tasks if t.role != js.TaskSpec.ROLE_AUXILIARY}
+            assert primary == set(sky["primary"]), path.name
         for task, want in zip(spec.tasks, sky["tasks"], strict=True):
             where = f"{path.name}: {task.name}"
             if want["name"] is not None:
