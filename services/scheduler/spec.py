@@ -1,7 +1,9 @@
 """The job spec: a job group as a researcher writes it in YAML, as `tandem.scheduler.v1.JobSpec`.
 
-`parse_yaml` reads SkyPilot's vocabulary (a `tasks:` list, or SkyPilot's multi-document form: a header
-document, then one document per task) into the contract's `JobSpec`; `check_spec` checks a spec that
+`parse_yaml` reads SkyPilot's vocabulary (a `tasks:` list, SkyPilot's multi-document form: a header
+document, then one document per task, or SkyPilot's single-task file) into the contract's `JobSpec`, with
+SkyPilot's meaning for the keys it shares (accelerators, `N+` amounts, envs given at submission, secrets as
+references) and a reason for each SkyPilot key it refuses (`_SKY_*_KEYS`); `check_spec` checks a spec that
 arrived as a proto (CreateJob). Both run the same rules: the contract's field rules (`mesh.validation`)
 and the rules that span fields, so a YAML file and the equivalent proto are refused for the same fields.
 YAML refusals name the YAML key (`name`, `tasks[0].resources.memory`, `tasks[1].file_mounts["/ckpt"]`);

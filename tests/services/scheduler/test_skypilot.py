@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from google.protobuf import json_format
 from tandem.scheduler.v1 import job_spec_pb2 as js
 
 from mesh.errors import InvalidArgument, R
@@ -118,6 +119,41 @@ def test_accelerators_that_cannot_mean_anything_here(value: str, words: str) -> 
     found = refusals(f"run: x\nresources:\n  accelerators: {value}\n")
     assert list(found) and all(f.startswith("resources.accelerators") for f in found), found
     assert words in " ".join(found.values())
+
+
+def test_gpu_alternatives_sent_as_a_proto_are_checked() -> None:
+    def fields(resources: dict[str, Any]) -> list[str]:
+        spec = json_format.ParseDict(
+            {"tasks": [{"name": "a", "kind": "KIND_COMMAND", "run": "x", "resources": resources}]},
+            js.JobSpec(),
+        )
+        with pytest.raises(InvalidArgument) as caught:
+            S.check_spec(spec)
+        return [v.field for v in caught.value.violations]
+
+    assert fields({"gpuAlternatives": ["A100:8"]}) == ["tasks[0].resources.gpus"]
+    assert fields({"gpus": "H100:8", "gpuAlternatives": ["A100:8", "8", "A100:x"]}) == [
+        "tasks[0].resources.gpu_alternatives[1]",
+        "tasks[0].resources.gpu_alternatives[2]",
+    ]
+    assert fields({"gpus": "H100:8", "gpuAlternatives": ["A100:8"] * 9}) == [
+        "tasks[0].resources.gpu_alternatives"
+    ]
+    ok = json_format.ParseDict(
+        {
+            "tasks": [
+                {
+                    "name": "a",
+                    "kind": "KIND_COMMAND",
+                    "run": "x",
+                    "resources": {"gpus": "H100:8", "gpuAlternatives": ["A100:8"]},
+                }
+            ]
+        },
+        js.JobSpec(),
+    )
+    S.check_spec(ok)
+    assert S.resources_of(ok.tasks[0]).gpu_type == "H100"  # placed on the first choice for now
 
 
 def test_gpus_and_accelerators_together_are_refused() -> None:
@@ -437,9 +473,15 @@ print(json.dumps({
 
 
 @pytest.fixture(scope="module")
-def skypilot_schema() -> dict[str, list[str]]:
+def skypilot_schema(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    home = tmp_path_factory.mktemp("sky-home")  # SkyPilot keeps its state under ~/.sky
     done = subprocess.run(
-        [str(SKY_PYTHON), "-c", SCHEMA], capture_output=True, text=True, timeout=110, check=False
+        [str(SKY_PYTHON), "-c", SCHEMA],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+        env={**os.environ, "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "HOME": str(home)},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     schema: dict[str, list[str]] = json.loads(done.stdout.strip().splitlines()[-1])
