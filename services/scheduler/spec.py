@@ -763,6 +763,7 @@ _SKY_SERVICE_KEYS = dict.fromkeys(
     _SKYSERVE,
 )
 _BUCKETS = f"{_NOT_YET}: SkyPilot storage (cloud buckets) is not mounted; mount a host path or a volume"
+_ENV_IN_MOUNT = f"{_NOT_YET}: SkyPilot fills envs into mount paths ($VAR); Tandem takes a path as written"
 _SKY_MOUNT_KEYS = dict.fromkeys(("name", "store", "mode", "persistent", "config", "type"), _BUCKETS)
 # `cloud:` and the first part of `infra:` that name one of Tandem's backends; any other names a public cloud.
 _CLOUD_BACKENDS: dict[str, js.Backend.ValueType] = {
@@ -1260,6 +1261,8 @@ class _Reader:
             proto = f"{at}[{index}]"
             mount = task.file_mounts.add()
             mount.path = str(path)
+            if "$" in mount.path or (isinstance(source, str) and "$" in source):
+                self.found.append(FieldViolation(where, _ENV_IN_MOUNT))
             if not mount.path.startswith("/"):
                 self.found.append(FieldViolation(where, "the path inside the task must be absolute"))
             self.aliases[f"{proto}.path"] = where

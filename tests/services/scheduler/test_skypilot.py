@@ -264,6 +264,8 @@ def test_a_secrets_value_in_the_file_is_refused() -> None:
         ("run: x\nfile_mounts: {/data: 's3://bucket/data'}\n", 'file_mounts["/data"]', "bucket"),
         ("run: x\nfile_mounts: {/data: {name: b, store: s3}}\n", 'file_mounts["/data"].name', "bucket"),
         ("run: x\nconfig: {kubernetes: {}}\n", "config", "SkyPilot's own configuration"),
+        ("run: x\nfile_mounts: {/data: /shared/$USER}\n", 'file_mounts["/data"]', "$VAR"),
+        ("run: x\nfile_mounts: {'/out/${RUN}': {volume: v}}\n", 'file_mounts["/out/${RUN}"]', "$VAR"),
         ("run: x\nprimary_tasks: [task]\n", "primary_tasks", "one-task file"),
     ],
 )
