@@ -8,10 +8,12 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 NPM_STAMP := node_modules/.installed
+SKY_VENV := .venv-sky
+SKY_STAMP := $(SKY_VENV)/.installed
 HAND_WRITTEN := $(wildcard mesh services gateway trainer tandem_jobs tandem_taskapp tandem_client examples scripts benchmarks tests)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast setup-vllm test-vllm up demo train-demo bench-events bench-vault bench-weights bench-async bench-scheduler bench-gateway clean
+.PHONY: help setup setup-skypilot gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast setup-vllm test-vllm up demo train-demo bench-events bench-vault bench-weights bench-async bench-scheduler bench-gateway clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -36,11 +38,24 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -c 'import vllm, transformers; from transformers import LlamaConfig; print("vllm", vllm.__version__, "transformers", transformers.__version__)'
 	touch $(VLLM_STAMP)
 
+# SkyPilot in a venv of its own, as the oracle of the job-spec tests (tests/services/scheduler/test_skypilot.py
+# runs its loader there and skips without it): in .venv its pins would downgrade uvicorn and click. The pin is
+# the `skypilot-oracle` extra's.
+$(SKY_STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (Python 3.11+)"; exit 1; }
+	test -d $(SKY_VENV) || $(PYTHON) -m venv $(SKY_VENV)
+	$(SKY_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SKY_VENV)/bin/python -m pip install -q $$($(PYTHON) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["skypilot-oracle"])')
+	$(SKY_VENV)/bin/python -c 'import sky; print("skypilot", sky.__version__)'
+	touch $(SKY_STAMP)
+
 $(NPM_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $(NPM_STAMP)
 
 setup: $(STAMP) $(NPM_STAMP)  ## create .venv with every Python extra CI needs, and the Node tools (buf, grpc-js)
+
+setup-skypilot: $(SKY_STAMP)  ## create .venv-sky with SkyPilot, the job-spec tests' oracle (they skip without it)
 
 gen: $(STAMP) $(NPM_STAMP)  ## regenerate gen/python from protos/ (commit the result)
 	npx buf lint

@@ -1,7 +1,9 @@
 """The job spec: a job group as a researcher writes it in YAML, as `tandem.scheduler.v1.JobSpec`.
 
-`parse_yaml` reads SkyPilot's vocabulary (a `tasks:` list, or SkyPilot's multi-document form: a header
-document, then one document per task) into the contract's `JobSpec`; `check_spec` checks a spec that
+`parse_yaml` reads SkyPilot's vocabulary (a `tasks:` list, SkyPilot's multi-document form: a header
+document, then one document per task, or SkyPilot's single-task file) into the contract's `JobSpec`, with
+SkyPilot's meaning for the keys it shares (accelerators, `N+` amounts, envs given at submission, secrets as
+references) and a reason for each SkyPilot key it refuses (`_SKY_*_KEYS`); `check_spec` checks a spec that
 arrived as a proto (CreateJob). Both run the same rules: the contract's field rules (`mesh.validation`)
 and the rules that span fields, so a YAML file and the equivalent proto are refused for the same fields.
 YAML refusals name the YAML key (`name`, `tasks[0].resources.memory`, `tasks[1].file_mounts["/ckpt"]`);
@@ -18,6 +20,7 @@ module loads no torch), so the trainer and the scheduler share one set of config
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import math
 import posixpath
@@ -48,6 +51,7 @@ DEFAULT_MAX_BACKOFF_S = 300.0
 DEFAULT_READINESS_TIMEOUT_S = 600.0
 MAX_ENV_VALUE_BYTES = 32 * 1024
 MAX_GPUS_PER_NODE = 1024
+MAX_GPU_ALTERNATIVES = 8
 # Set by the scheduler on every node; a spec may not set them itself (TANDEM_* is reserved as a whole).
 RESERVED_ENVS = frozenset({"SKYPILOT_NUM_NODES", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS"})
 
@@ -112,22 +116,25 @@ def _invalid(found: list[FieldViolation], what: str = "invalid job spec") -> Inv
 # -- the public API -----------------------------------------------------------------------------------------
 
 
-def load_yaml(path: Path) -> JobSpec:
-    """Parse the job file at `path`; an online_rl task's `config_file` is read relative to its folder."""
+def load_yaml(path: Path, *, envs: Mapping[str, str] | None = None) -> JobSpec:
+    """Parse the job file at `path`; an online_rl task's `config_file` is read relative to its folder.
+    `envs` are the values given at submission (SkyPilot's `--env`), see `parse_yaml`."""
     try:
         text = path.read_text()
     except OSError as exc:
         raise InvalidArgument(
             f"cannot read the job file {path.name}: {exc.strerror}", reason=R.ERROR_REASON_INVALID_JOB_SPEC
         ) from None
-    return parse_yaml(text, base_dir=path.parent)
+    return parse_yaml(text, base_dir=path.parent, envs=envs)
 
 
-def parse_yaml(text: str, *, base_dir: Path | None = None) -> JobSpec:
+def parse_yaml(text: str, *, base_dir: Path | None = None, envs: Mapping[str, str] | None = None) -> JobSpec:
     """A YAML job group -> a checked JobSpec; InvalidArgument / INVALID_JOB_SPEC naming every bad key.
 
     `base_dir` is where `online_rl.config_file` paths are read from (the job file's folder); without it a
-    `config_file` is refused, so a server never reads files a spec names."""
+    `config_file` is refused, so a server never reads files a spec names. `envs` are environment values given
+    at submission, as SkyPilot's `--env NAME=VALUE`: each is set in every task, over the file's own value, and
+    a variable the file declares without a value (`NAME: null`) must be among them."""
     try:
         documents = [d for d in yaml.load_all(text, Loader=_StrictLoader) if d is not None]
     except yaml.YAMLError as exc:
@@ -137,13 +144,15 @@ def parse_yaml(text: str, *, base_dir: Path | None = None) -> JobSpec:
         raise _invalid(
             [FieldViolation("(yaml)", f"{where}{problem}")], "the job file is not valid YAML"
         ) from None
-    reader = _Reader(base_dir)
+    reader = _Reader(base_dir, envs or {})
     spec = reader.job(documents)
     if reader.found:
-        raise _invalid(reader.found)
+        raise _invalid([FieldViolation(reader.shown(v.field), v.description) for v in reader.found])
     found = spec_violations(spec)
     if found:
-        raise _invalid([FieldViolation(reader.yaml_path(v.field), v.description) for v in found])
+        raise _invalid(
+            [FieldViolation(reader.shown(reader.yaml_path(v.field)), v.description) for v in found]
+        )
     return spec
 
 
@@ -420,6 +429,20 @@ def _resources(resources: types_pb2.Resources, at: str) -> list[FieldViolation]:
         parse_gpus(resources.gpus)
     except ValueError as exc:
         found.append(FieldViolation(f"{at}.gpus", str(exc)))
+    if resources.gpu_alternatives and not resources.gpus.strip():
+        found.append(FieldViolation(f"{at}.gpus", "is required with gpu_alternatives: the first choice"))
+    if len(resources.gpu_alternatives) > MAX_GPU_ALTERNATIVES:
+        found.append(FieldViolation(f"{at}.gpu_alternatives", f"at most {MAX_GPU_ALTERNATIVES} alternatives"))
+    for index, alternative in enumerate(resources.gpu_alternatives):
+        try:
+            count, gpu_type = parse_gpus(alternative)
+        except ValueError as exc:
+            found.append(FieldViolation(f"{at}.gpu_alternatives[{index}]", str(exc)))
+            continue
+        if not count or not gpu_type:
+            found.append(
+                FieldViolation(f"{at}.gpu_alternatives[{index}]", "must be TYPE:COUNT (e.g. A100:8)")
+            )
     for name in ("cpus", "memory_gib"):
         value = getattr(resources, name)
         if not math.isfinite(value) or value < 0:
@@ -666,6 +689,104 @@ _TASK_KEYS = (
     "online_rl",
     "service",
 )
+_RESOURCE_KEYS = ("gpus", "accelerators", "cpus", "memory", "cloud", "infra")
+
+# SkyPilot's keys (its task and resources schema) that Tandem does not take, each with the reason; SPEC.md has
+# the whole table. A key here is refused naming why; any other unknown key names the nearest known one.
+_NOT_YET = "not yet in Tandem"
+_GROUP_KEYS = ("primary_tasks", "termination_delay")  # SkyPilot's job-group header keys, in a group only
+_SKY_JOB_KEYS = {
+    "primary_tasks": "names the primary tasks of a job group; a one-task file's task is its primary",
+    "inter_connection": f"{_NOT_YET}: the tasks of a group reach each other as the backend's network allows",
+}
+_SKY_TASK_KEYS = {
+    "accelerators": "belongs under `resources:` (`resources: {accelerators: A100:8}`)",
+    "workdir": f"{_NOT_YET}: no working directory is synced; put the code on a file mount and `cd` there in `run`",
+    "event_callback": f"{_NOT_YET}: a task's progress is reported as job events, not through a callback",
+    "pool": "SkyPilot's worker pools have no counterpart here",
+    "managed_secrets": f"{_NOT_YET}: name vault secrets in `secrets`",
+    "inputs": "is a data-size hint for SkyPilot's cloud optimizer, which has no counterpart here",
+    "outputs": "is a data-size hint for SkyPilot's cloud optimizer, which has no counterpart here",
+    "config": "overrides SkyPilot's own configuration; the backend's settings are the job's `slurm:` or `kubernetes:`",
+    "volumes": f"{_NOT_YET}: mount a volume the deployment defines with `file_mounts: {{/path: {{volume: name}}}}`",
+    "volume_mounts": f"{_NOT_YET}: mount a volume with `file_mounts: {{/path: {{volume: name}}}}`",
+    "api_server_access": "there is no SkyPilot API server here; a task reaches the mesh with its job token",
+    "file_mounts_mapping": "is SkyPilot's internal bookkeeping",
+    "_metadata": "is SkyPilot's internal bookkeeping",
+}
+_CLOUD_ONLY = "names a public cloud's {what}; Tandem runs on its own local, Slurm and Kubernetes backends"
+_SKY_RESOURCE_KEYS = {
+    "region": _CLOUD_ONLY.format(what="region"),
+    "zone": _CLOUD_ONLY.format(what="zone"),
+    "instance_type": _CLOUD_ONLY.format(what="instance type") + "; ask for cpus, memory and accelerators",
+    "use_spot": "spot instances are a public cloud's; preempted tasks are recovered under the job's `recovery`",
+    "max_hourly_cost": "there are no prices here",
+    "accelerator_args": "configures Google Cloud TPUs; Tandem places NVIDIA GPUs",
+    "autostop": "nodes are not kept as clusters here: a task's nodes are released when it ends",
+    "job_recovery": f"{_NOT_YET}: write the job's `recovery:` (max_restarts_on_errors, recover_on_exit_codes)",
+    "ports": f"{_NOT_YET}: a task's ports are not opened outside the cluster; a `service:` task's port is "
+    "reachable by the mesh",
+    "image_id": f"{_NOT_YET}: tasks run on the nodes' own software, not in a container image",
+    "disk_size": f"{_NOT_YET}: the nodes' disks are the deployment's",
+    "ephemeral_storage": f"{_NOT_YET}: the nodes' disks are the deployment's",
+    "disk_tier": f"{_NOT_YET}: the nodes' disks are the deployment's",
+    "local_disk": f"{_NOT_YET}: the nodes' disks are the deployment's",
+    "network_tier": f"{_NOT_YET}: the nodes' network is the deployment's",
+    "labels": f"{_NOT_YET}: Kubernetes pods take the job's `kubernetes.node_selector`, not labels",
+    "priority": f"{_NOT_YET} per task: set the job's `priority` (0..1000)",
+    "priority_class": f"{_NOT_YET} per task: set the job's `kubernetes.priority_class_name`",
+    "any_of": f"{_NOT_YET}: for GPU alternatives write `accelerators: [A100:8, H100:8]`",
+    "ordered": f"{_NOT_YET}: for GPU alternatives in order write `accelerators: [A100:8, H100:8]`",
+    "volumes": f"{_NOT_YET}: mount a volume with the task's `file_mounts: {{/path: {{volume: name}}}}`",
+    "_no_missing_accel_warnings": "is SkyPilot's internal setting",
+    "_docker_login_config": "is SkyPilot's internal setting",
+    "_is_image_managed": "is SkyPilot's internal setting",
+    "_requires_fuse": "is SkyPilot's internal setting",
+    "_cluster_config_overrides": "is SkyPilot's internal setting",
+}
+_SKYSERVE = (
+    "is SkyServe's (replicas behind SkyPilot's load balancer), which Tandem does not run; Tandem's `service:` "
+    "takes port, health_path, readiness_timeout and register_task_app"
+)
+_SKY_SERVICE_KEYS = dict.fromkeys(
+    (
+        "readiness_probe",
+        "replicas",
+        "replica_policy",
+        "load_balancing_policy",
+        "load_balancer",
+        "ports",
+        "tls",
+        "pool",
+        "workers",
+    ),
+    _SKYSERVE,
+)
+_BUCKETS = f"{_NOT_YET}: SkyPilot storage (cloud buckets) is not mounted; mount a host path or a volume"
+_ENV_IN_MOUNT = f"{_NOT_YET}: SkyPilot fills envs into mount paths ($VAR); Tandem takes a path as written"
+_SKY_MOUNT_KEYS = dict.fromkeys(("name", "store", "mode", "persistent", "config", "type"), _BUCKETS)
+# `cloud:` and the first part of `infra:` that name one of Tandem's backends; any other names a public cloud.
+_CLOUD_BACKENDS: dict[str, js.Backend.ValueType] = {
+    "kubernetes": js.BACKEND_KUBERNETES,
+    "k8s": js.BACKEND_KUBERNETES,
+    "slurm": js.BACKEND_SLURM,
+    "local": js.BACKEND_LOCAL,
+}
+_TASK_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+
+
+def default_task_name(name: str) -> str:
+    """A name in Tandem's task-name shape (`[a-z][a-z0-9-]{0,62}`) from a SkyPilot name such as `My_Train`:
+    lower-cased, each run of other characters a hyphen, leading non-letters dropped; "task" if nothing is
+    left."""
+    cleaned = re.sub(r"[^a-z0-9]+", "-", name.lower())
+    cleaned = re.sub(r"^[^a-z]+", "", cleaned)[:63].rstrip("-")
+    return cleaned or "task"
+
+
+def _secret_id(env: str) -> str:
+    """The vault secret id for a variable SkyPilot names a secret by: `HF_TOKEN` -> `hf-token`."""
+    return env.lower().replace("_", "-")
 
 
 class _Stop(Exception):
@@ -676,10 +797,25 @@ class _Reader:
     """Builds a JobSpec from YAML documents, recording each problem with its YAML path and, for keys
     renamed on the way, which proto path stands for which YAML path (`aliases`)."""
 
-    def __init__(self, base_dir: Path | None) -> None:
+    def __init__(self, base_dir: Path | None, envs: Mapping[str, str]) -> None:
         self.base_dir = base_dir
+        self.given_envs = envs
         self.found: list[FieldViolation] = []
         self.aliases: dict[str, str] = {"display_name": "name"}
+        self.single = False  # a file that is one SkyPilot task: its keys are at the top, not under tasks[0]
+        self.primary: list[str] | None = None  # a group header's `primary_tasks`
+        self.delays: dict[str, duration_pb2.Duration] = {}  # its `termination_delay`, by task ("default")
+        self.named: set[int] = set()  # the tasks whose file gives a name
+        self.unset_envs: dict[int, list[str]] = {}  # per task, the variables declared without a value
+        self.backends: list[
+            tuple[str, js.Backend.ValueType]
+        ] = []  # the backends `cloud:` / `infra:` name, with their path
+
+    def shown(self, path: str) -> str:
+        """How a path is shown for this file: a one-task file's keys are at the top (`run`, not tasks[0].run)."""
+        if self.single and path.startswith("tasks[0]."):
+            return path[len("tasks[0].") :]
+        return path
 
     def yaml_path(self, proto_path: str) -> str:
         """The YAML spelling of a proto path, by its longest aliased prefix."""
@@ -701,6 +837,9 @@ class _Reader:
             self.found.append(FieldViolation("tasks", "the job file is empty"))
             return spec
         head = documents[0]
+        if len(documents) == 1 and isinstance(head, dict) and "tasks" not in head:
+            self.single_task(spec, head)  # SkyPilot's most common file: one task, its keys at the top
+            return spec
         tasks: Any
         if len(documents) > 1:  # SkyPilot's form: a header document, then one document per task
             tasks = documents[1:]
@@ -708,13 +847,24 @@ class _Reader:
                 self.found.append(
                     FieldViolation("tasks", "write the tasks either as `tasks:` or as documents, not both")
                 )
+            if isinstance(head, dict) and head.keys() & {"run", "setup", "resources", "envs"}:
+                self.found.append(
+                    FieldViolation(
+                        "(document)",
+                        "SkyPilot runs documents without a header as a pipeline (one task after another), "
+                        "which Tandem does not; a job group starts with a header document "
+                        "(`name`, `execution: parallel`) and its tasks run side by side",
+                    )
+                )
+                return spec
         else:
             tasks = head.get("tasks") if isinstance(head, dict) else None
         try:
-            document = self.table(head, "", _JOB_KEYS)
+            document = self.table(head, "", (*_JOB_KEYS, *_GROUP_KEYS), _SKY_JOB_KEYS)
         except _Stop:
             return spec
         self.guard(lambda: self.header(spec, document))
+        self.guard(lambda: self.group_header(document))
         if tasks is None:
             self.found.append(FieldViolation("tasks", "is required: a list of tasks"))
         elif not isinstance(tasks, list):
@@ -722,7 +872,114 @@ class _Reader:
         else:
             for index, task in enumerate(tasks):
                 self.guard(lambda t=task, i=index: self.task(spec.tasks.add(), t, f"tasks[{i}]"))
+        self.finish(spec)
         return spec
+
+    def single_task(self, spec: JobSpec, head: dict[str, Any]) -> None:
+        """One SkyPilot task: the job's keys and the task's side by side; `name` names both (SkyPilot's rule),
+        the task's in the shape task names take."""
+        self.single = True
+        keys = tuple(dict.fromkeys((*_JOB_KEYS, *_TASK_KEYS)))
+        try:
+            document = self.table(
+                head, "", [k for k in keys if k != "tasks"], {**_SKY_JOB_KEYS, **_SKY_TASK_KEYS}
+            )
+        except _Stop:
+            return
+        self.guard(lambda: self.header(spec, {k: v for k, v in document.items() if k in _JOB_KEYS}))
+        task = spec.tasks.add()
+        self.guard(
+            lambda: self.task(
+                task, {k: v for k, v in document.items() if k in _TASK_KEYS and k != "name"}, "tasks[0]"
+            )
+        )
+        if spec.display_name:
+            task.name = default_task_name(spec.display_name)
+            self.named.add(0)
+        self.finish(spec)
+
+    def group_header(self, doc: dict[str, Any]) -> None:
+        """SkyPilot's job-group keys: `primary_tasks` (the others are auxiliary) and `termination_delay` (one
+        duration, or one per task name with a `default`), applied to the tasks in `finish`."""
+        if "primary_tasks" in doc:
+            names = doc["primary_tasks"]
+            if not isinstance(names, list):
+                self.fail("primary_tasks", "must be a list of task names")
+            self.primary = [self.text(n, f"primary_tasks[{i}]") for i, n in enumerate(names)] or None
+        if "termination_delay" in doc:
+            value = doc["termination_delay"]
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    where = f"termination_delay[{_key(key)}]"
+                    self.guard(
+                        lambda k=key, v=item, w=where: self.delays.update({str(k): self.duration(v, w)})
+                    )
+            else:
+                self.delays["default"] = self.duration(value, "termination_delay")
+
+    def roles(self, spec: JobSpec) -> None:
+        names = [t.name for t in spec.tasks]
+        for index, name in enumerate(self.primary or []):
+            if name not in names:
+                self.found.append(FieldViolation(f"primary_tasks[{index}]", f"{name!r} is no task's name"))
+        for index, task in enumerate(spec.tasks):
+            if self.primary is not None:
+                listed = task.name in self.primary
+                if task.role == (TaskSpec.ROLE_AUXILIARY if listed else TaskSpec.ROLE_PRIMARY):
+                    self.found.append(FieldViolation(f"tasks[{index}].role", "disagrees with primary_tasks"))
+                task.role = TaskSpec.ROLE_PRIMARY if listed else TaskSpec.ROLE_AUXILIARY
+            delay = self.delays.get(task.name, self.delays.get("default"))
+            if (
+                delay is not None
+                and task.role == TaskSpec.ROLE_AUXILIARY
+                and not task.HasField("termination_delay")
+            ):
+                task.termination_delay.CopyFrom(delay)
+        for key in self.delays:
+            if key != "default" and key not in names:
+                self.found.append(
+                    FieldViolation(f"termination_delay[{_key(key)}]", f"{key!r} is no task's name")
+                )
+
+    def finish(self, spec: JobSpec) -> None:
+        """What spans the tasks: default names, SkyPilot's group roles and delays, the values given at
+        submission, the backend `cloud:` names."""
+        stem = default_task_name(spec.display_name) if spec.display_name else "task"
+        for index, task in enumerate(spec.tasks):
+            if index not in self.named:  # SkyPilot's rule: a group's unnamed tasks are NAME-0, NAME-1, ...
+                task.name = stem if len(spec.tasks) == 1 else f"{stem[: 62 - len(str(index))]}-{index}"
+        self.roles(spec)
+        for index, task in enumerate(spec.tasks):
+            for name, value in self.given_envs.items():
+                task.envs[name] = value
+            for name in self.unset_envs.get(index, []):
+                if name not in self.given_envs:
+                    self.found.append(
+                        FieldViolation(
+                            f"tasks[{index}].envs[{_key(name)}]",
+                            "has no value: give it when the job is submitted (load_yaml's envs, as "
+                            f'SkyPilot\'s --env {name}=VALUE), or write {name}: "" for an empty one',
+                        )
+                    )
+        named = {backend for _, backend in self.backends}
+        if len(named) > 1:
+            self.found.extend(
+                FieldViolation(at, "the tasks name different backends; a job group runs on one")
+                for at, _ in self.backends
+            )
+        elif named:
+            (backend,) = named
+            if spec.backend == js.BACKEND_UNSPECIFIED:
+                spec.backend = backend
+            elif spec.backend != backend:
+                self.found.extend(
+                    FieldViolation(
+                        at,
+                        f"names backend {_BACKEND_NAMES[backend]}; the job's is "
+                        f"{_BACKEND_NAMES[spec.backend]}",
+                    )
+                    for at, _ in self.backends
+                )
 
     def guard(self, step: Any) -> None:
         with contextlib.suppress(_Stop):
@@ -798,9 +1055,10 @@ class _Reader:
                 )
 
     def task(self, task: TaskSpec, value: Any, at: str) -> None:
-        doc = self.table(value, at, _TASK_KEYS)
+        doc = self.table(value, at, _TASK_KEYS, _SKY_TASK_KEYS)
         if "name" in doc:
             task.name = self.text(doc["name"], f"{at}.name")
+            self.named.add(_index(at))
         self.guard(lambda: setattr(task, "kind", self.kind(doc, at)))
         if "role" in doc:
             self.guard(lambda: setattr(task, "role", self.choice(doc["role"], f"{at}.role", _ROLES)))
@@ -841,35 +1099,152 @@ class _Reader:
         return TaskSpec.KIND_SERVICE if "service" in doc else TaskSpec.KIND_COMMAND
 
     def resources(self, resources: types_pb2.Resources, value: Any, at: str) -> None:
-        doc = self.table(value, at, ("gpus", "cpus", "memory"))
+        if value is None:  # SkyPilot takes `resources:` with nothing under it as no request
+            return
+        doc = self.table(value, at, _RESOURCE_KEYS, _SKY_RESOURCE_KEYS)
         resources.SetInParent()
+        if "gpus" in doc and "accelerators" in doc:
+            self.found.append(FieldViolation(f"{at}.accelerators", "set one of gpus and accelerators"))
         if "gpus" in doc:
             gpus = doc["gpus"]
             if isinstance(gpus, bool) or not isinstance(gpus, str | int):
                 self.fail(f"{at}.gpus", 'must be "TYPE:COUNT" (e.g. "H100:8") or a count')
             resources.gpus = str(gpus)
+        elif "accelerators" in doc:
+            self.aliases[f"{at}.gpus"] = f"{at}.accelerators"
+            self.aliases[f"{at}.gpu_alternatives"] = f"{at}.accelerators"
+            self.guard(lambda: self.accelerators(resources, doc["accelerators"], f"{at}.accelerators"))
         if "cpus" in doc:
-            resources.cpus = self.number(doc["cpus"], f"{at}.cpus")
+            self.guard(lambda: setattr(resources, "cpus", self.number(doc["cpus"], f"{at}.cpus", plus=True)))
         if "memory" in doc:
             self.aliases[f"{at}.memory_gib"] = f"{at}.memory"
-            resources.memory_gib = self.memory(doc["memory"], f"{at}.memory")
+            self.guard(
+                lambda: setattr(
+                    resources, "memory_gib", self.memory(doc["memory"], f"{at}.memory", plus=True)
+                )
+            )
+        for key in ("cloud", "infra"):
+            if key in doc:
+                self.guard(lambda k=key: self.cloud(doc[k], f"{at}.{k}", infra=k == "infra"))
+
+    def accelerators(self, resources: types_pb2.Resources, value: Any, at: str) -> None:
+        """SkyPilot's forms: `A100:8` (a bare type is 1), `{A100: 8}`, a list of alternatives in order, or a
+        set (`{A100:8, H100:8}`, YAML keys without values), kept in the order written. The first is `gpus`."""
+        items = self.accelerator_items(value, at)
+        if not items:
+            self.fail(at, "names no accelerator")
+        requests = [self.accelerator(item, at) for item in items]
+        resources.gpus = requests[0]
+        resources.gpu_alternatives.extend(requests[1:])
+
+    def accelerator_items(self, value: Any, at: str) -> list[str]:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("{") and text.endswith("}"):  # a set written as one string
+                return [part.strip() for part in text[1:-1].split(",") if part.strip()]
+            return [text]
+        items: list[str] = []
+        if isinstance(value, dict):
+            for name, count in value.items():
+                if count is not None and (isinstance(count, bool) or not isinstance(count, int | float)):
+                    self.fail(f"{at}[{_key(name)}]", f"the count must be a number, not {_type(count)}")
+                items.append(str(name) if count is None else f"{name}:{count}")
+            return items
+        if not isinstance(value, list):
+            self.fail(
+                at, f"must be TYPE:COUNT (A100:8), a {{TYPE: COUNT}} table or a list, not {_type(value)}"
+            )
+        for index, item in enumerate(value):
+            if not isinstance(item, str):
+                self.fail(f"{at}[{index}]", f"must be a string such as A100:8, not {_type(item)}")
+            items.append(item)
+        return items
+
+    def accelerator(self, item: str, at: str) -> str:
+        name, _, count_text = item.strip().partition(":")
+        name = name.strip()
+        if name.lower().startswith("tpu"):
+            self.fail(at, f"{name} is a Google Cloud TPU; Tandem places NVIDIA GPUs")
+        try:
+            count = float(count_text) if count_text.strip() else 1.0
+        except ValueError:
+            self.fail(at, f"{item!r} is not TYPE:COUNT (e.g. A100:8)")
+        if not math.isfinite(count) or count != int(count):
+            self.fail(at, f"{item!r}: fractional GPUs are not supported; a task has whole GPUs")
+        text = f"{name}:{int(count)}"
+        try:
+            parse_gpus(text)
+        except ValueError as exc:
+            self.fail(at, f"{item!r}: {exc}")
+        return text
+
+    def cloud(self, value: Any, at: str, *, infra: bool) -> None:
+        """`cloud: kubernetes` / `infra: k8s` choose a backend; any other cloud cannot mean anything here."""
+        text = self.text(value, at).strip()
+        first, _, rest = text.partition("/") if infra else (text, "", "")
+        backend = _CLOUD_BACKENDS.get(first.lower())
+        if first == "*" and not rest:
+            return  # any infrastructure: the scheduler's default backend
+        if backend is None:
+            self.fail(at, f"{first!r} " + _CLOUD_ONLY.format(what="name"))
+        if rest:
+            self.fail(
+                at, f"{_NOT_YET}: a Kubernetes context or region ({rest!r}); the deployment has one cluster"
+            )
+        self.backends.append((at, backend))
 
     def envs(self, task: TaskSpec, value: Any, at: str) -> None:
         doc = self.table(value, at, None)
         for name, item in doc.items():
+            if item is None:  # SkyPilot's variable that must be given at submission (`--env NAME=VALUE`)
+                self.unset_envs.setdefault(_index(at), []).append(str(name))
+                continue
             task.envs[str(name)] = self.scalar_text(item, f"{at}[{_key(name)}]")
 
     def secrets(self, task: TaskSpec, value: Any, at: str) -> None:
+        if isinstance(value, dict):
+            self.secret_map(task, value, at)
+            return
         if not isinstance(value, list):
-            self.fail(at, "must be a list of secret names or {secret, env} tables")
+            self.fail(at, "must be a list of secret names or {secret, env} tables, or a table of NAME: null")
         for index, item in enumerate(value):
             where = f"{at}[{index}]"
             binding = task.secrets.add()
+            if isinstance(item, str) and item.startswith("secrets:"):  # SkyPilot's reference to a secret
+                self.name_secret(binding, item.removeprefix("secrets:"), where)
+                continue
             if isinstance(item, str):
                 binding.secret = item
                 self.aliases[f"{where}.secret"] = where
                 continue
             self.guard(lambda b=binding, i=item, w=where: self.binding(b, i, w))
+
+    def secret_map(self, task: TaskSpec, value: dict[Any, Any], at: str) -> None:
+        """SkyPilot's table of secrets: `NAME: null` is the vault secret `name` (`HF_TOKEN` -> `hf-token`) in
+        the variable NAME; a value written in the file is refused, as no secret is kept in a job spec."""
+        for index, (name, item) in enumerate(value.items()):
+            where = f"{at}[{_key(name)}]"
+            self.aliases[f"{at}[{index}]"] = where
+            variable = str(name).removeprefix("secrets:")
+            if item is not None:
+                self.found.append(
+                    FieldViolation(
+                        where,
+                        "is a secret's value in the job file; Tandem opens secrets from the vault: store it "
+                        f"there (tandem secrets put {_secret_id(variable)}) and write {variable}: null",
+                    )
+                )
+                continue
+            self.name_secret(task.secrets.add(), variable, where)
+
+    def name_secret(self, binding: js.SecretBinding, variable: str, at: str) -> None:
+        if not _ENV_NAME.fullmatch(variable):
+            self.found.append(FieldViolation(at, f"{variable!r} is not a variable name"))
+            return
+        binding.secret = _secret_id(variable)
+        if secret_env_name(binding) != variable:
+            binding.env = variable
+        self.aliases[f"{at}.secret"] = at
 
     def binding(self, binding: js.SecretBinding, value: Any, at: str) -> None:
         doc = self.table(value, at, ("secret", "env"))
@@ -886,6 +1261,8 @@ class _Reader:
             proto = f"{at}[{index}]"
             mount = task.file_mounts.add()
             mount.path = str(path)
+            if "$" in mount.path or (isinstance(source, str) and "$" in source):
+                self.found.append(FieldViolation(where, _ENV_IN_MOUNT))
             if not mount.path.startswith("/"):
                 self.found.append(FieldViolation(where, "the path inside the task must be absolute"))
             self.aliases[f"{proto}.path"] = where
@@ -893,13 +1270,15 @@ class _Reader:
             if isinstance(source, str):
                 mount.local_path = source
                 self.aliases[f"{proto}.local_path"] = where
-                if not source.startswith("/"):
+                if "://" in source:
+                    self.found.append(FieldViolation(where, _BUCKETS))
+                elif not source.startswith("/"):
                     self.found.append(FieldViolation(where, "the local path must be absolute"))
                 continue
             self.guard(lambda m=mount, s=source, w=where, p=proto: self.mount(m, s, w, p))
 
     def mount(self, mount: js.FileMount, value: Any, at: str, proto: str) -> None:
-        doc = self.table(value, at, ("volume", "source", "read_only"))
+        doc = self.table(value, at, ("volume", "source", "read_only"), _SKY_MOUNT_KEYS)
         if ("volume" in doc) == ("source" in doc):
             self.fail(at, "set exactly one of volume and source")
         if "volume" in doc:
@@ -956,7 +1335,9 @@ class _Reader:
             self.fail(at, f"cannot read {name}: {exc.strerror}")
 
     def service(self, options: js.ServiceOptions, value: Any, at: str) -> None:
-        doc = self.table(value, at, ("port", "health_path", "readiness_timeout", "register_task_app"))
+        doc = self.table(
+            value, at, ("port", "health_path", "readiness_timeout", "register_task_app"), _SKY_SERVICE_KEYS
+        )
         options.SetInParent()
         if "port" in doc:
             options.port = self.integer(doc["port"], f"{at}.port", 0, 2**32 - 1)
@@ -976,7 +1357,11 @@ class _Reader:
 
     # -- values
 
-    def table(self, value: Any, at: str, keys: Iterable[str] | None) -> dict[str, Any]:
+    def table(
+        self, value: Any, at: str, keys: Iterable[str] | None, refused: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
+        """A mapping's known keys; each other key is a violation: a key in `refused` (SkyPilot's that mean
+        nothing here, or not yet) with its reason, a typo with the nearest known key."""
         if not isinstance(value, dict):
             self.fail(at or "(document)", "must be a table of keys")
         out: dict[str, Any] = {}
@@ -985,9 +1370,7 @@ class _Reader:
             if not isinstance(key, str):
                 self.found.append(FieldViolation(_join(at, str(key)), "keys must be strings"))
             elif allowed is not None and key not in allowed:
-                self.found.append(
-                    FieldViolation(_join(at, key), f"is not a known key (known: {', '.join(allowed)})")
-                )
+                self.found.append(FieldViolation(_join(at, key), _unknown(key, allowed, refused or {})))
             else:
                 out[key] = item
         return out
@@ -1011,8 +1394,10 @@ class _Reader:
             self.fail(at, f"{value} is out of range")
         return value
 
-    def number(self, value: Any, at: str) -> float:
+    def number(self, value: Any, at: str, *, plus: bool = False) -> float:
         if isinstance(value, str):
+            if plus and value.strip().endswith("+"):  # SkyPilot's "at least": what a request is here
+                value = value.strip()[:-1]
             try:
                 value = float(value)
             except ValueError:
@@ -1048,9 +1433,11 @@ class _Reader:
         out.nanos = round((total - int(total)) * 1e9)
         return out
 
-    def memory(self, value: Any, at: str) -> float:
+    def memory(self, value: Any, at: str, *, plus: bool = False) -> float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
+        if plus and isinstance(value, str) and value.strip().endswith("+"):  # SkyPilot's "at least"
+            value = value.strip()[:-1]
         match = _MEMORY.fullmatch(value.strip()) if isinstance(value, str) else None
         if match is None or match[2].lower() not in _MEMORY_UNITS:
             self.fail(at, f"{value!r} is not an amount of memory such as 64Gi, 32GB or 512Mi")
@@ -1060,6 +1447,20 @@ class _Reader:
 def _key(key: object) -> str:
     """A map key in a field path, quoted as JSON: `envs["HF_HOME"]`, `file_mounts["/ckpt"]`."""
     return json.dumps(str(key))
+
+
+def _unknown(key: str, known: Sequence[str], refused: Mapping[str, str]) -> str:
+    if key in refused:
+        return refused[key]
+    near = difflib.get_close_matches(key, [*known, *refused], n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}? " if near else ""
+    return f"is not a known key; {hint}(known: {', '.join(known)})"
+
+
+def _index(at: str) -> int:
+    """The task index of a path under `tasks[i]`."""
+    match = re.match(r"tasks\[([0-9]+)\]", at)
+    return int(match[1]) if match else 0
 
 
 def _join(at: str, key: str) -> str:

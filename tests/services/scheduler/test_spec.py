@@ -152,7 +152,8 @@ REFUSED = {
     "execution": (group(ECHO, "name: g\nexecution: serial"), "execution"),
     "duplicate task names": (group(ECHO + ECHO), "tasks[1].name"),
     "no primary task": (group("- name: main\n  run: x\n  role: auxiliary\n"), "tasks"),
-    "no tasks": ("name: g\n", "tasks"),
+    "no tasks": ("name: g\ntasks: []\n", "tasks"),
+    "a one-task file without run": ("name: g\n", "run"),
     "task name pattern": (group("- name: Main\n  run: x\n"), "tasks[0].name"),
     "unknown kind": (group("- name: main\n  kind: batch\n  run: x\n"), "tasks[0].kind"),
     "options of another kind": (

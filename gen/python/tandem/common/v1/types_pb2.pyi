@@ -3,9 +3,11 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
@@ -132,22 +134,32 @@ class Resources(_message.Message):
     GPUS_FIELD_NUMBER: _builtins.int
     CPUS_FIELD_NUMBER: _builtins.int
     MEMORY_GIB_FIELD_NUMBER: _builtins.int
+    GPU_ALTERNATIVES_FIELD_NUMBER: _builtins.int
     gpus: _builtins.str
     """GPU request as `TYPE:COUNT` (`H100:8`), `COUNT` (`8`) or empty for none."""
     cpus: _builtins.float
     """CPU cores, fractional allowed; 0 means the backend default."""
     memory_gib: _builtins.float
     """Memory in GiB; 0 means the backend default."""
+    @_builtins.property
+    def gpu_alternatives(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Optional. Other GPU requests that would do instead of `gpus`, each `TYPE:COUNT`, in order of
+        preference (SkyPilot's list or set of accelerators), at most 8; `gpus` is the first choice and must
+        be set with them (CreateJob checks, INVALID_JOB_SPEC). The scheduler places a task on `gpus` for now;
+        these are kept so that placement can take the first one the cluster satisfies.
+        """
+
     def __init__(
         self,
         *,
         gpus: _builtins.str = ...,
         cpus: _builtins.float = ...,
         memory_gib: _builtins.float = ...,
+        gpu_alternatives: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpus", b"cpus", "gpus", b"gpus", "memory_gib", b"memory_gib"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpus", b"cpus", "gpu_alternatives", b"gpu_alternatives", "gpus", b"gpus", "memory_gib", b"memory_gib"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
