@@ -91,7 +91,7 @@ docs-check: $(STAMP)
 
 check: lint typecheck buf-lint buf-breaking gen-check docs-check  ## every static check CI runs
 
-test: setup  ## set up, then run the whole test suite (PostgreSQL is started by the tests themselves)
+test: setup setup-skypilot  ## set up (SkyPilot in .venv-sky too: the job-spec tests' oracle), then run the whole test suite (PostgreSQL is started by the tests themselves)
 	$(PY) -m pytest
 
 test-fast: setup  ## the suite without tests marked slow
