@@ -88,11 +88,17 @@ class JsonLinesSpanExporter(SpanExporter):
 
 
 _configured = False
+_trace_file: Path | None = None  # where this process's spans go, when a file
+
+
+def trace_file_in_use() -> Path | None:
+    """The span file this process writes (the first mesh's to start, in a one-process session), or None."""
+    return _trace_file
 
 
 def configure_tracing(service_name: str, otlp_endpoint: str, trace_file: Path) -> None:
     """Install the global tracer provider once per process (the one-process mesh shares it)."""
-    global _configured  # noqa: PLW0603 - OpenTelemetry's provider is process-global by design
+    global _configured, _trace_file  # noqa: PLW0603 - OpenTelemetry's provider is process-global by design
     if _configured:
         return
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
@@ -103,6 +109,7 @@ def configure_tracing(service_name: str, otlp_endpoint: str, trace_file: Path) -
         exporter = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=not otlp_endpoint.startswith("https"))
     else:
         exporter = JsonLinesSpanExporter(trace_file)
+        _trace_file = trace_file
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     _configured = True
