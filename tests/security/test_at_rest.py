@@ -21,8 +21,7 @@ from tandem.taskapp.v1 import task_app_pb2
 from gateway.orgs import ADMIN_KEY_FILE
 from mesh.clients import open_channel
 from mesh.observability import flush_tracing, trace_file_in_use
-from mesh.secrets import seal_for_upload
-from tests.gateway.test_gateway import wait_terminal
+from tests.gateway.test_gateway import put, wait_terminal
 from tests.support.mesh import mesh_settings, running_mesh
 from tests.support.taskapps import example_app_in_thread
 
@@ -67,15 +66,7 @@ async def test_no_credential_in_any_state_log_or_trace_file(
             user = gateway_service_pb2_grpc.GatewayServiceStub(channel)
             made = await user.CreateApiKey(pb.CreateApiKeyRequest(parent="orgs/acme", display_name="ci"))
             credentials["acme's second key"] = made.key
-            public = (await user.GetPublicKey(pb.GetPublicKeyRequest(parent="orgs/acme"))).key
-            await user.PutSecret(
-                pb.PutSecretRequest(
-                    parent="orgs/acme",
-                    secret_id="env-key",
-                    key_id=public.key_id,
-                    ciphertext=seal_for_upload(public.public_key, SECRET.encode()),
-                )
-            )
+            await put(user, "orgs/acme", "env-key", SECRET.encode())
             with example_app_in_thread(SECRET) as url:  # the proxy opens the secret to call the app
                 await user.RegisterTaskApp(
                     pb.RegisterTaskAppRequest(
