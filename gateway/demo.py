@@ -19,6 +19,7 @@ import secrets
 import socket
 import sys
 import time
+import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,15 @@ def demo_config(path: Path, *, steps: int, model_dir: Path) -> str:
     return text
 
 
+def build_model(config_toml: str) -> Path:
+    """The policy's folder, built here (by whoever runs the demo) before the job starts: the trainer, which
+    may run as the organization's own user, only reads it. Mounted read-only into the trainer's task."""
+    from tandem_jobs.config import parse_job  # noqa: PLC0415
+    from trainer.models import ensure_model  # noqa: PLC0415
+
+    return ensure_model(parse_job(tomllib.loads(config_toml)).model)
+
+
 def demo_spec(config_toml: str) -> job_spec_pb2.JobSpec:
     """The job group: the example Task App as an auxiliary service task the scheduler registers, and the
     online-RL trainer."""
@@ -106,10 +116,12 @@ def demo_spec(config_toml: str) -> job_spec_pb2.JobSpec:
             register_task_app=job_spec_pb2.TaskAppRegistration(app_id=APP_ID, api_key_secret=KEY_SECRET),
         ),
     )
+    model_dir = str(Path(tomllib.loads(config_toml)["model"]["dir"]).absolute())
     trainer = job_spec_pb2.TaskSpec(
         name="trainer",
         kind=job_spec_pb2.TaskSpec.KIND_ONLINE_RL,
         online_rl=job_spec_pb2.OnlineRlOptions(config_toml=config_toml),
+        file_mounts=[job_spec_pb2.FileMount(path=model_dir, local_path=model_dir, read_only=True)],
     )
     return job_spec_pb2.JobSpec(display_name="tandem demo", tasks=[app, trainer])
 
@@ -203,6 +215,7 @@ async def _start(
     config_path = Path(args.config) if args.config else EXAMPLES / "jobs" / "demo.toml"
     model_dir = Path.cwd() / args.model_dir  # absolute: the trainer runs in a folder of its own
     config = demo_config(config_path, steps=args.steps, model_dir=model_dir)
+    await asyncio.to_thread(build_model, config)
     say(
         f"4. Starting the online RL job from {config_path}, with the example single-turn Task App beside it as"
         f" a managed Task App (the scheduler serves it with `{KEY_SECRET}` and registers it as"

@@ -107,8 +107,9 @@ def worker_spec(
 ) -> job_spec_pb2.JobSpec:
     """The one-task SERVICE job that serves `checkpoint`, exiting after `idle_exit_s` without a call (0: never).
     Its key arrives as the secret `key_secret(checkpoint.name)`, never in the spec."""
+    model = checkpoint_path(checkpoint)
     exports = {
-        "TANDEM_WORKER_MODEL_PATH": checkpoint_path(checkpoint),
+        "TANDEM_WORKER_MODEL_PATH": model,
         "TANDEM_WORKER_MODEL_ID": checkpoint.name,
         "TANDEM_WORKER_IDLE_EXIT_S": f"{idle_exit_s:g}",
         "TANDEM_WORKER_WEIGHT_VERSION": str(checkpoint.step),
@@ -124,6 +125,8 @@ def worker_spec(
         run="\n".join(lines),
         envs={CHECKPOINT_ENV: checkpoint.name, STEP_ENV: str(checkpoint.step)},
         secrets=[job_spec_pb2.SecretBinding(secret=key_secret(checkpoint.name), env=KEY_ENV)],
+        # The checkpoint folder, read-only: a task in a sandbox sees no other job's folders but those it mounts.
+        file_mounts=[job_spec_pb2.FileMount(path=model, local_path=model, read_only=True)],
         service=job_spec_pb2.ServiceOptions(
             port=free_port(),
             health_path="/health",

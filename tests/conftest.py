@@ -31,6 +31,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def trusted_organizations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Meshes started by tests run tasks as the mesh's own account serving every organization (`run_as =
+    mesh`, set explicitly), so a task may write where its test reads, in the test's own temporary folder. The
+    default (`auto`: per-organization users in bubblewrap where the scheduler is root) is what
+    tests/security/ and the demo's test run, by removing these two settings."""
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__RUN_AS", "mesh")
+    monkeypatch.setenv("TANDEM_SCHEDULER_SLURM__RUN_AS", "mesh")
+
+
 @pytest.fixture(scope="session")
 def postgres_admin_url() -> Iterator[str]:
     if not postgres.available():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import sys
@@ -199,6 +200,13 @@ def build_tiny_model(
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    # Each file as the umask makes a new one (transformers writes the weights through a private temporary
+    # file, 0600): the trainer and workers reading the folder may run as another user (run_as = org).
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in path.iterdir():
+        if file.is_file():
+            file.chmod(0o666 & ~umask)
     return path
 
 

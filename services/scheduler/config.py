@@ -18,12 +18,21 @@ class LocalSettings(BaseModel):
     gpu_type: str | None = Field(None, description="The GPU model reported; unset: what nvidia-smi says.")
     cpus: float | None = Field(None, ge=0, description="CPU cores to hand out.")
     memory_gib: float | None = Field(None, ge=0, description="Memory to hand out, in GiB.")
-    run_as: Literal["mesh", "org"] = Field(
-        "mesh",
+    run_as: Literal["auto", "mesh", "org"] = Field(
+        "auto",
         description="Whose account tasks run under. `org`: one unprivileged user per organization "
-        "(`tdm-<org>`, created on first use; needs the scheduler to run as root), so a task can read neither "
-        "the mesh's state (keys, databases) nor another organization's tasks and volumes. `mesh`: the "
-        "scheduler's own account, which can read all of that: serve one organization only.",
+        "(`tdm-<org>`, created on first use; needs the scheduler to run as root), in a bubblewrap sandbox "
+        "where bubblewrap is installed, so a task can read neither the mesh's state (keys, databases) nor "
+        "another organization's tasks, volumes or processes. `mesh`: the scheduler's own account, which can "
+        "read all of that, so the backend serves one organization only (the first that launches). `auto`: "
+        "`org` where it isolates (root, and bubblewrap or a Python environment other users can reach), "
+        "else `mesh`; the scheduler says at start-up which it chose and why.",
+    )
+    sandbox: Literal["auto", "bwrap", "off"] = Field(
+        "auto",
+        description="Under `run_as = org`: `bwrap` runs each task in a bubblewrap sandbox (its own /proc, "
+        "the mesh's state folder empty, Tandem's Python reachable); `off` only switches the user; `auto`: "
+        "`bwrap` where it works here.",
     )
 
 
@@ -38,12 +47,14 @@ class SlurmSettings(BaseModel):
     conf: Path | None = Field(
         None, description="`SLURM_CONF` for the Slurm commands; unset: Slurm's default."
     )
-    run_as: Literal["mesh", "org"] = Field(
-        "mesh",
+    run_as: Literal["auto", "mesh", "org"] = Field(
+        "auto",
         description="Whose account jobs run under. `org`: the organization's own unprivileged user "
         "(`tdm-<org>`, as on the local backend; `sbatch --uid`, so the scheduler runs as root, and every node "
         "must know the user by the same uid), which owns the job's folders and cannot read the mesh's "
-        "state. `mesh`: the scheduler's own account, which can read all of it: serve one organization only.",
+        "state. `mesh`: the scheduler's own account, which can read all of it: serve one organization only. "
+        "`auto`: `org` where the scheduler is root and other users can reach Tandem's Python environment "
+        "(install it outside a private home, e.g. under /opt), else `mesh`, said at start-up.",
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -44,6 +45,7 @@ from mesh.identity import Principal, TokenVerifier
 from mesh.interceptors import current_principal
 from mesh.jobtokens import JobLiveness, Lookup, why_ended
 from mesh.server import Deps, Registration
+from mesh.settings import SettingsError
 from mesh.status import RpcError
 from mesh.store import open_database
 from mesh.timestamps import put_stamp
@@ -511,18 +513,72 @@ def _line_start(path: Path, offset: int) -> int:
 # ---- wiring -------------------------------------------------------------------------------------
 
 
-def make_backends(config: SchedulerSettings, work_dir: Path) -> dict[str, Backend]:
-    """The configured backends; each module is imported only when its backend is enabled."""
+# How a backend whose tasks run as the mesh's own account serves organizations: by default only one (the
+# first to launch); with run_as = mesh set explicitly, every one, the operator having said they trust each other.
+ONE_ORGANIZATION = "so it serves one organization only, the first to launch"
+TRUSTED = (
+    "and it serves every organization (run_as = mesh: the operator trusts them all with each other's data)"
+)
+
+
+def resolve_run_as(backend: str, run_as: str, sandbox: str = "off") -> tuple[str, bool, str]:
+    """What `run_as` (and, on the local backend, `sandbox`) mean on this machine: (`mesh` or `org`, whether
+    tasks run in bubblewrap, the reason for the choice, logged at start-up). A choice that cannot hold here is
+    a `SettingsError` naming the setting."""
+    from services.scheduler.backends import sandbox as sandboxing  # noqa: PLC0415
+
+    setting = f"TANDEM_SCHEDULER_{backend.upper()}__"
+    root = os.geteuid() == 0
+    problem = sandboxing.problem() if backend == "local" and sandbox != "off" else "the sandbox is off"
+    unreachable = sandboxing.unreachable(sandboxing.runtime_paths())
+    if run_as == "org" and not root:
+        raise SettingsError(
+            f"{setting}RUN_AS=org needs the scheduler to run as root (it starts tasks as other users)"
+        )
+    if sandbox == "bwrap" and problem:
+        raise SettingsError(f"{setting}SANDBOX=bwrap, but {problem}")
+    if run_as == "auto":
+        if not root:
+            run_as, why = "mesh", "the scheduler is not root, so it cannot start tasks as other users"
+        elif not problem:
+            run_as, why = "org", "root, with bubblewrap"
+        elif not unreachable:
+            run_as, why = "org", "root, and other users can reach Tandem's Python environment"
+        else:
+            run_as = "mesh"
+            why = (
+                f"other users cannot reach Tandem's Python environment ({unreachable[0]}) and {problem}"
+                if backend == "local"
+                else f"the job's user could not reach Tandem's Python environment ({unreachable[0]})"
+            )
+    else:
+        why = f"{setting}RUN_AS={run_as}"
+    use_sandbox = run_as == "org" and backend == "local" and not problem
+    return run_as, use_sandbox, why
+
+
+def make_backends(config: SchedulerSettings, work_dir: Path, hide: Sequence[Path] = ()) -> dict[str, Backend]:
+    """The configured backends; each module is imported only when its backend is enabled. `hide`: folders a
+    sandboxed task finds empty besides the scheduler's work folder (the mesh's state folder)."""
     backends: dict[str, Backend] = {}
     for name in config.enabled_backends():
         if name == "local":
             from services.scheduler.backends.local import LocalBackend  # noqa: PLC0415
 
             local = config.local
-            if local.run_as == "mesh":
+            run_as, use_sandbox, why = resolve_run_as("local", local.run_as, local.sandbox)
+            if run_as == "mesh":
                 log.warning(
-                    "local backend: tasks run as the scheduler's own account and can read the mesh's state;"
-                    " serve one organization only, or run as root with TANDEM_SCHEDULER_LOCAL__RUN_AS=org"
+                    "local backend: tasks run as the scheduler's own account (%s) and can read the mesh's"
+                    " state, %s; run as root (with bubblewrap) for per-organization users",
+                    why,
+                    ONE_ORGANIZATION if local.run_as == "auto" else TRUSTED,
+                )
+            else:
+                log.info(
+                    "local backend: each organization's tasks run as its own user%s (%s)",
+                    " in a bubblewrap sandbox" if use_sandbox else "",
+                    why,
                 )
             backends[name] = LocalBackend(
                 work_dir / "local",
@@ -530,25 +586,34 @@ def make_backends(config: SchedulerSettings, work_dir: Path) -> dict[str, Backen
                 gpu_type=local.gpu_type,
                 cpus=local.cpus,
                 memory_gib=local.memory_gib,
-                run_as=local.run_as,
+                run_as=run_as,
+                sandbox=use_sandbox,
+                hide=hide,
+                one_organization=run_as == "mesh" and local.run_as == "auto",
             )
         elif name == "slurm":
             from services.scheduler.backends.slurm import SlurmBackend  # noqa: PLC0415
 
             s = config.slurm
-            if s.run_as == "mesh":
+            run_as, _, why = resolve_run_as("slurm", s.run_as)
+            if run_as == "mesh":
                 log.warning(
-                    "slurm backend: jobs run as the scheduler's own account and can read the mesh's state;"
-                    " serve one organization only, or run as root with TANDEM_SCHEDULER_SLURM__RUN_AS=org"
+                    "slurm backend: jobs run as the scheduler's own account (%s) and can read the mesh's"
+                    " state, %s; run as root with TANDEM_SCHEDULER_SLURM__RUN_AS=org",
+                    why,
+                    ONE_ORGANIZATION if s.run_as == "auto" else TRUSTED,
                 )
+            else:
+                log.info("slurm backend: each organization's jobs run as its own user (%s)", why)
             backends[name] = SlurmBackend(
                 partition=s.partition,
                 account=s.account,
                 qos=s.qos,
                 cluster=s.cluster,
                 env={"SLURM_CONF": str(s.conf)} if s.conf else None,
-                run_as=s.run_as,
+                run_as=run_as,
                 work_dir=work_dir,
+                one_organization=run_as == "mesh" and s.run_as == "auto",
             )
         else:
             from services.scheduler.backends.kubernetes import (  # noqa: PLC0415
@@ -621,7 +686,7 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     db = await open_database(deps.settings.store_url_for("scheduler"), "scheduler", MIGRATIONS)
     store = JobStore(db)
     deps.auth.liveness = JobLiveness(local_lookup(store))  # this process holds the jobs: no call needed
-    backends = make_backends(config, work_dir)
+    backends = make_backends(config, work_dir, hide=(deps.settings.state_dir,))
     events = deps.clients.stub(events_service_pb2_grpc.EventServiceStub, "events")
     outbox = EventOutbox(store, events.Publish, events.CloseJobStream, config.pass_interval_s)
     task_apps = deps.clients.stub(taskapp_service_pb2_grpc.TaskAppServiceStub, "taskapp_proxy")

@@ -15,6 +15,7 @@ import json
 import os
 import pwd
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -30,6 +31,7 @@ from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from gateway.orgs import ADMIN_KEY_FILE
 from mesh.clients import open_channel
 from mesh.secrets import seal_for_upload
+from services.scheduler.backends import sandbox
 from tests.support.mesh import mesh_settings, running_mesh
 from tests.support.slurm import SlurmCluster
 
@@ -94,7 +96,10 @@ async def attack(
         monkeypatch.setenv("TANDEM_SCHEDULER_SLURM__RUN_AS", run_as)
     monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__CPUS", "4")
     monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__MEMORY_GIB", "8")
-    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__RUN_AS", run_as)
+    if run_as == "auto":  # the default
+        monkeypatch.delenv("TANDEM_SCHEDULER_LOCAL__RUN_AS")
+    else:
+        monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__RUN_AS", run_as)
     state = tmp_path / "state"
     # Slurm finds attempts by name and the cluster outlives a test: each test's jobs are its own
     suffix = os.urandom(3).hex()
@@ -145,7 +150,13 @@ async def attack(
                 return token_file.is_file() and token_file.stat().st_size > 0
 
             await wait_until(neighbour_ready, "globex's job never started")
-            run = f"{SYSTEM_PYTHON} {tmp_path / ATTACK.name} {budget_s}"
+            # On the local backend the attack runs in Tandem's own Python, which a job of the organization's
+            # user must reach (its online-RL tasks and secret openers run in it); a Slurm node has its own.
+            script = f"{tmp_path / ATTACK.name} {budget_s}"
+            if backend == "local":
+                run = f"{sys.executable} -c 'import mesh, trainer' && {sys.executable} {script}"
+            else:
+                run = f"{SYSTEM_PYTHON} {script}"
             snoop = (
                 await user.CreateJob(pb.CreateJobRequest(parent="orgs/acme", job_id=snoop_id, spec=job(run)))
             ).job
@@ -203,9 +214,15 @@ def slurm(request: pytest.FixtureRequest) -> Callable[[], SlurmCluster]:
 async def test_a_job_of_one_org_reads_no_key_and_no_other_orgs_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, slurm: Callable[[], SlurmCluster]
 ) -> None:
-    found = await attack(tmp_path, monkeypatch, backend, "org", FAR_BUDGET_S, slurm)
+    # The local backend's default isolates (root here: per-organization users in bubblewrap); Slurm's is
+    # chosen explicitly, the job's user having a Python of the node's own.
+    found = await attack(
+        tmp_path, monkeypatch, backend, "auto" if backend == "local" else "org", FAR_BUDGET_S, slurm
+    )
     assert found.leaks() == []
     report = found.report
+    if backend == "local" and not sandbox.problem():  # its own processes only: no other job's, not the mesh's
+        assert report["processes"] and all(ATTACK.name in c for c in report["processes"]), report["processes"]
     assert report["uid"] == pwd.getpwnam("tdm-acme").pw_uid and report["env"]["USER"] == "tdm-acme"
     assert "TANDEM_JOB_TOKEN" in report["env"]
     assert report["near_complete"], "the search of the job's own surroundings did not finish"
@@ -230,10 +247,16 @@ def test_slurm_submits_as_the_orgs_user_and_warns_when_it_cannot(
     from services.scheduler.servicer import make_backends  # noqa: PLC0415
 
     monkeypatch.setenv("TANDEM_SCHEDULER_SLURM__ENABLED", "true")
-    with caplog.at_level("WARNING"):
+    monkeypatch.delenv("TANDEM_SCHEDULER_SLURM__RUN_AS")  # the default, auto
+    with caplog.at_level("INFO"):
         slurm = make_backends(SchedulerSettings(), tmp_path)["slurm"]
-    assert isinstance(slurm, SlurmBackend) and slurm.run_as == "mesh"
-    assert "serve one organization only" in caplog.text and "SLURM__RUN_AS=org" in caplog.text
+    assert isinstance(slurm, SlurmBackend)
+    unreachable = sandbox.unreachable(sandbox.runtime_paths())
+    if unreachable:  # the job's user could not run Tandem's Python: the mesh's account, one organization
+        assert slurm.run_as == "mesh" and slurm.one_organization
+        assert "serves one organization only" in caplog.text and str(unreachable[0]) in caplog.text
+    else:
+        assert slurm.run_as == "org" and "each organization's jobs run as its own user" in caplog.text
 
     work = tmp_path / "jobs" / "orgs-acme-jobs-j1" / "main"
     task = LaunchSpec(
@@ -247,3 +270,32 @@ def test_slurm_submits_as_the_orgs_user_and_warns_when_it_cannot(
     script = SlurmBackend(run_as="org").batch_script(task)
     assert f"export HOME={work}" in script and "export USER=tdm-acme" in script
     assert "--uid" not in " ".join(SlurmBackend().sbatch_args(task))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    os.geteuid() != 0 or bool(sandbox.problem()), reason="the default isolates only as root with bubblewrap"
+)
+async def test_the_demo_runs_isolated_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tandem demo` on the default settings, as root: the trainer, the Task App and the inference worker run
+    as the demo organization's own user in bubblewrap, and the whole flow still ends with an answer."""
+    monkeypatch.delenv("TANDEM_SCHEDULER_LOCAL__RUN_AS")
+    state = tmp_path / "state"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "demo", "--steps", "2", "--state-dir", str(state),
+        "--model-dir", str(tmp_path / "model"), cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(process.communicate(), 580)
+    text = out.decode()
+    assert process.returncode == 0, text
+    assert (
+        "orgs/demo/jobs/demo ended SUCCEEDED" in text
+        and "(from orgs/demo/jobs/demo/checkpoints/step-2)" in text
+    )
+    demo_user = pwd.getpwnam("tdm-demo").pw_uid
+    jobs = state / "scheduler" / "jobs"
+    for task in (jobs / "orgs-demo-jobs-demo" / "trainer", jobs / "orgs-demo-jobs-demo" / "task-app"):
+        assert task.stat().st_uid == demo_user, task
+    assert (state / "mesh.key").stat().st_uid == 0 and (state / "mesh.key").stat().st_mode & 0o077 == 0

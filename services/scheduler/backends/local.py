@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.files import write_atomic
+from services.scheduler.backends import sandbox as sandboxing
 from services.scheduler.backends.base import (
     Handle,
     LaunchRefused,
@@ -70,6 +71,7 @@ MAX_COMMAND_BYTES = 131072 - 1  # MAX_ARG_STRLEN: the command is one argument of
 KEY_ENV = "TANDEM_ATTEMPT_KEY"  # in every rank's environment, so find can recognise its processes
 CANCELLED = "cancelled"  # a file in the attempt folder: cancel was asked for
 FAILED_AT = "failed_at"  # a file in the attempt folder: when a rank was first seen failing
+ORGANIZATION = "organization"  # under one_organization: the one organization this backend serves
 
 # The variables a task inherits from the scheduler's own environment; everything else comes from the spec,
 # so nothing of the scheduler's (its mesh key, its credentials) leaks into a task.
@@ -240,9 +242,20 @@ class LocalBackend:
         inherit_env: Sequence[str] = INHERITED_ENV,
         failure_grace_s: float = 10.0,
         run_as: str = "mesh",
+        sandbox: bool | None = None,
+        hide: Sequence[Path] = (),
+        one_organization: bool = False,
     ) -> None:
         check_run_as(run_as)
         self.run_as = run_as
+        if sandbox is None:
+            sandbox = run_as == "org" and not sandboxing.problem()
+        if sandbox and run_as != "org":
+            raise ValueError("the sandbox runs tasks as their organization's user: it needs run_as = org")
+        self.sandbox = sandbox
+        # What a sandboxed task finds empty: the scheduler's work folder (`root`'s parent) and `hide`.
+        self.hide = tuple(dict.fromkeys([Path(root).resolve().parent, *(Path(h).resolve() for h in hide)]))
+        self.one_organization = one_organization
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         if gpus is None:
@@ -428,7 +441,14 @@ class LocalBackend:
             raise LaunchRefused(f"workdir {cwd} is not a folder")
         account = None
         if self.run_as == "org":
-            account = hand_over_attempt(spec, (attempt_dir, cwd, log_dir), self.root.parent)
+            work_dir = self.root.parent.resolve()
+            for _, source, _ in spec.file_mounts:
+                path = Path(source).resolve()
+                if any(path.is_relative_to(h) for h in self.hide) and not path.is_relative_to(work_dir):
+                    raise LaunchRefused(f"the mount of {source} names a path in the mesh's state folder")
+            account = hand_over_attempt(spec, (attempt_dir, cwd, log_dir), work_dir)
+        elif self.one_organization:
+            claim_organization(self.root, job_org(spec.job), "TANDEM_SCHEDULER_LOCAL__RUN_AS")
         nodes = self._assign(spec)
         handle: Handle = {
             "backend": self.name,
@@ -501,12 +521,23 @@ class LocalBackend:
         exit_file = attempt_dir / f"rank-{node.rank}.exit"
         env = self._env(spec, node, nodes)
         user: dict[str, Any] = {}
+        argv = [self._bash, "-c", _WRAPPER, "tandem-rank", spec.command, str(exit_file)]
         if account is not None:
             env["HOME"], env["USER"], env["LOGNAME"] = str(cwd), account.pw_name, account.pw_name
-            user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+            if self.sandbox:
+                argv = sandboxing.command(
+                    argv,
+                    account,
+                    cwd=cwd,
+                    hide=self.hide,
+                    own=[attempt_dir, cwd, log_dir],
+                    mounts=[(Path(source), read_only) for _, source, read_only in spec.file_mounts],
+                )
+            else:
+                user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                [self._bash, "-c", _WRAPPER, "tandem-rank", spec.command, str(exit_file)],
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -609,21 +640,57 @@ def check_run_as(run_as: str) -> None:
         raise ValueError("run_as = org needs the scheduler to run as root (it starts tasks as other users)")
 
 
+def claim_organization(root: Path, org: str, setting: str) -> None:
+    """For a backend whose tasks run as the mesh's own account: the first organization to launch is the only
+    one it serves. Its name is kept in `<root>/organization`, created exclusively, so two launches of
+    different organizations never both pass; any other organization's launch is refused."""
+    path = root / ORGANIZATION
+    root.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(org)
+    owner = ""
+    for _ in range(100):  # a claim a concurrent launch has created and not written yet
+        owner = path.read_text().strip()
+        if owner:
+            break
+        time.sleep(0.01)
+    if owner != org:
+        raise LaunchRefused(
+            f"tasks here run as the mesh's own account, which can read the mesh's keys, so this backend serves"
+            f" one organization only ({owner or 'another'}), not {org}: run the scheduler as root with"
+            f" {setting}=org (see BACKENDS.md, whose account)"
+        )
+
+
 def hand_over_attempt(spec: LaunchSpec, folders: Sequence[Path], work_dir: Path) -> pwd.struct_passwd:
     """The attempt's organization's account (`org_account`), made the owner of the attempt's `folders`
     with what they hold (small, and what the engine wrote there is the task's) and of the named volumes it
-    mounts (those under `work_dir`; a host path the spec names stays as it is). The folders between
-    `work_dir` and them, `work_dir` included, become execute-only for others, so no task lists the jobs and
-    volumes of other organizations."""
-    account = org_account(job_org(spec.job))
+    mounts (its organization's folders under `<work_dir>/volumes/<org>/`). The folders between `work_dir`
+    and them, `work_dir` included, become execute-only for others, so no task lists the jobs and volumes of
+    other organizations.
+
+    A mount of any other path inside `work_dir` (another job's folder, say, a checkpoint to serve) must
+    already belong to the organization's user, which wrote it: anything else there, another organization's
+    folders above all, is refused and never handed over. A host path outside `work_dir` stays as it is."""
+    org = job_org(spec.job)
+    account = org_account(org)
     work_dir = work_dir.resolve()
+    volumes = work_dir / "volumes" / org
     handed = list(dict.fromkeys(folders))
-    for folder in handed:
-        hand_over(folder, account, recursive=True)
     for _, source, _ in spec.file_mounts:
-        if Path(source).resolve().is_relative_to(work_dir):
-            hand_over(Path(source), account)
-            handed.append(Path(source))
+        path = Path(source).resolve()
+        if not path.is_relative_to(work_dir):
+            continue
+        if path.is_relative_to(volumes) and path != volumes:
+            handed.append(path)
+        elif not path.exists() or path.stat().st_uid != account.pw_uid:
+            raise LaunchRefused(
+                f"the mount of {source} names a folder of the scheduler's that is not {org}'s own"
+            )
+    for folder in handed:
+        hand_over(folder, account, recursive=folder in folders)
     for folder in handed:
         for parent in folder.resolve().parents:
             mode = parent.stat()

@@ -70,6 +70,7 @@ from services.scheduler.backends.local import (
     check_key,
     check_mounts,
     check_run_as,
+    claim_organization,
     hand_over_attempt,
     job_org,
     org_account,
@@ -230,10 +231,14 @@ class SlurmBackend:
         use_sacct: bool | None = None,
         run_as: str = "mesh",
         work_dir: Path | None = None,
+        one_organization: bool = False,
     ) -> None:
         check_run_as(run_as)
+        if one_organization and work_dir is None:
+            raise ValueError("one_organization keeps its organization in work_dir: give one")
         self.run_as = run_as
         self.work_dir = work_dir
+        self.one_organization = one_organization and run_as == "mesh"
         self.partition = partition
         self.account = account
         self.qos = qos
@@ -341,6 +346,10 @@ class SlurmBackend:
             log_dir = await asyncio.to_thread(_make_dir, Path(spec.log_dir))
             if self.run_as == "org":
                 await asyncio.to_thread(self._hand_over, spec, log_dir)
+            elif self.one_organization and self.work_dir is not None:
+                claim_organization(
+                    self.work_dir / "slurm", job_org(spec.job), "TANDEM_SCHEDULER_SLURM__RUN_AS"
+                )
             rc, out, err = await self._run(*self.sbatch_args(spec), stdin=self.batch_script(spec))
             if rc != 0:
                 raise LaunchRefused(err.strip() or out.strip() or f"sbatch exited {rc}")

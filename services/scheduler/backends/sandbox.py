@@ -1,0 +1,175 @@
+"""The sandbox a local task runs in under `run_as = org`: bubblewrap (`bwrap`, Debian's `bubblewrap`) around
+the switch to the organization's own user.
+
+    bash -c 'trap "" TERM INT HUP; exec bwrap "$@"' - --dev-bind / / <mounts> --unshare-pid --proc /proc \
+        --chdir <cwd> -- env --default-signal=TERM,INT,HUP setpriv --reuid U --regid G --clear-groups \
+        --no-new-privs -- <the rank's wrapper>
+
+What the task sees:
+
+- **Its own processes only.** A PID namespace with its own `/proc`: no other organization's command lines or
+  environments, and not the mesh's processes (so not `/proc/<mesh>/root` or `/fd` either).
+- **None of the mesh's state.** The mesh's state folder and the scheduler's work folder are empty
+  (a tmpfs over each); the task's own folders (its attempt folder, working folder, log folder and the
+  volumes it mounts, read-only where the spec says so) are bound back at their paths, so every path the
+  scheduler hands the task still holds. The backend refuses a mount of anything else there.
+- **The Python environment Tandem runs in**, even where it lies under a folder others may not enter (a
+  virtual environment under `/root`, say): each such folder is a tmpfs others may enter but not list, with
+  only the environment's own folders bound back, read-only.
+- The rest of the machine as the organization's user finds it: files readable by everyone stay readable,
+  devices (GPUs) stay usable, the network is the host's.
+
+No capability survives: `setpriv` leaves root for the organization's user (which drops them all) with
+`no_new_privs`, so no setuid program raises it back, and mounts made by root cannot be undone by it.
+
+Signals: the backend signals the rank's process group. bubblewrap itself ignores SIGTERM, SIGINT and SIGHUP
+(it only waits for the task and exits with its status), so a rank stays alive until the task has handled
+the signal and ended; the task gets the default dispositions back before it starts. SIGKILL ends bubblewrap,
+which ends the namespace and everything in it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+RESET_SIGNALS = "TERM,INT,HUP"
+SOURCE = (
+    Path(__file__).resolve().parents[3]
+)  # Tandem's own code: a checkout, or the environment's site-packages
+
+
+def bwrap_path() -> str | None:
+    """bubblewrap's executable on PATH, or None."""
+    return shutil.which("bwrap")
+
+
+@functools.cache
+def problem() -> str:
+    """Empty when bubblewrap can build the sandbox here (it is on PATH and may create mount and PID
+    namespaces), else why not."""
+    bwrap = bwrap_path()
+    if bwrap is None:
+        return "bubblewrap (bwrap, Debian's package bubblewrap) is not installed"
+    probe = [bwrap, "--dev-bind", "/", "/", "--unshare-pid", "--proc", "/proc", "--", "true"]
+    try:
+        result = subprocess.run(probe, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"bubblewrap cannot run: {error}"
+    if result.returncode != 0:
+        return f"bubblewrap cannot create namespaces here: {result.stderr.strip() or result.returncode}"
+    return ""
+
+
+def runtime_paths() -> list[Path]:
+    """The folders a task needs to run Tandem's Python: the environment, its base interpreter, every folder on
+    `sys.path` (the checkout of an editable install among them) and on PATH."""
+    found: list[Path] = []
+    candidates: list[str] = [sys.prefix, sys.base_prefix, str(Path(sys.executable).parent), str(SOURCE)]
+    candidates += [p for p in sys.path if p]
+    candidates += [p for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    for candidate in candidates:
+        path = Path(candidate)
+        if path.is_dir():
+            found.append(path.resolve())
+    # The executable's own chain of links (a venv's python links to the base interpreter's).
+    target = Path(sys.executable)
+    for _ in range(8):
+        if not target.is_symlink():
+            break
+        target = (target.parent / os.readlink(target)).resolve()
+        found.append(target.parent)
+    return list(dict.fromkeys(found))
+
+
+def closed_ancestors(paths: Iterable[Path]) -> list[Path]:
+    """The topmost folders above (or at) `paths` that others may not enter, each once: a task running as
+    another user reaches nothing under them unless the sandbox opens them."""
+    closed: list[Path] = []
+    for path in paths:
+        for folder in (*reversed(path.parents), path):
+            try:
+                mode = folder.stat().st_mode
+            except OSError:
+                break
+            if not mode & stat.S_IXOTH:
+                if not any(folder == c or folder.is_relative_to(c) for c in closed):
+                    closed.append(folder)
+                break
+    return closed
+
+
+def unreachable(paths: Iterable[Path]) -> list[Path]:
+    """Those of `paths` another user cannot reach without the sandbox (a folder on the way it may not
+    enter)."""
+    return [path for path in paths if closed_ancestors([path])]
+
+
+def _inside(path: Path, roots: Sequence[Path]) -> bool:
+    return any(path == r or path.is_relative_to(r) for r in roots)
+
+
+def command(
+    argv: Sequence[str],
+    account: pwd.struct_passwd,
+    *,
+    cwd: Path,
+    hide: Sequence[Path],
+    own: Sequence[Path],
+    mounts: Sequence[tuple[Path, bool]] = (),
+    runtime: Sequence[Path] | None = None,
+) -> list[str]:
+    """`argv` run as `account` in the sandbox: `hide` are empty, `own` (the task's folders) and `mounts`
+    (its volumes: path, read-only) bound back, the `runtime` folders reachable read-only."""
+    bwrap = bwrap_path()
+    if bwrap is None:
+        raise OSError("bubblewrap (bwrap) is not installed")
+    runtime = runtime_paths() if runtime is None else runtime
+    hidden = [p.resolve() for p in hide]
+    binds: list[str] = ["--dev-bind", "/", "/"]
+    made: set[Path] = set()
+
+    def bind(path: Path, under: Sequence[Path], option: str) -> None:
+        """`path` bound back inside the tmpfs over the first of `under` holding it, the folders between made
+        enterable (bubblewrap would make them for root alone)."""
+        top = next(r for r in under if _inside(path, [r]))
+        for folder in reversed(path.parents):
+            if folder.is_relative_to(top) and folder != top and folder not in made:
+                made.add(folder)
+                binds.extend(["--perms", "0711", "--dir", str(folder)])
+        binds.extend([option, str(path), str(path)])
+
+    opened = closed_ancestors(runtime)
+    for folder in opened:  # others may enter, not list; only the runtime's folders inside
+        binds += ["--perms", "0711", "--tmpfs", str(folder)]
+    for path in runtime:
+        if _inside(path, opened) and not _inside(path, hidden):
+            bind(path, opened, "--ro-bind")
+    for folder in hidden:
+        binds += ["--perms", "0711", "--tmpfs", str(folder)]
+    bound = {p.resolve(): False for p in own}
+    for path, read_only in mounts:
+        bound.setdefault(path.resolve(), read_only)
+    for path, read_only in bound.items():  # elsewhere the task finds a mount as its user may
+        if _inside(path, hidden):
+            bind(path, hidden, "--ro-bind" if read_only else "--bind")
+    drop = [
+        "env",
+        f"--default-signal={RESET_SIGNALS}",
+        "setpriv",
+        f"--reuid={account.pw_uid}",
+        f"--regid={account.pw_gid}",
+        "--clear-groups",
+        "--no-new-privs",
+        "--",
+    ]
+    sandbox = [*binds, "--unshare-pid", "--proc", "/proc", "--chdir", str(cwd), "--", *drop, *argv]
+    # bubblewrap outlives the signals the task handles (see the module's text); `exec` keeps its pid the rank's.
+    return ["bash", "-c", f'trap "" {RESET_SIGNALS.replace(",", " ")}; exec "$0" "$@"', bwrap, *sandbox]
