@@ -12,6 +12,7 @@ import json
 import os
 import pwd
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -263,3 +264,16 @@ def test_the_sandbox_opens_only_what_tandem_runs_from() -> None:
         assert sandbox.unreachable([runtime]) == [runtime] and sandbox.closed_ancestors([runtime]) == [closed]
     finally:
         shutil.rmtree(closed)
+
+
+def test_tandem_up_refuses_a_sandbox_it_cannot_build(tmp_path: Path) -> None:
+    """`bwrap` asked for where no bubblewrap is on PATH: exit 2 and the setting's name, not a traceback."""
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent), "TANDEM_SCHEDULER_LOCAL__SANDBOX": "bwrap"}
+    env.pop("TANDEM_SCHEDULER_LOCAL__RUN_AS")
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "up", "--state-dir", str(tmp_path / "state")],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "TANDEM_SCHEDULER_LOCAL__SANDBOX=bwrap, but bubblewrap" in done.stderr
+    assert "Traceback" not in done.stderr and "bug" not in done.stderr

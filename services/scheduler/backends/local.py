@@ -25,11 +25,14 @@ Processes that leave their process group on purpose (`setsid`, daemons) escape `
 file mounts: a spec's mount must name a host path at that same path, otherwise launch refuses it.
 
 **Whose account** (`run_as`). `mesh`: the scheduler's own, so a task can read whatever the mesh can, its
-state folder included: fit for one organization only, and the scheduler says so at start-up. `org` (the
-scheduler running as root): each organization's tasks run as an unprivileged user of its own, `tdm-<org>`
-(created with `useradd --system` on first use), which owns the attempt folder, the task's working folder
-and its volumes (mode 0700). The folders above them get execute-only permission for others, so the task can
+state folder included; with `one_organization` (what the scheduler's `auto` falls back to where it cannot
+isolate) the first organization to launch is the only one served. `org` (the scheduler running as root):
+each organization's tasks run as an unprivileged user of its own, `tdm-<org>` (created with `useradd
+--system` on first use), which owns the attempt folder, the task's working folder and its volumes (mode
+0700), and with `sandbox` inside bubblewrap (`sandbox.py`: its own /proc, the mesh's state folder empty but
+for the task's folders). The folders above them get execute-only permission for others, so the task can
 reach its own folders without listing anything; the mesh keeps its keys and databases 0600 (`harden_state`).
+A mount of a folder of the scheduler's that is not the organization's own is refused.
 """
 
 from __future__ import annotations
