@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -311,11 +313,18 @@ async def test_events_watch_resumes_across_a_gateway_restart_and_ctrl_c(tmp_path
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_the_demo_runs_end_to_end(tmp_path: Path) -> None:
+    """On the default settings: as root with bubblewrap the demo's tasks run as its organization's own user,
+    so the model folder lies where other users may read it (pytest's own folder is private)."""
     state = tmp_path / "demo"
+    shared = Path(tempfile.mkdtemp(prefix="tandem-demo-model-"))
+    os.chmod(shared, 0o755)
     process = await Cli("unused:1", state).start(
-        "demo", "--steps", "2", "--state-dir", str(state), "--model-dir", str(tmp_path / "model")
+        "demo", "--steps", "2", "--state-dir", str(state), "--model-dir", str(shared / "model")
     )
-    out, err = await asyncio.wait_for(process.communicate(), 580)
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), 580)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
     text = out.decode()
     assert process.returncode == 0, text + err.decode()
     assert "Traceback" not in text + err.decode()

@@ -277,3 +277,33 @@ def test_tandem_up_refuses_a_sandbox_it_cannot_build(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert "TANDEM_SCHEDULER_LOCAL__SANDBOX=bwrap, but bubblewrap" in done.stderr
     assert "Traceback" not in done.stderr and "bug" not in done.stderr
+
+
+@needs_root_and_bwrap
+def test_the_task_reaches_its_folders_under_a_folder_others_cannot_enter() -> None:
+    """The mesh's state folder inside a private folder (a home), the environment too: the task still runs
+    its environment's program and writes its own folder, and finds nothing else of either folder."""
+    account = org_account("acme")
+    closed = Path(tempfile.mkdtemp(prefix="tandem-home-"))  # 0700
+    try:
+        env_bin = closed / "env" / "bin"
+        env_bin.mkdir(parents=True)
+        (env_bin / "tool").write_text("#!/bin/sh\necho tool ran\n")
+        (env_bin / "tool").chmod(0o755)
+        (closed / "notes.txt").write_text("the owner's")
+        (closed / "notes.txt").chmod(0o644)  # readable, were the folder not private
+        state = closed / "state"
+        own = state / "scheduler" / "jobs" / "orgs-acme-jobs-j1" / "main"
+        own.mkdir(parents=True)
+        os.chown(own, account.pw_uid, account.pw_gid)
+        script = f"{env_bin}/tool; touch {own}/written; cat {closed}/notes.txt || echo no notes"
+        argv = sandbox.command(
+            ["sh", "-c", script], account, cwd=own, hide=[state, state / "scheduler"], own=[own],
+            runtime=[closed / "env"],
+        )  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        assert "tool ran" in done.stdout and "no notes" in done.stdout, done.stdout + done.stderr
+        assert (own / "written").exists()
+    finally:
+        shutil.rmtree(closed)

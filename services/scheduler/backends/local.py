@@ -449,7 +449,9 @@ class LocalBackend:
                 path = Path(source).resolve()
                 if any(path.is_relative_to(h) for h in self.hide) and not path.is_relative_to(work_dir):
                     raise LaunchRefused(f"the mount of {source} names a path in the mesh's state folder")
-            account = hand_over_attempt(spec, (attempt_dir, cwd, log_dir), work_dir)
+            account = hand_over_attempt(
+                spec, (attempt_dir, cwd, log_dir), work_dir, open_above=not self.sandbox
+            )
         elif self.one_organization:
             claim_organization(self.root, job_org(spec.job), "TANDEM_SCHEDULER_LOCAL__RUN_AS")
         nodes = self._assign(spec)
@@ -667,7 +669,9 @@ def claim_organization(root: Path, org: str, setting: str) -> None:
         )
 
 
-def hand_over_attempt(spec: LaunchSpec, folders: Sequence[Path], work_dir: Path) -> pwd.struct_passwd:
+def hand_over_attempt(
+    spec: LaunchSpec, folders: Sequence[Path], work_dir: Path, open_above: bool = True
+) -> pwd.struct_passwd:
     """The attempt's organization's account (`org_account`), made the owner of the attempt's `folders`
     with what they hold (small, and what the engine wrote there is the task's) and of the named volumes it
     mounts (its organization's folders under `<work_dir>/volumes/<org>/`). The folders between `work_dir`
@@ -693,7 +697,7 @@ def hand_over_attempt(spec: LaunchSpec, folders: Sequence[Path], work_dir: Path)
                 f"the mount of {source} names a folder of the scheduler's that is not {org}'s own"
             )
     for folder in handed:
-        hand_over(folder, account, recursive=folder in folders)
+        hand_over(folder, account, recursive=folder in folders, open_above=open_above)
     for folder in handed:
         for parent in folder.resolve().parents:
             mode = parent.stat()
@@ -736,17 +740,21 @@ def org_account(org: str) -> pwd.struct_passwd:
         ) from None
 
 
-def hand_over(folder: Path, account: pwd.struct_passwd, recursive: bool = False) -> None:
+def hand_over(
+    folder: Path, account: pwd.struct_passwd, recursive: bool = False, open_above: bool = True
+) -> None:
     """`folder` (made if missing) owned by `account`, mode 0700 (with what it holds when `recursive`), and
-    reachable: each folder above it gets execute-only permission for others (enter, not list), so the task
-    reaches its own folders and nothing else by name unless that is readable by everyone."""
+    with `open_above` reachable: each folder above it gets execute-only permission for others (enter, not
+    list), so the task reaches its own folders and nothing else by name unless that is readable by everyone.
+    A sandboxed task needs none of that (the sandbox opens such folders in its own view), so the host's
+    folders keep their modes, and a later change of theirs cannot cut the task off."""
     folder.mkdir(parents=True, exist_ok=True)
     inside = folder.rglob("*") if recursive else ()
     for item in (folder, *inside):
         if not item.is_symlink() and item.stat().st_uid != account.pw_uid:
             os.chown(item, account.pw_uid, account.pw_gid)
     os.chmod(folder, 0o700)
-    for parent in folder.resolve().parents:
+    for parent in folder.resolve().parents if open_above else ():
         mode = parent.stat().st_mode
         if not mode & 0o001:
             os.chmod(parent, (mode & 0o7777) | 0o001)

@@ -69,16 +69,15 @@ def problem() -> str:
 
 
 def runtime_paths() -> list[Path]:
-    """The folders a task needs to run Tandem's Python: the environment, its base interpreter, every folder on
-    `sys.path` (the checkout of an editable install among them) and on PATH."""
-    found: list[Path] = []
-    candidates: list[str] = [sys.prefix, sys.base_prefix, str(Path(sys.executable).parent), str(SOURCE)]
-    candidates += [p for p in sys.path if p]
-    candidates += [p for p in os.environ.get("PATH", "").split(os.pathsep) if p]
-    for candidate in candidates:
-        path = Path(candidate)
-        if path.is_dir():
-            found.append(path.resolve())
+    """The folders a task needs to run Tandem's Python: the environment, its base interpreter, Tandem's own
+    code (a checkout, for an editable install) and the folders on `sys.path` inside those. Nothing else: not
+    the folder the scheduler was started from, which `python -m` puts on `sys.path` (a home folder, say)."""
+    roots = [Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).parent, SOURCE]
+    found = [r.resolve() for r in roots if r.is_dir()]
+    for entry in sys.path:
+        path = Path(entry).resolve() if entry else None
+        if path is not None and path.is_dir() and any(path.is_relative_to(r) for r in found):
+            found.append(path)
     # The executable's own chain of links (a venv's python links to the base interpreter's).
     target = Path(sys.executable)
     for _ in range(8):
@@ -132,7 +131,8 @@ def command(
     if bwrap is None:
         raise OSError("bubblewrap (bwrap) is not installed")
     runtime = runtime_paths() if runtime is None else runtime
-    hidden = [p.resolve() for p in hide]
+    resolved = [p.resolve() for p in hide]
+    hidden = [p for p in resolved if not any(p != q and p.is_relative_to(q) for q in resolved)]
     binds: list[str] = ["--dev-bind", "/", "/"]
     made: set[Path] = set()
 
@@ -146,13 +146,22 @@ def command(
                 binds.extend(["--perms", "0711", "--dir", str(folder)])
         binds.extend([option, str(path), str(path)])
 
-    opened = closed_ancestors(runtime)
+    # Folders others may not enter above the runtime or the hidden folders (a home; pytest's temporary root,
+    # which any pytest run shuts again): an enter-only tmpfs each, holding only what is bound back into it.
+    opened = closed_ancestors([*runtime, *(h.parent for h in hidden)])
     for folder in opened:  # others may enter, not list; only the runtime's folders inside
         binds += ["--perms", "0711", "--tmpfs", str(folder)]
     for path in runtime:
         if _inside(path, opened) and not _inside(path, hidden):
             bind(path, opened, "--ro-bind")
+    bound_runtime = [r for r in runtime if _inside(r, opened)]
     for folder in hidden:
+        if _inside(folder, opened) and not _inside(folder, bound_runtime):  # its mount point: enterable too
+            top = next(r for r in opened if _inside(folder, [r]))
+            for step in reversed(folder.parents):
+                if step.is_relative_to(top) and step != top and step not in made:
+                    made.add(step)
+                    binds.extend(["--perms", "0711", "--dir", str(step)])
         binds += ["--perms", "0711", "--tmpfs", str(folder)]
     bound = {p.resolve(): False for p in own}
     for path, read_only in mounts:
