@@ -317,7 +317,7 @@ async def test_the_demo_runs_end_to_end(tmp_path: Path) -> None:
     so the model folder lies where other users may read it (pytest's own folder is private)."""
     state = tmp_path / "demo"
     shared = Path(tempfile.mkdtemp(prefix="tandem-demo-model-"))
-    os.chmod(shared, 0o755)
+    os.chmod(shared, 0o755)  # noqa: S103 - the model is for every user to read
     process = await Cli("unused:1", state).start(
         "demo", "--steps", "2", "--state-dir", str(state), "--model-dir", str(shared / "model")
     )
