@@ -113,6 +113,12 @@ class SchedulerSettings(BaseSettings):
         "says priority never preempts a running job.",
     )
     health_timeout_s: float = Field(2.0, gt=0, description="Deadline of one SERVICE health check.")
+    bucket_sync_interval_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds between uploads of what a task wrote to its MOUNT and MOUNT_CACHED buckets "
+        "(and once more when it ends).",
+    )
 
     def enabled_backends(self) -> list[BackendName]:
         names: list[BackendName] = list(dict.fromkeys(self.backends))

@@ -57,6 +57,7 @@ from services.scheduler.backends.base import (
     Phase,
     Resources,
 )
+from services.scheduler.backends.task_buckets import BUCKETS_ENV, CREDENTIAL_ENVS, bucket_plan
 from services.scheduler.expand import SETUP_FAILED_EXIT
 from services.scheduler.lifecycle import FailureClass, JobState, TaskState
 from services.scheduler.spec import resources_of
@@ -277,6 +278,7 @@ class EngineConfig:
     aging_s_per_point: float = 30.0
     preemption: bool = False
     health_timeout_s: float = 2.0
+    bucket_sync_interval_s: float = 30.0  # uploads of a task's MOUNT buckets while it runs
     targets: Callable[[], Mapping[str, str]] = dict  # service -> host:port, given to tasks at launch
 
 
@@ -1129,7 +1131,13 @@ class Engine:
         log_dir = self.log_dir(job.name, task.task)
         log_dir.mkdir(parents=True, exist_ok=True)
         mounts = expand.file_mounts(spec_task)
-        if attempt.backend in HOST_BACKENDS:  # processes see the host's files: volumes are folders here
+        on_host = attempt.backend in HOST_BACKENDS
+        if on_host:  # processes see the host's files: volumes and buckets are folders here
+            for number, (path, source, read_only) in enumerate(list(mounts)):
+                if not source:
+                    folder = task_dir / "buckets" / str(number)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    mounts[number] = (path, str(folder), read_only)
             mounts, mount_env = expand.host_mounts(mounts, lambda name: str(self.volume_dir(job.org, name)))
             index = _output_mount(spec_task)
             output = Path(mounts[index][0]) if index is not None else task_dir / "output"
@@ -1176,6 +1184,9 @@ class Engine:
             output_dir=str(output),
             python=sys.executable,
         )
+        command = self.with_buckets(spec_task, command, env, mounts, secret_env, on_host=on_host)
+        if not on_host and spec_task.workdir.WhichOneof("source") == "path":
+            mounts.append((spec_task.workdir.path, spec_task.workdir.path, True))  # the folder to copy from
         if secret_env and attempt.backend in HOST_BACKENDS:
             # Host processes (local, Slurm) open their secrets themselves, by name, with their job token.
             from services.scheduler.backends.task_secrets import SECRETS_ENV, format_secrets  # noqa: PLC0415
@@ -1205,6 +1216,36 @@ class Engine:
             secret_env=secret_env,
             file_mounts=mounts,
             options=backend_options(spec),
+        )
+
+    def with_buckets(
+        self,
+        task: TaskSpec,
+        command: str,
+        env: dict[str, str],
+        mounts: Sequence[tuple[str, str, bool]],
+        secret_env: Mapping[str, str],
+        *,
+        on_host: bool,
+    ) -> str:
+        """A task with bucket mounts starts through `task_buckets`, which copies them down before `setup` and
+        writes them back while and after it runs; its plan goes in `env`. Credentials are only the task's own
+        vault secrets; the endpoint and region only its `envs`."""
+        buckets = expand.buckets(task, [path for path, _source, _read_only in mounts])
+        if not buckets:
+            return command
+        envs = task.envs
+        env[BUCKETS_ENV] = bucket_plan(
+            buckets,
+            credentials=[e for e in secret_env if e in CREDENTIAL_ENVS.values()],
+            endpoint_url=envs.get("AWS_ENDPOINT_URL_S3") or envs.get("AWS_ENDPOINT_URL", ""),
+            region=envs.get("AWS_REGION") or envs.get("AWS_DEFAULT_REGION", ""),
+            sync_interval_s=self.config.bucket_sync_interval_s,
+        )
+        python = sys.executable if on_host else "python"
+        return (
+            f"exec {shlex.quote(python)} -m services.scheduler.backends.task_buckets"
+            f" bash -euo pipefail -c {shlex.quote(command)}"
         )
 
 

@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 
 from tandem.scheduler.v1 import job_spec_pb2 as js
 
+from services.scheduler.backends.task_buckets import BucketMount
 from services.scheduler.spec import secret_env_name, trainer_config
 
 SETUP_FAILED_EXIT = 223  # `setup` failed: a PRECHECK failure, never recovered
@@ -66,7 +67,7 @@ def command_for(
     """The script every node of `task` runs. `gpus_granted` is the GPUs this node holds for the task;
     `config_file` and `output_dir` are required for online_rl tasks (see the module docstring); `python` is
     the interpreter that runs the trainer."""
-    lines = [f"# tandem: job {job}, task {task.name}"]
+    lines = [f"# tandem: job {job}, task {task.name}", *workdir_lines(task)]
     if task.setup.strip():
         lines.append(f"bash -c {shlex.quote(task.setup)} || exit {SETUP_FAILED_EXIT}")
     if task.kind == js.TaskSpec.KIND_ONLINE_RL:
@@ -86,6 +87,26 @@ def command_for(
         lines.append(f"export TANDEM_SERVICE_PORT={task.service.port}")
     lines.append(f"exec bash -c {shlex.quote(task.run)}")
     return "\n".join(lines) + "\n"
+
+
+def workdir_lines(task: js.TaskSpec) -> list[str]:
+    """SkyPilot's `workdir`, filled into the working directory the script starts in (the task's folder):
+    a folder's contents copied over what an earlier attempt left, or a repository fetched and checked out.
+    Either failing exits with SETUP_FAILED_EXIT, a PRECHECK failure."""
+    which = task.workdir.WhichOneof("source") if task.HasField("workdir") else None
+    if which == "path":
+        source = shlex.quote(task.workdir.path.rstrip("/") + "/.")
+        fill = f"cp -R -p -- {source} ."
+        what = task.workdir.path
+    elif which == "git_url":
+        url, ref = task.workdir.git_url, task.workdir.git_ref
+        fetch = ["git", "fetch", "-q", "--depth", "1", "--", url, *([ref] if ref else [])]
+        fill = f"git init -q . && {shlex.join(fetch)} && git -c advice.detachedHead=false checkout -q -f FETCH_HEAD"
+        what = f"{url} at {ref}" if ref else url
+    else:
+        return []
+    failed = shlex.quote(f"[tandem] cannot fill the workdir from {what}")
+    return [f"{{ {fill}; }} || {{ echo {failed} >&2; exit {SETUP_FAILED_EXIT}; }}"]
 
 
 def trainer_args(task: js.TaskSpec, *, gpus_granted: int) -> list[str]:
@@ -165,12 +186,38 @@ def secret_env(task: js.TaskSpec) -> dict[str, str]:
 
 def file_mounts(task: js.TaskSpec) -> list[tuple[str, str, bool]]:
     """`LaunchSpec.file_mounts`: (path in the task, source, read-only). A source starting with `/` is a
-    host path; anything else is a volume name (the contract's patterns keep the two apart)."""
+    host path; an empty one is an empty folder of the task's own (a bucket's, filled by `task_buckets`);
+    anything else is a volume name (the contract's patterns keep the three apart)."""
     out: list[tuple[str, str, bool]] = []
     for mount in task.file_mounts:
-        source = mount.local_path if mount.WhichOneof("source") == "local_path" else mount.volume
+        which = mount.WhichOneof("source")
+        source = mount.local_path if which == "local_path" else mount.volume if which == "volume" else ""
         out.append((mount.path, source, mount.read_only))
     return out
+
+
+_BUCKET_MODES = {
+    js.Bucket.MODE_UNSPECIFIED: "mount",
+    js.Bucket.MODE_MOUNT: "mount",
+    js.Bucket.MODE_COPY: "copy",
+    js.Bucket.MODE_MOUNT_CACHED: "mount_cached",
+}
+
+
+def buckets(task: js.TaskSpec, folders: Sequence[str]) -> list[BucketMount]:
+    """The task's bucket mounts for `task_buckets`, each landing in `folders[i]` (the i-th of the task's file
+    mounts as the backend places it: the mount path on Kubernetes, a folder of the task's on the host)."""
+    return [
+        BucketMount(
+            url=mount.bucket.url,
+            folder=folder,
+            mode=_BUCKET_MODES[mount.bucket.mode],
+            create=mount.bucket.create,
+            read_only=mount.read_only,
+        )
+        for mount, folder in zip(task.file_mounts, folders, strict=True)
+        if mount.WhichOneof("source") == "bucket"
+    ]
 
 
 def mount_env_name(path: str) -> str:

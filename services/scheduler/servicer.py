@@ -641,6 +641,7 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
             aging_s_per_point=config.aging_s_per_point,
             preemption=config.preemption,
             health_timeout_s=config.health_timeout_s,
+            bucket_sync_interval_s=config.bucket_sync_interval_s,
             targets=lambda: {
                 s: settings.target(s) for s in ("events", "vault", "taskapp_proxy", "scheduler")
             },

@@ -441,9 +441,9 @@ class KubernetesBackend:
         }
         if spec.workdir is not None:
             container["workingDir"] = str(spec.workdir)
-        mounts = [
-            {"name": f"mount-{index}", "mountPath": path, "readOnly": read_only}
-            for index, (path, _source, read_only) in enumerate(spec.file_mounts)
+        mounts = [  # a bucket's folder is written by the copy down, whatever the task may do
+            {"name": f"mount-{index}", "mountPath": path, "readOnly": read_only and bool(source)}
+            for index, (path, source, read_only) in enumerate(spec.file_mounts)
         ]
         mounts += [{"name": volume, "mountPath": path} for volume, path in self._scratch(spec)]
         if mounts:
@@ -464,7 +464,9 @@ class KubernetesBackend:
     def _volumes(self, spec: LaunchSpec) -> list[Json]:
         volumes: list[Json] = [{"name": volume, "emptyDir": {}} for volume, _path in self._scratch(spec)]
         for index, (_path, source, read_only) in enumerate(spec.file_mounts):
-            if source.startswith("/"):
+            if not source:  # a folder of the pod's own (a bucket's, filled by task_buckets)
+                volumes.append({"name": f"mount-{index}", "emptyDir": {}})
+            elif source.startswith("/"):
                 volumes.append({"name": f"mount-{index}", "hostPath": {"path": source}})
             else:  # a named volume is a PersistentVolumeClaim in the namespace
                 claim = {"claimName": source, "readOnly": read_only}
