@@ -92,6 +92,12 @@ def task_resources(task: TaskSpec) -> Resources:
     return resources_of(task)
 
 
+def preemptible(spec: JobSpec) -> bool:
+    """SkyPilot's `use_spot` on any task places the whole group as preemptible: a group is admitted, and
+    (with group-scope recovery) preempted and restarted, as one."""
+    return any(task.resources.preemptible for task in spec.tasks)
+
+
 def demands_of(spec: JobSpec) -> tuple[lc.Demand, ...]:
     demands = []
     for task in spec.tasks:
@@ -848,7 +854,16 @@ class Engine:
                     or job.failure.failure_class is FailureClass.PREEMPTED
                 )
             ):
-                queue.append(lc.QueuedGroup(job.name, job.priority, job.waiting_since, job.seq, live.demands))
+                queue.append(
+                    lc.QueuedGroup(
+                        job.name,
+                        job.priority,
+                        job.waiting_since,
+                        job.seq,
+                        live.demands,
+                        preemptible(live.spec),
+                    )
+                )
         return queue
 
     def _running_groups(self, backend: str, releasing: bool = False) -> list[lc.RunningGroup]:
@@ -876,7 +891,12 @@ class Engine:
             if placement:
                 groups.append(
                     lc.RunningGroup(
-                        job.name, job.priority, job.start_time or job.create_time, placement, live.demands
+                        job.name,
+                        job.priority,
+                        job.start_time or job.create_time,
+                        placement,
+                        live.demands,
+                        preemptible(live.spec),
                     )
                 )
         return groups
@@ -1184,18 +1204,7 @@ class Engine:
             output_dir=str(output),
             python=sys.executable,
         )
-        command = self.with_buckets(spec_task, command, env, mounts, secret_env, on_host=on_host)
-        if not on_host and spec_task.workdir.WhichOneof("source") == "path":
-            mounts.append((spec_task.workdir.path, spec_task.workdir.path, True))  # the folder to copy from
-        if secret_env and attempt.backend in HOST_BACKENDS:
-            # Host processes (local, Slurm) open their secrets themselves, by name, with their job token.
-            from services.scheduler.backends.task_secrets import SECRETS_ENV, format_secrets  # noqa: PLC0415
-
-            env[SECRETS_ENV] = format_secrets(secret_env)
-            command = (
-                f"exec {shlex.quote(sys.executable)} -m services.scheduler.backends.task_secrets"
-                f" bash -euo pipefail -c {shlex.quote(command)}"
-            )
+        command = self.wrapped(attempt.backend, spec_task, command, env, mounts, secret_env)
         # Each attempt's part of a task's log begins with a line naming it.
         command = f"echo '[tandem] attempt {attempt.attempt}'\n{command}"
         time_limit = _seconds(spec.max_duration) if spec.HasField("max_duration") else 0.0
@@ -1216,7 +1225,51 @@ class Engine:
             secret_env=secret_env,
             file_mounts=mounts,
             options=backend_options(spec),
+            ports=tuple(spec_task.resources.ports),
+            preemptible=preemptible(spec),
+            image=spec_task.resources.image,
         )
+
+    def wrapped(
+        self,
+        backend: str,
+        spec_task: TaskSpec,
+        command: str,
+        env: dict[str, str],
+        mounts: list[tuple[str, str, bool]],
+        secret_env: Mapping[str, str],
+    ) -> str:
+        """The task's script inside what it needs, innermost first: the node's check of its `ports`, its
+        image (the local backend's docker or podman; Slurm and Kubernetes put the whole step in it), its
+        buckets, its secrets. Adds what that needs to `env` and `mounts`."""
+        on_host = backend in HOST_BACKENDS
+        image = spec_task.resources.image
+        if on_host and spec_task.resources.ports:  # a pod has ports of its own; a process shares the node's
+            command = expand.port_check(spec_task, python=sys.executable) + command
+        if image and backend == "local":  # the task's script in the image; its wrappers on the host
+            command = expand.in_container(
+                spec_task,
+                command,
+                image=image,
+                env_names=[*env, *secret_env],
+                folders=[source for _path, source, _read_only in mounts],
+            )
+        # Where the wrappers run: in the task's image (Kubernetes; Slurm's container step), else on the host.
+        inside = not on_host or (image and backend != "local")
+        python = "python" if inside else sys.executable
+        command = self.with_buckets(spec_task, command, env, mounts, secret_env, python=python)
+        if (not on_host or image) and spec_task.workdir.WhichOneof("source") == "path":
+            mounts.append((spec_task.workdir.path, spec_task.workdir.path, True))  # the folder to copy from
+        if secret_env and backend in HOST_BACKENDS:
+            # Host processes (local, Slurm) open their secrets themselves, by name, with their job token.
+            from services.scheduler.backends.task_secrets import SECRETS_ENV, format_secrets  # noqa: PLC0415
+
+            env[SECRETS_ENV] = format_secrets(secret_env)
+            command = (
+                f"exec {shlex.quote(python)} -m services.scheduler.backends.task_secrets"
+                f" bash -euo pipefail -c {shlex.quote(command)}"
+            )
+        return command
 
     def with_buckets(
         self,
@@ -1226,7 +1279,7 @@ class Engine:
         mounts: Sequence[tuple[str, str, bool]],
         secret_env: Mapping[str, str],
         *,
-        on_host: bool,
+        python: str,
     ) -> str:
         """A task with bucket mounts starts through `task_buckets`, which copies them down before `setup` and
         writes them back while and after it runs; its plan goes in `env`. Credentials are only the task's own
@@ -1242,7 +1295,6 @@ class Engine:
             region=envs.get("AWS_REGION") or envs.get("AWS_DEFAULT_REGION", ""),
             sync_interval_s=self.config.bucket_sync_interval_s,
         )
-        python = sys.executable if on_host else "python"
         return (
             f"exec {shlex.quote(python)} -m services.scheduler.backends.task_buckets"
             f" bash -euo pipefail -c {shlex.quote(command)}"

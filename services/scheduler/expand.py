@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from tandem.scheduler.v1 import job_spec_pb2 as js
 
 from services.scheduler.backends.task_buckets import BucketMount
-from services.scheduler.spec import secret_env_name, trainer_config
+from services.scheduler.spec import port_range, secret_env_name, trainer_config
 
 SETUP_FAILED_EXIT = 223  # `setup` failed: a PRECHECK failure, never recovered
 _REFERENCES = {
@@ -158,7 +158,53 @@ def task_env(
     )
     if node_ips:
         env["TANDEM_NODE_IPS"] = env["SKYPILOT_NODE_IPS"] = ips
+    if task.resources.ports:
+        env["TANDEM_PORTS"] = ",".join(task.resources.ports)
     return env
+
+
+_PORT_CHECK = """\
+import socket, sys
+for port in map(int, sys.argv[1:]):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            sys.exit(f"[tandem] port {port} (resources.ports) is in use on {socket.gethostname()}")
+"""
+
+
+def port_check(task: js.TaskSpec, *, python: str) -> str:
+    """For a backend whose tasks share the node's network (local, Slurm): a first line that exits with
+    SETUP_FAILED_EXIT (PRECHECK) when one of the task's `ports` is taken on the node it landed on."""
+    ports = [str(p) for text in task.resources.ports for p in port_range(text)]
+    return f"{shlex.join([python, '-c', _PORT_CHECK, *ports])} || exit {SETUP_FAILED_EXIT}\n"
+
+
+def in_container(
+    task: js.TaskSpec, command: str, *, image: str, env_names: Sequence[str], folders: Sequence[str]
+) -> str:
+    """The local backend's run of `command` in the task's image, through the docker or podman CLI the
+    backend chose (`$TANDEM_CONTAINER_RUNTIME`): the node's network (so `ports` and the mesh are where they
+    are), the caller's uid, the working directory and every mount folder at its own path, the task's
+    variables by name (their values, secrets included, pass from this process's environment, never a
+    file), and the task's GPUs. The container goes with the command (`--rm`); SIGTERM reaches it."""
+    names = sorted({*env_names, "TANDEM_NODE_RANK", "SKYPILOT_NODE_RANK", "CUDA_VISIBLE_DEVICES"})
+    names = [n for n in names if n not in ("PATH", "HOME")]  # the image's own
+    args = ["run", "--rm", "--init", "--network", "host", "--workdir", '"$PWD"', "--volume", '"$PWD:$PWD"']
+    if task.workdir.WhichOneof("source") == "path":
+        folders = [*folders, task.workdir.path]
+    for folder in dict.fromkeys(folders):
+        args += ["--volume", f"{shlex.quote(folder)}:{shlex.quote(folder)}"]
+    for name in names:
+        args += ["--env", name]
+    gpus = '--gpus "device=$CUDA_VISIBLE_DEVICES"' if task.resources.gpus.strip() else ""
+    quoted = " ".join(a if "$PWD" in a else shlex.quote(a) for a in args)
+    return (
+        f'exec "$TANDEM_CONTAINER_RUNTIME" {quoted} --user "$(id -u):$(id -g)" {gpus} '
+        f"{shlex.quote(image)} bash -euo pipefail -c {shlex.quote(command)}\n"
+    )
 
 
 def node_env(rank: int, node_ips: Sequence[str] = ()) -> dict[str, str]:

@@ -531,6 +531,7 @@ def make_backends(config: SchedulerSettings, work_dir: Path) -> dict[str, Backen
                 cpus=local.cpus,
                 memory_gib=local.memory_gib,
                 run_as=local.run_as,
+                container_runtimes=local.container_runtimes,
             )
         elif name == "slurm":
             from services.scheduler.backends.slurm import SlurmBackend  # noqa: PLC0415
@@ -549,6 +550,8 @@ def make_backends(config: SchedulerSettings, work_dir: Path) -> dict[str, Backen
                 env={"SLURM_CONF": str(s.conf)} if s.conf else None,
                 run_as=s.run_as,
                 work_dir=work_dir,
+                container_runtime=s.container_runtime,
+                preemptible_qos=s.preemptible_qos,
             )
         else:
             from services.scheduler.backends.kubernetes import (  # noqa: PLC0415

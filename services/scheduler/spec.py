@@ -223,7 +223,11 @@ def resources_of(task: TaskSpec) -> Resources:
     """What one node of the task needs; the spec must have passed `check_spec` (gpus well formed)."""
     count, gpu_type = parse_gpus(task.resources.gpus)
     return Resources(
-        gpus=count, gpu_type=gpu_type, cpus=task.resources.cpus, memory_gib=task.resources.memory_gib
+        gpus=count,
+        gpu_type=gpu_type,
+        cpus=task.resources.cpus,
+        memory_gib=task.resources.memory_gib,
+        disk_gib=task.resources.disk_gib,
     )
 
 
