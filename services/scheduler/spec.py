@@ -831,6 +831,7 @@ _MODES = {
     "copy": js.Bucket.MODE_COPY,
     "mount_cached": js.Bucket.MODE_MOUNT_CACHED,
 }
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _GIT_URL = re.compile(r"^(?:(?:https?|ssh|git|file)://\S+|[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:\S+)$")
 _PORT = re.compile(r"^([0-9]{1,5})(?:-([0-9]{1,5}))?$")
 MAX_PORTS = 16
@@ -1382,7 +1383,7 @@ class _Reader:
             self.aliases[proto] = where
             if isinstance(source, str):
                 if "://" in source:  # SkyPilot: a bucket URI as the value is copied down (COPY)
-                    self.aliases[f"{proto}.bucket"] = where
+                    self.aliases[f"{proto}.bucket"] = self.aliases[f"{proto}.bucket.url"] = where
                     self.guard(lambda m=mount, s=source, w=where: self.bucket_url(m, s, w))
                     mount.bucket.mode = js.Bucket.MODE_COPY
                     continue
@@ -1409,6 +1410,7 @@ class _Reader:
             isinstance(source, str) and "://" in source
         ):
             self.aliases[f"{proto}.bucket"] = at
+            self.aliases[f"{proto}.bucket.url"] = f"{at}.name" if "name" in doc else f"{at}.source"
             self.storage(mount, doc, at)
         elif ("volume" in doc) == ("source" in doc):
             self.fail(at, "set exactly one of volume and source")
@@ -1459,8 +1461,9 @@ class _Reader:
         scheme, _, rest = url.partition("://")
         if scheme.lower() != "s3":
             self.fail(at, f"{scheme}://: {_BUCKET_SCHEMES}")
-        if not rest.split("/", 1)[0]:
-            self.fail(at, f"{url!r} names no bucket")
+        bucket = rest.split("/", 1)[0]
+        if not _BUCKET_NAME.fullmatch(bucket):
+            self.fail(at, f"{bucket!r} is not an S3 bucket name (3 to 63 of a-z, 0-9, '.' and '-')")
         mount.bucket.url = f"s3://{rest.rstrip('/')}"
 
     def workdir(self, task: TaskSpec, value: Any, at: str) -> None:
