@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from tandem.common.v1 import types_pb2
 from tandem.scheduler.v1 import job_spec_pb2 as js
 
 from services.scheduler import expand
@@ -113,7 +114,7 @@ def test_the_local_backends_container_command(tmp_path: Path) -> None:
         name="train",
         kind=js.TaskSpec.KIND_COMMAND,
         run="python train.py",
-        resources={"gpus": "1", "image": IMAGE},
+        resources=types_pb2.Resources(gpus="1", image=IMAGE),
         workdir=js.Workdir(path="/src/project"),
     )
     script = expand.command_for(task, job="orgs/acme/jobs/j1", gpus_granted=1)
