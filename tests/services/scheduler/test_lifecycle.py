@@ -191,7 +191,6 @@ def test_a_preemptible_group_is_preempted_first_even_by_a_lower_priority() -> No
     chosen = choose_preemption(group("needs-two", 1, 9, gpus=2), nodes, [spot, plain])
     assert chosen is not None and [v.job for v in chosen] == ["spot"]
     waiting_spot = QueuedGroup("other-spot", 1000, 0.0, 9, (Demand("main", 1, 2),), preemptible=True)
-    assert (
-        choose_preemption(waiting_spot, nodes, [spot]) is None
-    )  # spot never preempts spot of a higher priority
-    assert choose_preemption(waiting_spot, nodes, [plain]) is None  # nor a group that is not preemptible
+    among_spot = choose_preemption(waiting_spot, nodes, [spot])  # among spot groups, priorities rule
+    assert among_spot is not None and [v.job for v in among_spot] == ["spot"]
+    assert choose_preemption(waiting_spot, nodes, [plain]) is None  # never a group that is not preemptible
