@@ -1202,7 +1202,7 @@ class Engine:
             gpus_granted=gpus,
             config_file=config_file,
             output_dir=str(output),
-            python=sys.executable,
+            python="python" if spec_task.resources.image else sys.executable,  # an image's own Python
         )
         command = self.wrapped(attempt.backend, spec_task, command, env, mounts, secret_env)
         # Each attempt's part of a task's log begins with a line naming it.
@@ -1239,13 +1239,14 @@ class Engine:
         mounts: list[tuple[str, str, bool]],
         secret_env: Mapping[str, str],
     ) -> str:
-        """The task's script inside what it needs, innermost first: the node's check of its `ports`, its
-        image (the local backend's docker or podman; Slurm and Kubernetes put the whole step in it), its
+        """The task's script inside what it needs, innermost first: its image (the local backend's docker or
+        podman; Slurm and Kubernetes put the whole step in it), the node's check of its `ports`, its
         buckets, its secrets. Adds what that needs to `env` and `mounts`."""
         on_host = backend in HOST_BACKENDS
         image = spec_task.resources.image
-        if on_host and spec_task.resources.ports:  # a pod has ports of its own; a process shares the node's
-            command = expand.port_check(spec_task, python=sys.executable) + command
+        # Where the wrappers run: in the task's image (Kubernetes; Slurm's container step), else on the host.
+        inside = not on_host or (image and backend != "local")
+        python = "python" if inside else sys.executable
         if image and backend == "local":  # the task's script in the image; its wrappers on the host
             command = expand.in_container(
                 spec_task,
@@ -1254,9 +1255,8 @@ class Engine:
                 env_names=[*env, *secret_env],
                 folders=[source for _path, source, _read_only in mounts],
             )
-        # Where the wrappers run: in the task's image (Kubernetes; Slurm's container step), else on the host.
-        inside = not on_host or (image and backend != "local")
-        python = "python" if inside else sys.executable
+        if on_host and spec_task.resources.ports:  # a pod has ports of its own; a process shares the node's
+            command = expand.port_check(spec_task, python=python) + command
         command = self.with_buckets(spec_task, command, env, mounts, secret_env, python=python)
         if (not on_host or image) and spec_task.workdir.WhichOneof("source") == "path":
             mounts.append((spec_task.workdir.path, spec_task.workdir.path, True))  # the folder to copy from
