@@ -24,7 +24,7 @@ COPY services services
 COPY gateway gateway
 COPY tandem_taskapp tandem_taskapp
 COPY trainer trainer
-RUN pip install --upgrade pip && pip install '.[gpu]'
+RUN pip install --upgrade pip && pip install '.[gpu,storage]'
 
 RUN groupadd --gid 10001 tandem && useradd --uid 10001 --gid tandem --create-home tandem
 USER 10001:10001

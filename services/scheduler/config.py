@@ -18,6 +18,11 @@ class LocalSettings(BaseModel):
     gpu_type: str | None = Field(None, description="The GPU model reported; unset: what nvidia-smi says.")
     cpus: float | None = Field(None, ge=0, description="CPU cores to hand out.")
     memory_gib: float | None = Field(None, ge=0, description="Memory to hand out, in GiB.")
+    container_runtimes: list[Literal["docker", "podman"]] = Field(
+        ["docker", "podman"],
+        description="The container CLIs tried in order for a task with an image (SkyPilot's image_id); "
+        "none that works is a PRECHECK failure.",
+    )
     run_as: Literal["auto", "mesh", "org"] = Field(
         "auto",
         description="Whose account tasks run under. `org`: one unprivileged user per organization "
@@ -44,6 +49,14 @@ class SlurmSettings(BaseModel):
     account: str = Field("", description="Default `--account`.")
     qos: str = Field("", description="Default `--qos`.")
     cluster: str = Field("", description="`--clusters` for a multi-cluster setup; empty for the default.")
+    container_runtime: Literal["pyxis", "apptainer"] = Field(
+        "pyxis",
+        description="How a task with an image (SkyPilot's image_id) runs: pyxis/enroot's srun "
+        "--container-image, or apptainer exec; a cluster without it is a PRECHECK failure.",
+    )
+    preemptible_qos: str = Field(
+        "", description="The QoS of preemptible (use_spot) attempts; empty keeps the usual QoS."
+    )
     conf: Path | None = Field(
         None, description="`SLURM_CONF` for the Slurm commands; unset: Slurm's default."
     )
@@ -124,6 +137,12 @@ class SchedulerSettings(BaseSettings):
         "says priority never preempts a running job.",
     )
     health_timeout_s: float = Field(2.0, gt=0, description="Deadline of one SERVICE health check.")
+    bucket_sync_interval_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds between uploads of what a task wrote to its MOUNT and MOUNT_CACHED buckets "
+        "(and once more when it ends).",
+    )
 
     def enabled_backends(self) -> list[BackendName]:
         names: list[BackendName] = list(dict.fromkeys(self.backends))

@@ -57,6 +57,7 @@ from services.scheduler.backends.base import (
     Phase,
     Resources,
 )
+from services.scheduler.backends.task_buckets import BUCKETS_ENV, CREDENTIAL_ENVS, bucket_plan
 from services.scheduler.expand import SETUP_FAILED_EXIT
 from services.scheduler.lifecycle import FailureClass, JobState, TaskState
 from services.scheduler.spec import resources_of
@@ -89,6 +90,12 @@ def recovery_policy(spec: JobSpec) -> lc.RecoveryPolicy:
 
 def task_resources(task: TaskSpec) -> Resources:
     return resources_of(task)
+
+
+def preemptible(spec: JobSpec) -> bool:
+    """SkyPilot's `use_spot` on any task places the whole group as preemptible: a group is admitted, and
+    (with group-scope recovery) preempted and restarted, as one."""
+    return any(task.resources.preemptible for task in spec.tasks)
 
 
 def demands_of(spec: JobSpec) -> tuple[lc.Demand, ...]:
@@ -277,6 +284,7 @@ class EngineConfig:
     aging_s_per_point: float = 30.0
     preemption: bool = False
     health_timeout_s: float = 2.0
+    bucket_sync_interval_s: float = 30.0  # uploads of a task's MOUNT buckets while it runs
     targets: Callable[[], Mapping[str, str]] = dict  # service -> host:port, given to tasks at launch
 
 
@@ -846,7 +854,16 @@ class Engine:
                     or job.failure.failure_class is FailureClass.PREEMPTED
                 )
             ):
-                queue.append(lc.QueuedGroup(job.name, job.priority, job.waiting_since, job.seq, live.demands))
+                queue.append(
+                    lc.QueuedGroup(
+                        job.name,
+                        job.priority,
+                        job.waiting_since,
+                        job.seq,
+                        live.demands,
+                        preemptible(live.spec),
+                    )
+                )
         return queue
 
     def _running_groups(self, backend: str, releasing: bool = False) -> list[lc.RunningGroup]:
@@ -874,7 +891,12 @@ class Engine:
             if placement:
                 groups.append(
                     lc.RunningGroup(
-                        job.name, job.priority, job.start_time or job.create_time, placement, live.demands
+                        job.name,
+                        job.priority,
+                        job.start_time or job.create_time,
+                        placement,
+                        live.demands,
+                        preemptible(live.spec),
                     )
                 )
         return groups
@@ -1129,7 +1151,13 @@ class Engine:
         log_dir = self.log_dir(job.name, task.task)
         log_dir.mkdir(parents=True, exist_ok=True)
         mounts = expand.file_mounts(spec_task)
-        if attempt.backend in HOST_BACKENDS:  # processes see the host's files: volumes are folders here
+        on_host = attempt.backend in HOST_BACKENDS
+        if on_host:  # processes see the host's files: volumes and buckets are folders here
+            for number, (path, source, read_only) in enumerate(list(mounts)):
+                if not source:
+                    folder = task_dir / "buckets" / str(number)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    mounts[number] = (path, str(folder), read_only)
             mounts, mount_env = expand.host_mounts(mounts, lambda name: str(self.volume_dir(job.org, name)))
             index = _output_mount(spec_task)
             output = Path(mounts[index][0]) if index is not None else task_dir / "output"
@@ -1174,17 +1202,9 @@ class Engine:
             gpus_granted=gpus,
             config_file=config_file,
             output_dir=str(output),
-            python=sys.executable,
+            python="python" if spec_task.resources.image else sys.executable,  # an image's own Python
         )
-        if secret_env and attempt.backend in HOST_BACKENDS:
-            # Host processes (local, Slurm) open their secrets themselves, by name, with their job token.
-            from services.scheduler.backends.task_secrets import SECRETS_ENV, format_secrets  # noqa: PLC0415
-
-            env[SECRETS_ENV] = format_secrets(secret_env)
-            command = (
-                f"exec {shlex.quote(sys.executable)} -m services.scheduler.backends.task_secrets"
-                f" bash -euo pipefail -c {shlex.quote(command)}"
-            )
+        command = self.wrapped(attempt.backend, spec_task, command, env, mounts, secret_env)
         # Each attempt's part of a task's log begins with a line naming it.
         command = f"echo '[tandem] attempt {attempt.attempt}'\n{command}"
         time_limit = _seconds(spec.max_duration) if spec.HasField("max_duration") else 0.0
@@ -1205,6 +1225,79 @@ class Engine:
             secret_env=secret_env,
             file_mounts=mounts,
             options=backend_options(spec),
+            ports=tuple(spec_task.resources.ports),
+            preemptible=preemptible(spec),
+            image=spec_task.resources.image,
+        )
+
+    def wrapped(
+        self,
+        backend: str,
+        spec_task: TaskSpec,
+        command: str,
+        env: dict[str, str],
+        mounts: list[tuple[str, str, bool]],
+        secret_env: Mapping[str, str],
+    ) -> str:
+        """The task's script inside what it needs, innermost first: its image (the local backend's docker or
+        podman; Slurm and Kubernetes put the whole step in it), the node's check of its `ports`, its
+        buckets, its secrets. Adds what that needs to `env` and `mounts`."""
+        on_host = backend in HOST_BACKENDS
+        image = spec_task.resources.image
+        # Where the wrappers run: in the task's image (Kubernetes; Slurm's container step), else on the host.
+        inside = not on_host or (image and backend != "local")
+        python = "python" if inside else sys.executable
+        if image and backend == "local":  # the task's script in the image; its wrappers on the host
+            command = expand.in_container(
+                spec_task,
+                command,
+                image=image,
+                env_names=[*env, *secret_env],
+                folders=[source for _path, source, _read_only in mounts],
+            )
+        if on_host and spec_task.resources.ports:  # a pod has ports of its own; a process shares the node's
+            command = expand.port_check(spec_task, python=python) + command
+        command = self.with_buckets(spec_task, command, env, mounts, secret_env, python=python)
+        if (not on_host or image) and spec_task.workdir.WhichOneof("source") == "path":
+            mounts.append((spec_task.workdir.path, spec_task.workdir.path, True))  # the folder to copy from
+        if secret_env and backend in HOST_BACKENDS:
+            # Host processes (local, Slurm) open their secrets themselves, by name, with their job token.
+            from services.scheduler.backends.task_secrets import SECRETS_ENV, format_secrets  # noqa: PLC0415
+
+            env[SECRETS_ENV] = format_secrets(secret_env)
+            command = (
+                f"exec {shlex.quote(python)} -m services.scheduler.backends.task_secrets"
+                f" bash -euo pipefail -c {shlex.quote(command)}"
+            )
+        return command
+
+    def with_buckets(
+        self,
+        task: TaskSpec,
+        command: str,
+        env: dict[str, str],
+        mounts: Sequence[tuple[str, str, bool]],
+        secret_env: Mapping[str, str],
+        *,
+        python: str,
+    ) -> str:
+        """A task with bucket mounts starts through `task_buckets`, which copies them down before `setup` and
+        writes them back while and after it runs; its plan goes in `env`. Credentials are only the task's own
+        vault secrets; the endpoint and region only its `envs`."""
+        buckets = expand.buckets(task, [path for path, _source, _read_only in mounts])
+        if not buckets:
+            return command
+        envs = task.envs
+        env[BUCKETS_ENV] = bucket_plan(
+            buckets,
+            credentials=[e for e in secret_env if e in CREDENTIAL_ENVS.values()],
+            endpoint_url=envs.get("AWS_ENDPOINT_URL_S3") or envs.get("AWS_ENDPOINT_URL", ""),
+            region=envs.get("AWS_REGION") or envs.get("AWS_DEFAULT_REGION", ""),
+            sync_interval_s=self.config.bucket_sync_interval_s,
+        )
+        return (
+            f"exec {shlex.quote(python)} -m services.scheduler.backends.task_buckets"
+            f" bash -euo pipefail -c {shlex.quote(command)}"
         )
 
 

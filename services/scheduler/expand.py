@@ -44,7 +44,8 @@ from collections.abc import Callable, Sequence
 
 from tandem.scheduler.v1 import job_spec_pb2 as js
 
-from services.scheduler.spec import secret_env_name, trainer_config
+from services.scheduler.backends.task_buckets import BucketMount
+from services.scheduler.spec import port_range, secret_env_name, trainer_config
 
 SETUP_FAILED_EXIT = 223  # `setup` failed: a PRECHECK failure, never recovered
 _REFERENCES = {
@@ -66,7 +67,7 @@ def command_for(
     """The script every node of `task` runs. `gpus_granted` is the GPUs this node holds for the task;
     `config_file` and `output_dir` are required for online_rl tasks (see the module docstring); `python` is
     the interpreter that runs the trainer."""
-    lines = [f"# tandem: job {job}, task {task.name}"]
+    lines = [f"# tandem: job {job}, task {task.name}", *workdir_lines(task)]
     if task.setup.strip():
         lines.append(f"bash -c {shlex.quote(task.setup)} || exit {SETUP_FAILED_EXIT}")
     if task.kind == js.TaskSpec.KIND_ONLINE_RL:
@@ -86,6 +87,26 @@ def command_for(
         lines.append(f"export TANDEM_SERVICE_PORT={task.service.port}")
     lines.append(f"exec bash -c {shlex.quote(task.run)}")
     return "\n".join(lines) + "\n"
+
+
+def workdir_lines(task: js.TaskSpec) -> list[str]:
+    """SkyPilot's `workdir`, filled into the working directory the script starts in (the task's folder):
+    a folder's contents copied over what an earlier attempt left, or a repository fetched and checked out.
+    Either failing exits with SETUP_FAILED_EXIT, a PRECHECK failure."""
+    which = task.workdir.WhichOneof("source") if task.HasField("workdir") else None
+    if which == "path":
+        source = shlex.quote(task.workdir.path.rstrip("/") + "/.")
+        fill = f"cp -R -p -- {source} ."
+        what = task.workdir.path
+    elif which == "git_url":
+        url, ref = task.workdir.git_url, task.workdir.git_ref
+        fetch = ["git", "fetch", "-q", "--depth", "1", "--", url, *([ref] if ref else [])]
+        fill = f"git init -q . && {shlex.join(fetch)} && git -c advice.detachedHead=false checkout -q -f FETCH_HEAD"
+        what = f"{url} at {ref}" if ref else url
+    else:
+        return []
+    failed = shlex.quote(f"[tandem] cannot fill the workdir from {what}")
+    return [f"{{ {fill}; }} || {{ echo {failed} >&2; exit {SETUP_FAILED_EXIT}; }}"]
 
 
 def trainer_args(task: js.TaskSpec, *, gpus_granted: int) -> list[str]:
@@ -137,7 +158,53 @@ def task_env(
     )
     if node_ips:
         env["TANDEM_NODE_IPS"] = env["SKYPILOT_NODE_IPS"] = ips
+    if task.resources.ports:
+        env["TANDEM_PORTS"] = ",".join(task.resources.ports)
     return env
+
+
+_PORT_CHECK = """\
+import socket, sys
+for port in map(int, sys.argv[1:]):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            sys.exit(f"[tandem] port {port} (resources.ports) is in use on {socket.gethostname()}")
+"""
+
+
+def port_check(task: js.TaskSpec, *, python: str) -> str:
+    """For a backend whose tasks share the node's network (local, Slurm): a first line that exits with
+    SETUP_FAILED_EXIT (PRECHECK) when one of the task's `ports` is taken on the node it landed on."""
+    ports = [str(p) for text in task.resources.ports for p in port_range(text)]
+    return f"{shlex.join([python, '-c', _PORT_CHECK, *ports])} || exit {SETUP_FAILED_EXIT}\n"
+
+
+def in_container(
+    task: js.TaskSpec, command: str, *, image: str, env_names: Sequence[str], folders: Sequence[str]
+) -> str:
+    """The local backend's run of `command` in the task's image, through the docker or podman CLI the
+    backend chose (`$TANDEM_CONTAINER_RUNTIME`): the node's network (so `ports` and the mesh are where they
+    are), the caller's uid, the working directory and every mount folder at its own path, the task's
+    variables by name (their values, secrets included, pass from this process's environment, never a
+    file), and the task's GPUs. The container goes with the command (`--rm`); SIGTERM reaches it."""
+    names = sorted({*env_names, "TANDEM_NODE_RANK", "SKYPILOT_NODE_RANK", "CUDA_VISIBLE_DEVICES"})
+    names = [n for n in names if n not in ("PATH", "HOME")]  # the image's own
+    args = ["run", "--rm", "--init", "--network", "host", "--workdir", '"$PWD"', "--volume", '"$PWD:$PWD"']
+    if task.workdir.WhichOneof("source") == "path":
+        folders = [*folders, task.workdir.path]
+    for folder in dict.fromkeys(folders):
+        args += ["--volume", f"{shlex.quote(folder)}:{shlex.quote(folder)}"]
+    for name in names:
+        args += ["--env", name]
+    gpus = '--gpus "device=$CUDA_VISIBLE_DEVICES"' if task.resources.gpus.strip() else ""
+    quoted = " ".join(a if "$PWD" in a else shlex.quote(a) for a in args)
+    return (
+        f'exec "$TANDEM_CONTAINER_RUNTIME" {quoted} --user "$(id -u):$(id -g)" {gpus} '
+        f"{shlex.quote(image)} bash -euo pipefail -c {shlex.quote(command)}\n"
+    )
 
 
 def node_env(rank: int, node_ips: Sequence[str] = ()) -> dict[str, str]:
@@ -165,12 +232,38 @@ def secret_env(task: js.TaskSpec) -> dict[str, str]:
 
 def file_mounts(task: js.TaskSpec) -> list[tuple[str, str, bool]]:
     """`LaunchSpec.file_mounts`: (path in the task, source, read-only). A source starting with `/` is a
-    host path; anything else is a volume name (the contract's patterns keep the two apart)."""
+    host path; an empty one is an empty folder of the task's own (a bucket's, filled by `task_buckets`);
+    anything else is a volume name (the contract's patterns keep the three apart)."""
     out: list[tuple[str, str, bool]] = []
     for mount in task.file_mounts:
-        source = mount.local_path if mount.WhichOneof("source") == "local_path" else mount.volume
+        which = mount.WhichOneof("source")
+        source = mount.local_path if which == "local_path" else mount.volume if which == "volume" else ""
         out.append((mount.path, source, mount.read_only))
     return out
+
+
+_BUCKET_MODES = {
+    js.Bucket.MODE_UNSPECIFIED: "mount",
+    js.Bucket.MODE_MOUNT: "mount",
+    js.Bucket.MODE_COPY: "copy",
+    js.Bucket.MODE_MOUNT_CACHED: "mount_cached",
+}
+
+
+def buckets(task: js.TaskSpec, folders: Sequence[str]) -> list[BucketMount]:
+    """The task's bucket mounts for `task_buckets`, each landing in `folders[i]` (the i-th of the task's file
+    mounts as the backend places it: the mount path on Kubernetes, a folder of the task's on the host)."""
+    return [
+        BucketMount(
+            url=mount.bucket.url,
+            folder=folder,
+            mode=_BUCKET_MODES[mount.bucket.mode],
+            create=mount.bucket.create,
+            read_only=mount.read_only,
+        )
+        for mount, folder in zip(task.file_mounts, folders, strict=True)
+        if mount.WhichOneof("source") == "bucket"
+    ]
 
 
 def mount_env_name(path: str) -> str:

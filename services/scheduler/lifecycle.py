@@ -255,14 +255,17 @@ class QueuedGroup:
     waiting_since: float
     seq: int  # creation order, the FIFO tie-break
     demands: tuple[Demand, ...]
+    preemptible: bool = False  # SkyPilot's use_spot: after every group that is not, whatever its age
 
 
 def queue_order(
     queue: Iterable[QueuedGroup], now: float, aging_s: float = AGING_S_PER_POINT
 ) -> list[QueuedGroup]:
-    """Highest effective priority first; FIFO (creation order) within a priority."""
+    """Groups that are not preemptible first; then highest effective priority first; FIFO (creation order)
+    within a priority. Aging orders preemptible groups among themselves, never past another group."""
     return sorted(
-        queue, key=lambda g: (-effective_priority(g.priority, g.waiting_since, now, aging_s), g.seq)
+        queue,
+        key=lambda g: (g.preemptible, -effective_priority(g.priority, g.waiting_since, now, aging_s), g.seq),
     )
 
 
@@ -407,10 +410,17 @@ class RunningGroup:
     start_time: float
     placement: Placement
     demands: tuple[Demand, ...]
+    preemptible: bool = False  # SkyPilot's use_spot: any group that is not may preempt it
 
     @property
     def gpus(self) -> int:
         return sum(len(s.gpu_indices) for slots in self.placement.values() for s in slots)
+
+
+def _below(running: RunningGroup, group: QueuedGroup) -> bool:
+    if running.preemptible != group.preemptible:
+        return running.preemptible
+    return running.priority < group.priority
 
 
 def choose_preemption(
@@ -419,7 +429,8 @@ def choose_preemption(
     running: Sequence[RunningGroup],
     releasing: Sequence[RunningGroup] = (),
 ) -> list[RunningGroup] | None:
-    """The cheapest set of strictly lower-priority running groups whose release lets `group` fit, or None.
+    """The cheapest set of running groups below `group` whose release lets it fit, or None. Below means a
+    strictly lower priority, or preemptible where `group` is not (SkyPilot's spot placement).
     Cheapest means lowest priorities first, then the fewest GPUs, then the most recently started (the
     least work lost); after the greedy pick, victims not needed for the fit are spared again. What the
     `releasing` groups (already being stopped) hold counts as free: when that is enough the answer is no
@@ -432,8 +443,8 @@ def choose_preemption(
             return []
         nodes = freed
     candidates = sorted(
-        (r for r in running if r.priority < group.priority),
-        key=lambda r: (r.priority, r.gpus, -r.start_time, r.job),
+        (r for r in running if _below(r, group)),
+        key=lambda r: (not r.preemptible, r.priority, r.gpus, -r.start_time, r.job),
     )
     if not candidates:
         return None

@@ -590,6 +590,7 @@ def make_backends(config: SchedulerSettings, work_dir: Path, hide: Sequence[Path
                 sandbox=use_sandbox,
                 hide=hide,
                 one_organization=run_as == "mesh" and local.run_as == "auto",
+                container_runtimes=local.container_runtimes,
             )
         elif name == "slurm":
             from services.scheduler.backends.slurm import SlurmBackend  # noqa: PLC0415
@@ -614,6 +615,8 @@ def make_backends(config: SchedulerSettings, work_dir: Path, hide: Sequence[Path
                 run_as=run_as,
                 work_dir=work_dir,
                 one_organization=run_as == "mesh" and s.run_as == "auto",
+                container_runtime=s.container_runtime,
+                preemptible_qos=s.preemptible_qos,
             )
         else:
             from services.scheduler.backends.kubernetes import (  # noqa: PLC0415
@@ -706,6 +709,7 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
             aging_s_per_point=config.aging_s_per_point,
             preemption=config.preemption,
             health_timeout_s=config.health_timeout_s,
+            bucket_sync_interval_s=config.bucket_sync_interval_s,
             targets=lambda: {
                 s: settings.target(s) for s in ("events", "vault", "taskapp_proxy", "scheduler")
             },

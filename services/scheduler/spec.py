@@ -223,7 +223,11 @@ def resources_of(task: TaskSpec) -> Resources:
     """What one node of the task needs; the spec must have passed `check_spec` (gpus well formed)."""
     count, gpu_type = parse_gpus(task.resources.gpus)
     return Resources(
-        gpus=count, gpu_type=gpu_type, cpus=task.resources.cpus, memory_gib=task.resources.memory_gib
+        gpus=count,
+        gpu_type=gpu_type,
+        cpus=task.resources.cpus,
+        memory_gib=task.resources.memory_gib,
+        disk_gib=task.resources.disk_gib,
     )
 
 
@@ -397,6 +401,8 @@ def _task_rules(task: TaskSpec, at: str) -> list[FieldViolation]:  # noqa: PLR09
     found.extend(_resources(task.resources, f"{at}.resources"))
     found.extend(_envs(task, at))
     found.extend(_mounts(task, at))
+    if task.HasField("workdir"):
+        found.extend(_workdir(task.workdir, f"{at}.workdir"))
     if options == "online_rl" and task.kind == TaskSpec.KIND_ONLINE_RL:
         if task.num_nodes > 1:
             found.append(
@@ -443,13 +449,42 @@ def _resources(resources: types_pb2.Resources, at: str) -> list[FieldViolation]:
             found.append(
                 FieldViolation(f"{at}.gpu_alternatives[{index}]", "must be TYPE:COUNT (e.g. A100:8)")
             )
-    for name in ("cpus", "memory_gib"):
+    found.extend(_ports(resources.ports, f"{at}.ports"))
+    if resources.image and (len(resources.image) > 512 or any(c.isspace() for c in resources.image)):
+        found.append(FieldViolation(f"{at}.image", "is not an image reference (at most 512, no spaces)"))
+    for name in ("cpus", "memory_gib", "disk_gib"):
         value = getattr(resources, name)
         if not math.isfinite(value) or value < 0:
             found.append(
                 FieldViolation(f"{at}.{name}", f"must be 0 (the backend default) or more, not {value}")
             )
     return found
+
+
+def _ports(ports: Sequence[str], at: str) -> list[FieldViolation]:
+    found: list[FieldViolation] = []
+    if len(ports) > MAX_PORTS:
+        found.append(FieldViolation(at, f"at most {MAX_PORTS} ports or ranges"))
+    for index, port in enumerate(ports):
+        try:
+            port_range(port)
+        except ValueError as exc:
+            found.append(FieldViolation(f"{at}[{index}]", str(exc)))
+    return found
+
+
+def port_range(text: str) -> range:
+    """`"8080"` -> range(8080, 8081); `"10000-10010"` -> range(10000, 10011). ValueError otherwise."""
+    match = _PORT.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a port or a range such as 10000-10010")
+    first = int(match[1])
+    last = int(match[2]) if match[2] else first
+    if not 1 <= first <= last <= 65535:
+        raise ValueError(f"{text!r}: ports are 1 to 65535, the first of a range not above the last")
+    if last - first >= 1024:
+        raise ValueError(f"{text!r}: a range spans at most 1024 ports")
+    return range(first, last + 1)
 
 
 def _envs(task: TaskSpec, at: str) -> list[FieldViolation]:
@@ -488,7 +523,7 @@ def _mounts(task: TaskSpec, at: str) -> list[FieldViolation]:
     for index, mount in enumerate(task.file_mounts):
         where = f"{at}.file_mounts[{index}]"
         if mount.WhichOneof("source") is None:
-            found.append(FieldViolation(f"{where}.source", "set local_path or volume"))
+            found.append(FieldViolation(f"{where}.source", "set local_path, volume or bucket"))
         if not mount.path.startswith("/"):
             continue  # the contract's pattern already says so
         if ".." in mount.path.split("/"):
@@ -500,6 +535,23 @@ def _mounts(task: TaskSpec, at: str) -> list[FieldViolation]:
             found.append(FieldViolation(f"{where}.path", f"{path} is also file_mounts[{seen[path]}]"))
         seen.setdefault(path, index)
     return found
+
+
+def _workdir(workdir: js.Workdir, at: str) -> list[FieldViolation]:
+    which = workdir.WhichOneof("source")
+    if which is None:
+        return [FieldViolation(f"{at}.path", "set path or git_url")]
+    if which == "path" and ".." in workdir.path.split("/"):
+        return [FieldViolation(f"{at}.path", "must not contain '..'")]
+    if which == "git_url" and not _GIT_URL.match(workdir.git_url):
+        return [
+            FieldViolation(f"{at}.git_url", f"{workdir.git_url!r} is not a git URL (https://, ssh://, ...)")
+        ]
+    if workdir.git_ref and which != "git_url":
+        return [FieldViolation(f"{at}.git_ref", "is for a git_url workdir")]
+    if workdir.git_ref.startswith("-"):
+        return [FieldViolation(f"{at}.git_ref", "a ref does not start with '-'")]
+    return []
 
 
 def _online_rl(options: js.OnlineRlOptions, at: str) -> list[FieldViolation]:
@@ -684,12 +736,24 @@ _TASK_KEYS = (
     "envs",
     "secrets",
     "file_mounts",
+    "workdir",
     "setup",
     "run",
     "online_rl",
     "service",
 )
-_RESOURCE_KEYS = ("gpus", "accelerators", "cpus", "memory", "cloud", "infra")
+_RESOURCE_KEYS = (
+    "gpus",
+    "accelerators",
+    "cpus",
+    "memory",
+    "cloud",
+    "infra",
+    "disk_size",
+    "ports",
+    "use_spot",
+    "image_id",
+)
 
 # SkyPilot's keys (its task and resources schema) that Tandem does not take, each with the reason; SPEC.md has
 # the whole table. A key here is refused naming why; any other unknown key names the nearest known one.
@@ -701,7 +765,6 @@ _SKY_JOB_KEYS = {
 }
 _SKY_TASK_KEYS = {
     "accelerators": "belongs under `resources:` (`resources: {accelerators: A100:8}`)",
-    "workdir": f"{_NOT_YET}: no working directory is synced; put the code on a file mount and `cd` there in `run`",
     "event_callback": f"{_NOT_YET}: a task's progress is reported as job events, not through a callback",
     "pool": "SkyPilot's worker pools have no counterpart here",
     "managed_secrets": f"{_NOT_YET}: name vault secrets in `secrets`",
@@ -719,15 +782,10 @@ _SKY_RESOURCE_KEYS = {
     "region": _CLOUD_ONLY.format(what="region"),
     "zone": _CLOUD_ONLY.format(what="zone"),
     "instance_type": _CLOUD_ONLY.format(what="instance type") + "; ask for cpus, memory and accelerators",
-    "use_spot": "spot instances are a public cloud's; preempted tasks are recovered under the job's `recovery`",
     "max_hourly_cost": "there are no prices here",
     "accelerator_args": "configures Google Cloud TPUs; Tandem places NVIDIA GPUs",
     "autostop": "nodes are not kept as clusters here: a task's nodes are released when it ends",
     "job_recovery": f"{_NOT_YET}: write the job's `recovery:` (max_restarts_on_errors, recover_on_exit_codes)",
-    "ports": f"{_NOT_YET}: a task's ports are not opened outside the cluster; a `service:` task's port is "
-    "reachable by the mesh",
-    "image_id": f"{_NOT_YET}: tasks run on the nodes' own software, not in a container image",
-    "disk_size": f"{_NOT_YET}: the nodes' disks are the deployment's",
     "ephemeral_storage": f"{_NOT_YET}: the nodes' disks are the deployment's",
     "disk_tier": f"{_NOT_YET}: the nodes' disks are the deployment's",
     "local_disk": f"{_NOT_YET}: the nodes' disks are the deployment's",
@@ -762,9 +820,21 @@ _SKY_SERVICE_KEYS = dict.fromkeys(
     ),
     _SKYSERVE,
 )
-_BUCKETS = f"{_NOT_YET}: SkyPilot storage (cloud buckets) is not mounted; mount a host path or a volume"
+_BUCKET_SCHEMES = f"{_NOT_YET}: only S3 buckets (s3://, or an S3-compatible store through AWS_ENDPOINT_URL)"
 _ENV_IN_MOUNT = f"{_NOT_YET}: SkyPilot fills envs into mount paths ($VAR); Tandem takes a path as written"
-_SKY_MOUNT_KEYS = dict.fromkeys(("name", "store", "mode", "persistent", "config", "type"), _BUCKETS)
+_SKY_MOUNT_KEYS = {
+    "config": f"{_NOT_YET}: SkyPilot's mount tuning (rclone or goofys settings); buckets are copied here",
+    "type": f"{_NOT_YET}: SkyPilot's volume mount type; use `{{volume: name}}`",
+}
+_MODES = {
+    "mount": js.Bucket.MODE_MOUNT,
+    "copy": js.Bucket.MODE_COPY,
+    "mount_cached": js.Bucket.MODE_MOUNT_CACHED,
+}
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_GIT_URL = re.compile(r"^(?:(?:https?|ssh|git|file)://\S+|[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:\S+)$")
+_PORT = re.compile(r"^([0-9]{1,5})(?:-([0-9]{1,5}))?$")
+MAX_PORTS = 16
 # `cloud:` and the first part of `infra:` that name one of Tandem's backends; any other names a public cloud.
 _CLOUD_BACKENDS: dict[str, js.Backend.ValueType] = {
     "kubernetes": js.BACKEND_KUBERNETES,
@@ -1080,8 +1150,7 @@ class _Reader:
             self.guard(lambda: self.envs(task, doc["envs"], f"{at}.envs"))
         if "secrets" in doc:
             self.guard(lambda: self.secrets(task, doc["secrets"], f"{at}.secrets"))
-        if "file_mounts" in doc:
-            self.guard(lambda: self.mounts(task, doc["file_mounts"], f"{at}.file_mounts"))
+        self.files(task, doc, at)
         for key in ("setup", "run"):
             if key in doc:
                 self.guard(lambda k=key: setattr(task, k, self.text(doc[k], f"{at}.{k}")))
@@ -1089,6 +1158,13 @@ class _Reader:
             self.guard(lambda: self.online_rl(task.online_rl, doc["online_rl"], f"{at}.online_rl"))
         if "service" in doc:
             self.guard(lambda: self.service(task.service, doc["service"], f"{at}.service"))
+
+    def files(self, task: TaskSpec, doc: dict[str, Any], at: str) -> None:
+        """What the task finds on its nodes: `file_mounts` and SkyPilot's `workdir`."""
+        if "file_mounts" in doc:
+            self.guard(lambda: self.mounts(task, doc["file_mounts"], f"{at}.file_mounts"))
+        if "workdir" in doc:
+            self.guard(lambda: self.workdir(task, doc["workdir"], f"{at}.workdir"))
 
     def kind(self, doc: dict[str, Any], at: str) -> Any:
         """The explicit `kind`, else the one the options block implies (SkyPilot tasks have no kind)."""
@@ -1126,6 +1202,44 @@ class _Reader:
         for key in ("cloud", "infra"):
             if key in doc:
                 self.guard(lambda k=key: self.cloud(doc[k], f"{at}.{k}", infra=k == "infra"))
+        self.placement_keys(resources, doc, at)
+
+    def placement_keys(self, resources: types_pb2.Resources, doc: dict[str, Any], at: str) -> None:
+        """SkyPilot's `disk_size`, `ports`, `use_spot` and `image_id` (SPEC.md says what each backend does)."""
+        if "disk_size" in doc:  # SkyPilot's GB are GiB, a bare number
+            self.aliases[f"{at}.disk_gib"] = f"{at}.disk_size"
+            self.guard(
+                lambda: setattr(resources, "disk_gib", self.memory(doc["disk_size"], f"{at}.disk_size"))
+            )
+        if "ports" in doc:
+            self.guard(lambda: self.ports(resources, doc["ports"], f"{at}.ports"))
+        if "use_spot" in doc:
+            self.aliases[f"{at}.preemptible"] = f"{at}.use_spot"
+            self.guard(
+                lambda: setattr(resources, "preemptible", self.boolean(doc["use_spot"], f"{at}.use_spot"))
+            )
+        if "image_id" in doc:
+            self.aliases[f"{at}.image"] = f"{at}.image_id"
+            self.guard(lambda: self.image(resources, doc["image_id"], f"{at}.image_id"))
+
+    def ports(self, resources: types_pb2.Resources, value: Any, at: str) -> None:
+        """SkyPilot's forms: a port (`8080` or `"8080"`), a range (`"10000-10010"`) or a list of those."""
+        items = value if isinstance(value, list) else [value]
+        for index, item in enumerate(items):
+            where = f"{at}[{index}]" if isinstance(value, list) else at
+            if isinstance(item, bool) or not isinstance(item, int | str):
+                self.fail(where, f"must be a port or a range such as 10000-10010, not {_type(item)}")
+            resources.ports.append(str(item).strip())
+
+    def image(self, resources: types_pb2.Resources, value: Any, at: str) -> None:
+        """`docker:IMAGE` is a container image; any other image id (a cloud's machine image, a table by
+        region) names a public cloud's."""
+        if isinstance(value, dict):
+            self.fail(at, _CLOUD_ONLY.format(what="machine images by region"))
+        text = self.text(value, at).strip()
+        if not text.startswith("docker:"):
+            self.fail(at, f"{text!r} " + _CLOUD_ONLY.format(what="machine image") + "; write docker:IMAGE")
+        resources.image = text.removeprefix("docker:").strip()
 
     def accelerators(self, resources: types_pb2.Resources, value: Any, at: str) -> None:
         """SkyPilot's forms: `A100:8` (a bare type is 1), `{A100: 8}`, a list of alternatives in order, or a
@@ -1268,20 +1382,39 @@ class _Reader:
             self.aliases[f"{proto}.path"] = where
             self.aliases[proto] = where
             if isinstance(source, str):
+                if "://" in source:  # SkyPilot: a bucket URI as the value is copied down (COPY)
+                    self.aliases[f"{proto}.bucket"] = self.aliases[f"{proto}.bucket.url"] = where
+                    self.guard(lambda m=mount, s=source, w=where: self.bucket_url(m, s, w))
+                    mount.bucket.mode = js.Bucket.MODE_COPY
+                    continue
                 mount.local_path = source
                 self.aliases[f"{proto}.local_path"] = where
-                if "://" in source:
-                    self.found.append(FieldViolation(where, _BUCKETS))
-                elif not source.startswith("/"):
+                if not source.startswith("/"):
                     self.found.append(FieldViolation(where, "the local path must be absolute"))
                 continue
             self.guard(lambda m=mount, s=source, w=where, p=proto: self.mount(m, s, w, p))
 
     def mount(self, mount: js.FileMount, value: Any, at: str, proto: str) -> None:
-        doc = self.table(value, at, ("volume", "source", "read_only"), _SKY_MOUNT_KEYS)
-        if ("volume" in doc) == ("source" in doc):
+        doc = self.table(
+            value,
+            at,
+            ("volume", "source", "read_only", "name", "store", "mode", "persistent"),
+            _SKY_MOUNT_KEYS,
+        )
+        source = doc.get("source")
+        if isinstance(source, list):
+            self.fail(
+                f"{at}.source", f"{_NOT_YET}: a list of local folders uploaded to a bucket; upload them first"
+            )
+        if doc.keys() & {"name", "store", "mode", "persistent"} or (
+            isinstance(source, str) and "://" in source
+        ):
+            self.aliases[f"{proto}.bucket"] = at
+            self.aliases[f"{proto}.bucket.url"] = f"{at}.name" if "name" in doc else f"{at}.source"
+            self.storage(mount, doc, at)
+        elif ("volume" in doc) == ("source" in doc):
             self.fail(at, "set exactly one of volume and source")
-        if "volume" in doc:
+        elif "volume" in doc:
             mount.volume = self.text(doc["volume"], f"{at}.volume")
         else:
             mount.local_path = self.text(doc["source"], f"{at}.source")
@@ -1290,6 +1423,76 @@ class _Reader:
                 self.fail(f"{at}.source", "the local path must be absolute")
         if "read_only" in doc:
             mount.read_only = self.boolean(doc["read_only"], f"{at}.read_only")
+
+    def storage(self, mount: js.FileMount, doc: dict[str, Any], at: str) -> None:
+        """SkyPilot's storage mount: `source: s3://bucket/prefix`, or `name` (+ `store`) for a bucket of that
+        name, created when missing; `mode` MOUNT (the default), COPY or MOUNT_CACHED."""
+        if "volume" in doc:
+            self.fail(f"{at}.volume", "is not taken with a bucket's keys (name, store, mode, persistent)")
+        if "store" in doc:
+            store = self.text(doc["store"], f"{at}.store")
+            if store.lower() != "s3":
+                self.fail(f"{at}.store", f"{store!r}: {_BUCKET_SCHEMES}")
+        source = doc.get("source")
+        if "name" in doc:
+            name = self.text(doc["name"], f"{at}.name")
+            if source is not None and "://" in str(source):
+                self.fail(f"{at}.name", "a bucket is named by either `name` or a `source` URI, not both")
+            if source is not None:
+                self.fail(
+                    f"{at}.source",
+                    f"{_NOT_YET}: uploading a local folder into the bucket `{name}`; upload it first and "
+                    f"mount `source: s3://{name}`",
+                )
+            self.bucket_url(mount, f"s3://{name}", f"{at}.name")
+            mount.bucket.create = True
+        elif source is None:
+            self.fail(at, "a bucket needs `source: s3://...` or `name`")
+        else:
+            self.bucket_url(mount, self.text(source, f"{at}.source"), f"{at}.source")
+        if "mode" in doc:
+            mount.bucket.mode = self.choice(doc["mode"], f"{at}.mode", _MODES)
+        if "persistent" in doc and not self.boolean(doc["persistent"], f"{at}.persistent"):
+            self.fail(
+                f"{at}.persistent", f"{_NOT_YET}: deleting a bucket when the job ends; buckets are kept"
+            )
+
+    def bucket_url(self, mount: js.FileMount, url: str, at: str) -> None:
+        scheme, _, rest = url.partition("://")
+        if scheme.lower() != "s3":
+            self.fail(at, f"{scheme}://: {_BUCKET_SCHEMES}")
+        bucket = rest.split("/", 1)[0]
+        if not _BUCKET_NAME.fullmatch(bucket):
+            self.fail(at, f"{bucket!r} is not an S3 bucket name (3 to 63 of a-z, 0-9, '.' and '-')")
+        mount.bucket.url = f"s3://{rest.rstrip('/')}"
+
+    def workdir(self, task: TaskSpec, value: Any, at: str) -> None:
+        """SkyPilot's `workdir`: a folder (relative to the current directory, as `sky launch` reads it, when
+        the file is loaded from disk) or a git repository `{url, ref}`."""
+        if isinstance(value, dict):
+            doc = self.table(value, at, ("url", "ref"))
+            if "url" not in doc:
+                self.fail(f"{at}.url", "is required: the repository to clone")
+            task.workdir.git_url = self.text(doc["url"], f"{at}.url")
+            self.aliases[f"{at}.git_url"] = f"{at}.url"
+            self.aliases[f"{at}.git_ref"] = f"{at}.ref"
+            if "ref" in doc:
+                task.workdir.git_ref = self.text(doc["ref"], f"{at}.ref")
+            return
+        text = self.text(value, at)
+        self.aliases[f"{at}.path"] = at
+        if "$" in text:
+            self.fail(at, f"{_NOT_YET}: SkyPilot fills envs into workdir ($VAR); Tandem takes it as written")
+        folder = Path(text).expanduser()
+        if not folder.is_absolute():
+            if self.base_dir is None:
+                self.fail(
+                    at, "a relative workdir is read only from a job file on disk; write an absolute path"
+                )
+            folder = Path.cwd() / folder
+        if self.base_dir is not None and not folder.is_dir():
+            self.fail(at, f"{text!r} is not a folder")
+        task.workdir.path = posixpath.normpath(str(folder))
 
     def online_rl(self, options: js.OnlineRlOptions, value: Any, at: str) -> None:
         doc = self.table(value, at, ("config", "config_file", "config_path", "placement"))

@@ -97,15 +97,22 @@ def _start_munge(root: Path) -> Path:
         time.sleep(0.2)
 
 
+TMP_DISK_MB = 2048  # each node's TmpDisk
+
+
 def _slurm_conf(root: Path, host: str, nodes: Sequence[str], cpus: int, memory_mb: int, munge: Path) -> str:
     """One node is this machine under its own name; several are slurmds on this machine, one per name
     (`slurmd -N`), each on its own port with its own spool, pid and log files."""
+    # TmpDisk: 2 GiB of /tmp for `--tmp` requests (SkyPilot's disk_size), well below what the machine has.
     if len(nodes) == 1:
-        node_lines = [f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"]
+        node_lines = [
+            f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} TmpDisk={TMP_DISK_MB} "
+            "State=UNKNOWN"
+        ]
     else:
         node_lines = [
             f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} "
-            f"RealMemory={memory_mb} State=UNKNOWN"
+            f"RealMemory={memory_mb} TmpDisk={TMP_DISK_MB} State=UNKNOWN"
             for n in nodes
         ]
     return f"""\

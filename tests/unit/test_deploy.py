@@ -243,7 +243,13 @@ def test_each_overlay_renders_to_valid_wired_objects(overlay: Path) -> None:
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": "tandem-scheduler", "namespace": namespace}
         ]
-    assert set(by_kind["PriorityClass"]) == {"tandem-low", "tandem-normal", "tandem-high", "tandem-critical"}
+    assert set(by_kind["PriorityClass"]) == {
+        "tandem-low",
+        "tandem-normal",
+        "tandem-high",
+        "tandem-critical",
+        "tandem-preemptible",
+    }
 
 
 JOB_PEERS = ("tandem-vault", "tandem-scheduler", "tandem-taskapp-proxy", "tandem-events")  # what a job calls
@@ -293,10 +299,11 @@ def test_task_pods_reach_only_dns_and_the_services_a_job_calls(overlay: Path) ->
 
 
 def test_the_deployed_priority_classes_are_the_backends_bands() -> None:
-    from services.scheduler.backends.kubernetes import PRIORITY_BANDS  # noqa: PLC0415
+    from services.scheduler.backends.kubernetes import PREEMPTIBLE_BAND, PRIORITY_BANDS  # noqa: PLC0415
 
     deployed = {o["metadata"]["name"]: o for o in load_documents(KUBE / "base" / "priorityclasses.yaml")}
-    assert {band.name: band.value for band in PRIORITY_BANDS} == {n: o["value"] for n, o in deployed.items()}
+    bands = (*PRIORITY_BANDS, PREEMPTIBLE_BAND)
+    assert {band.name: band.value for band in bands} == {n: o["value"] for n, o in deployed.items()}
     assert all(o["preemptionPolicy"] == "Never" for o in deployed.values())
 
 
@@ -397,7 +404,7 @@ def test_the_services_image_installs_no_ml_extra() -> None:
     )
     assert "pip install ." in runs and "[gpu]" not in runs and "[cpu]" not in runs and "torch" not in runs
     trainer = " ".join(args for word, args in instructions(ROOT / "deploy/docker/trainer.Dockerfile"))
-    assert "nvidia/cuda" in trainer and ".[gpu]" in trainer
+    assert "nvidia/cuda" in trainer and ".[gpu,storage]" in trainer  # storage: bucket mounts in the task
 
 
 def test_slurm_scripts_are_shell_scripts_that_need_postgresql() -> None:

@@ -68,6 +68,7 @@ class Resources:
     gpu_type: str = ""  # "" = any
     cpus: float = 0.0
     memory_gib: float = 0.0
+    disk_gib: float = 0.0  # local disk (SkyPilot's disk_size); 0 = the backend's default
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ class LaunchSpec:
     file_mounts: Sequence[tuple[str, str, bool]] = ()  # (path in the task, source path or volume, read-only)
     options: Mapping[str, str] = field(default_factory=dict)  # the spec's options for this backend, which
     # win over the backend's settings: Slurm `partition`, `account`, `qos`; Kubernetes e.g. `namespace`
+    ports: Sequence[str] = ()  # TCP ports the task listens on, each "PORT" or "FIRST-LAST" (SkyPilot's ports)
+    preemptible: bool = False  # SkyPilot's use_spot: placed below every attempt that is not, may be preempted
+    image: str = ""  # the container image to run in (SkyPilot's image_id docker:IMAGE); "" = the default
 
 
 class Phase(enum.Enum):

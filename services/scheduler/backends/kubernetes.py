@@ -113,6 +113,10 @@ PRIORITY_BANDS: tuple[PriorityBand, ...] = (
 )
 
 
+# SkyPilot's `use_spot`: below every band, so the kube-scheduler queues it after every other Tandem pod.
+PREEMPTIBLE_BAND = PriorityBand("tandem-preemptible", -1, 500)
+
+
 def priority_band(priority: int) -> PriorityBand:
     """The band a spec priority falls in (below 0 counts as low, above 1000 as critical)."""
     for band in PRIORITY_BANDS:
@@ -154,6 +158,15 @@ def object_name(key: str) -> str:
     hostnames `<name>-<rank>` stay within 63."""
     base = re.sub(r"[^a-z0-9]+", "-", key.lower()).strip("-")[:40].rstrip("-")
     return f"tdm-{base}-{_digest(key)}" if base else f"tdm-{_digest(key)}"
+
+
+def task_ports(ports: Sequence[str]) -> list[int]:
+    """Every port of `LaunchSpec.ports` (`"8080"`, `"10000-10010"`), in order, each once."""
+    out: dict[int, None] = {}
+    for text in ports:
+        first, _, last = text.partition("-")
+        out.update(dict.fromkeys(range(int(first), int(last or first) + 1)))
+    return list(out)
 
 
 def _quantity_cpu(cpus: float) -> str:
@@ -304,9 +317,7 @@ class KubernetesBackend:
         )
         if node_selector:
             pod_spec["nodeSelector"] = node_selector
-        pod_spec["priorityClassName"] = (
-            spec.options.get("priority_class_name") or priority_band(spec.priority).name
-        )
+        pod_spec["priorityClassName"] = spec.options.get("priority_class_name") or self.band(spec).name
         volumes = self._volumes(spec)
         if volumes:
             pod_spec["volumes"] = volumes
@@ -335,8 +346,12 @@ class KubernetesBackend:
             "spec": job_spec,
         }
 
+    def band(self, spec: LaunchSpec) -> PriorityBand:
+        return PREEMPTIBLE_BAND if spec.preemptible else priority_band(spec.priority)
+
     def service_object(self, spec: LaunchSpec, owner_uid: str = "") -> Json:
-        """The headless Service that gives the pods of a multi-node attempt their DNS names."""
+        """The Service of an attempt on several nodes (headless: the pods' DNS names) or with `ports`
+        (SkyPilot's: the ports the task exposes, reachable at the Service's name); both for both."""
         name = object_name(spec.key)
         metadata: Json = {
             "name": name,
@@ -358,12 +373,20 @@ class KubernetesBackend:
             "apiVersion": "v1",
             "kind": "Service",
             "metadata": metadata,
-            "spec": {
-                "clusterIP": "None",
-                "publishNotReadyAddresses": True,  # ranks resolve each other before they are ready
-                "selector": {LABEL_KEY: label_value(spec.key), MANAGED_BY: "tandem"},
-            },
+            "spec": self._service_spec(spec),
         }
+
+    def _service_spec(self, spec: LaunchSpec) -> Json:
+        body: Json = {"selector": {LABEL_KEY: label_value(spec.key), MANAGED_BY: "tandem"}}
+        if max(1, spec.num_nodes) > 1:
+            body["clusterIP"] = "None"
+            body["publishNotReadyAddresses"] = True  # ranks resolve each other before they are ready
+        ports = task_ports(spec.ports)
+        if ports:
+            body["ports"] = [
+                {"name": f"tcp-{p}", "port": p, "targetPort": p, "protocol": "TCP"} for p in ports
+            ]
+        return body
 
     def network_policy_object(self, spec: LaunchSpec, owner_uid: str = "") -> Json:
         """The attempt's NetworkPolicy: its pods and the other pods of its job may reach each other, in both
@@ -377,10 +400,42 @@ class KubernetesBackend:
             "spec": {
                 "podSelector": {"matchLabels": {MANAGED_BY: "tandem", LABEL_KEY: label_value(spec.key)}},
                 "policyTypes": ["Ingress", "Egress"],
-                "ingress": [{"from": [same_job]}],
+                "ingress": [{"from": [same_job]}, *self._open_ports(spec)],
                 "egress": [{"to": [same_job]}],
             },
         }
+
+    def _open_ports(self, spec: LaunchSpec) -> list[Json]:
+        """SkyPilot's `ports` are the task's to expose: open to any peer, as a range where there is one."""
+        rules = []
+        for text in spec.ports:
+            first, _, last = text.partition("-")
+            rule: Json = {"protocol": "TCP", "port": int(first)}
+            if last and int(last) != int(first):
+                rule["endPort"] = int(last)
+            rules.append(rule)
+        return [{"ports": rules}] if rules else []
+
+    def _resources(self, spec: LaunchSpec) -> Json:
+        """CPU, memory and disk requests; GPU and disk limits (a pod over its disk limit is evicted)."""
+        resources: Json = {}
+        requests: dict[str, str] = {}
+        if spec.resources.cpus > 0:
+            requests["cpu"] = _quantity_cpu(spec.resources.cpus)
+        if spec.resources.memory_gib > 0:
+            requests["memory"] = _quantity_memory(spec.resources.memory_gib)
+        limits: dict[str, str] = {}
+        if spec.resources.disk_gib > 0:  # SkyPilot's disk_size: the pod's own disk, asked and capped
+            requests["ephemeral-storage"] = limits["ephemeral-storage"] = _quantity_memory(
+                spec.resources.disk_gib
+            )
+        if requests:
+            resources["requests"] = requests
+        if spec.resources.gpus > 0:
+            limits[GPU_RESOURCE] = str(spec.resources.gpus)
+        if limits:
+            resources["limits"] = limits
+        return resources
 
     def _container(self, spec: LaunchSpec, name: str, nodes: int) -> Json:
         env: list[Json] = []
@@ -416,19 +471,10 @@ class KubernetesBackend:
         if spec.secret_env:
             env.append({"name": SECRETS_ENV, "value": format_secrets(spec.secret_env)})
             script = ["python", "-m", "services.scheduler.backends.task_secrets", *script]
-        resources: Json = {}
-        requests: dict[str, str] = {}
-        if spec.resources.cpus > 0:
-            requests["cpu"] = _quantity_cpu(spec.resources.cpus)
-        if spec.resources.memory_gib > 0:
-            requests["memory"] = _quantity_memory(spec.resources.memory_gib)
-        if requests:
-            resources["requests"] = requests
-        if spec.resources.gpus > 0:
-            resources["limits"] = {GPU_RESOURCE: str(spec.resources.gpus)}
+        resources = self._resources(spec)
         container: Json = {
             "name": CONTAINER,
-            "image": self.image,
+            "image": spec.image or self.image,
             "imagePullPolicy": self.image_pull_policy,
             "command": script,
             "env": env,
@@ -441,9 +487,11 @@ class KubernetesBackend:
         }
         if spec.workdir is not None:
             container["workingDir"] = str(spec.workdir)
-        mounts = [
-            {"name": f"mount-{index}", "mountPath": path, "readOnly": read_only}
-            for index, (path, _source, read_only) in enumerate(spec.file_mounts)
+        if spec.ports:
+            container["ports"] = [{"containerPort": p, "protocol": "TCP"} for p in task_ports(spec.ports)]
+        mounts = [  # a bucket's folder is written by the copy down, whatever the task may do
+            {"name": f"mount-{index}", "mountPath": path, "readOnly": read_only and bool(source)}
+            for index, (path, source, read_only) in enumerate(spec.file_mounts)
         ]
         mounts += [{"name": volume, "mountPath": path} for volume, path in self._scratch(spec)]
         if mounts:
@@ -464,7 +512,9 @@ class KubernetesBackend:
     def _volumes(self, spec: LaunchSpec) -> list[Json]:
         volumes: list[Json] = [{"name": volume, "emptyDir": {}} for volume, _path in self._scratch(spec)]
         for index, (_path, source, read_only) in enumerate(spec.file_mounts):
-            if source.startswith("/"):
+            if not source:  # a folder of the pod's own (a bucket's, filled by task_buckets)
+                volumes.append({"name": f"mount-{index}", "emptyDir": {}})
+            elif source.startswith("/"):
                 volumes.append({"name": f"mount-{index}", "hostPath": {"path": source}})
             else:  # a named volume is a PersistentVolumeClaim in the namespace
                 claim = {"claimName": source, "readOnly": read_only}
@@ -482,7 +532,7 @@ class KubernetesBackend:
             await asyncio.to_thread(Path(spec.log_dir).mkdir, parents=True, exist_ok=True)
         namespace = self.namespace_for(spec)
         if self.manage_priority_classes and not spec.options.get("priority_class_name"):
-            await self._ensure_priority_class(priority_band(spec.priority))
+            await self._ensure_priority_class(self.band(spec))
         job = self.job_object(spec)
         name = job["metadata"]["name"]
         try:
@@ -501,7 +551,7 @@ class KubernetesBackend:
                 self.network_policy_object(spec, uid),
             )
         service = ""
-        if max(1, spec.num_nodes) > 1:
+        if max(1, spec.num_nodes) > 1 or spec.ports:
             service = name
             await self._create_owned(
                 self._core.create_namespaced_service, namespace, self.service_object(spec, uid)

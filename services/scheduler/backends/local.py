@@ -71,6 +71,8 @@ KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 MARKER = "launch.json"
 LOCK = "launch.lock"
 MAX_COMMAND_BYTES = 131072 - 1  # MAX_ARG_STRLEN: the command is one argument of bash -c
+RUNTIME_ENV = "TANDEM_CONTAINER_RUNTIME"  # the docker or podman CLI a task with an image runs through
+CONTAINER_RUNTIMES = ("docker", "podman")  # tried in order for a task with an image
 KEY_ENV = "TANDEM_ATTEMPT_KEY"  # in every rank's environment, so find can recognise its processes
 CANCELLED = "cancelled"  # a file in the attempt folder: cancel was asked for
 FAILED_AT = "failed_at"  # a file in the attempt folder: when a rank was first seen failing
@@ -102,6 +104,18 @@ def check_mounts(spec: LaunchSpec) -> None:
             raise LaunchRefused(
                 f"the {spec.key} attempt mounts {source} at {path}: this backend has no mounts"
             )
+
+
+def check_disk(spec: LaunchSpec, folder: Path) -> None:
+    """SkyPilot's `disk_size` on a host: the task's folder must have that much free space now."""
+    wanted = spec.resources.disk_gib
+    if wanted <= 0:
+        return
+    free = shutil.disk_usage(folder).free / 2**30
+    if free < wanted:
+        raise LaunchRefused(
+            f"the task asks {wanted:g} GiB of disk (resources.disk_size); {folder} has {free:.1f} GiB free"
+        )
 
 
 def boot_id() -> str:
@@ -248,6 +262,7 @@ class LocalBackend:
         sandbox: bool | None = None,
         hide: Sequence[Path] = (),
         one_organization: bool = False,
+        container_runtimes: Sequence[str] = CONTAINER_RUNTIMES,
     ) -> None:
         check_run_as(run_as)
         self.run_as = run_as
@@ -259,6 +274,7 @@ class LocalBackend:
         # What a sandboxed task finds empty: the scheduler's work folder (`root`'s parent) and `hide`.
         self.hide = tuple(dict.fromkeys([Path(root).resolve().parent, *(Path(h).resolve() for h in hide)]))
         self.one_organization = one_organization
+        self.container_runtimes = tuple(container_runtimes)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         if gpus is None:
@@ -442,6 +458,8 @@ class LocalBackend:
         cwd = Path(spec.workdir) if spec.workdir is not None else attempt_dir
         if not cwd.is_dir():
             raise LaunchRefused(f"workdir {cwd} is not a folder")
+        check_disk(spec, cwd)
+        runtime = self.container_runtime(spec.image) if spec.image else ""
         account = None
         if self.run_as == "org":
             work_dir = self.root.parent.resolve()
@@ -479,7 +497,7 @@ class LocalBackend:
         ranks: list[dict[str, Any]] = []
         try:
             for node in nodes:
-                ranks.append(self._start_rank(spec, node, nodes, attempt_dir, log_dir, cwd, account))
+                ranks.append(self._start_rank(spec, node, nodes, attempt_dir, log_dir, cwd, account, runtime))
         except OSError as exc:
             for started in ranks:
                 _signal_group(started["pgid"], signal.SIGKILL)
@@ -521,10 +539,13 @@ class LocalBackend:
         log_dir: Path,
         cwd: Path,
         account: pwd.struct_passwd | None = None,
+        runtime: str = "",
     ) -> dict[str, Any]:
         log = log_dir / f"rank-{node.rank}.log"
         exit_file = attempt_dir / f"rank-{node.rank}.exit"
         env = self._env(spec, node, nodes)
+        if runtime:
+            env[RUNTIME_ENV] = runtime
         user: dict[str, Any] = {}
         argv = [self._bash, "-c", _WRAPPER, "tandem-rank", spec.command, str(exit_file)]
         if account is not None:
@@ -561,6 +582,31 @@ class LocalBackend:
             "exit_file": str(exit_file),
             "log": str(log),
         }
+
+    def container_runtime(self, image: str) -> str:
+        """The first of `container_runtimes` (docker, podman) that is installed and answers; LaunchRefused
+        naming what was tried when none does, so a task with an image never runs on the host's software."""
+        tried = []
+        for name in self.container_runtimes:
+            path = shutil.which(name)
+            if path is None:
+                tried.append(f"{name}: not installed")
+                continue
+            try:
+                done = subprocess.run([path, "info"], capture_output=True, text=True, timeout=20, check=False)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                tried.append(f"{name}: {exc}")
+                continue
+            if done.returncode == 0:
+                return path
+            last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or [
+                f"exit {done.returncode}"
+            ]
+            tried.append(f"{name}: {last[0]}")
+        raise LaunchRefused(
+            f"the task runs in the image {image} (resources.image_id), and this machine has no container "
+            f"runtime that works ({'; '.join(tried) or 'none configured'})"
+        )
 
     # -- watching ----------------------------------------------------------------------------------------
 

@@ -127,6 +127,19 @@ export TANDEM_NODE_IPS="${tandem_ips%$'\n'}" SKYPILOT_NODE_IPS="${tandem_ips%$'\
 """
 
 
+CONTAINER_RUNTIMES = ("pyxis", "apptainer")
+PREEMPTIBLE_NICE = 1001  # added for use_spot: after every attempt that is not preemptible (nice 0..1000)
+
+
+def enroot_image(image: str) -> str:
+    """A docker reference as enroot writes it: a registry host is set off by `#` (`nvcr.io/nvidia/pytorch:24`
+    -> `nvcr.io#nvidia/pytorch:24`); an image of the default registry stays as it is."""
+    first, sep, rest = image.partition("/")
+    if sep and ("." in first or ":" in first or first == "localhost"):
+        return f"{first}#{rest}"
+    return image
+
+
 def nice_for(priority: int) -> int:
     """Tandem's priority 0..1000 (higher first) as Slurm's nice (higher last): 1000 - priority."""
     return 1000 - max(0, min(1000, priority))
@@ -212,6 +225,11 @@ class SlurmBackend:
       this machine only).
     work_dir: the scheduler's work folder; under `org`, the named volumes below it that a job mounts are
       handed to its user too.
+    container_runtime: how a task with an image (SkyPilot's `image_id: docker:IMAGE`) runs: `pyxis` (the
+      srun step in the image through pyxis/enroot's `--container-image`) or `apptainer` (each node's
+      command under `apptainer exec docker://IMAGE`). A cluster without it refuses the launch (PRECHECK).
+    preemptible_qos: the QoS of preemptible attempts (SkyPilot's `use_spot`), where the cluster has one
+      that its preemption rules let others preempt; empty keeps the usual QoS.
     """
 
     name = "slurm"
@@ -232,10 +250,16 @@ class SlurmBackend:
         run_as: str = "mesh",
         work_dir: Path | None = None,
         one_organization: bool = False,
+        container_runtime: str = "pyxis",
+        preemptible_qos: str = "",
     ) -> None:
         check_run_as(run_as)
         if one_organization and work_dir is None:
             raise ValueError("one_organization keeps its organization in work_dir: give one")
+        if container_runtime not in CONTAINER_RUNTIMES:
+            raise ValueError(f"container_runtime must be one of {', '.join(CONTAINER_RUNTIMES)}")
+        self.container_runtime = container_runtime
+        self.preemptible_qos = preemptible_qos
         self.run_as = run_as
         self.work_dir = work_dir
         self.one_organization = one_organization and run_as == "mesh"
@@ -350,11 +374,31 @@ class SlurmBackend:
                 claim_organization(
                     self.work_dir / "slurm", job_org(spec.job), "TANDEM_SCHEDULER_SLURM__RUN_AS"
                 )
+            if spec.image:
+                await self._check_containers(spec.image)
             rc, out, err = await self._run(*self.sbatch_args(spec), stdin=self.batch_script(spec))
             if rc != 0:
                 raise LaunchRefused(err.strip() or out.strip() or f"sbatch exited {rc}")
             job_id = out.strip().split(";")[0]  # --parsable prints "id" or "id;cluster"
             return self._handle(spec.key, job_id, log_dir, spec.num_nodes)
+
+    async def _check_containers(self, image: str) -> None:
+        """LaunchRefused unless this cluster can run an image the configured way: pyxis adds
+        `--container-image` to srun; Apptainer is a command (looked for where sbatch runs)."""
+        if self.container_runtime == "pyxis":
+            _rc, out, err = await self._run("srun", "--help")
+            if "--container-image" not in out + err:
+                raise LaunchRefused(
+                    f"the task runs in the image {image} (resources.image_id), and this Slurm cluster has no "
+                    "pyxis plugin (srun has no --container-image); install pyxis and enroot, or set the "
+                    "scheduler's slurm.container_runtime to apptainer where the cluster has Apptainer"
+                )
+        elif not (shutil.which("apptainer") or shutil.which("singularity")):
+            raise LaunchRefused(
+                f"the task runs in the image {image} (resources.image_id), and this cluster has no Apptainer "
+                "(no apptainer or singularity command); install it, or set the scheduler's "
+                "slurm.container_runtime to pyxis where the cluster has pyxis"
+            )
 
     async def find(self, key: str) -> Handle | None:
         """The job named `key`: a live or recently finished one from squeue, else one sacct remembers (from
@@ -449,8 +493,8 @@ class SlurmBackend:
             f"--output={log_dir / 'batch.log'}",
             "--open-mode=append",
             f"--chdir={workdir}",
-            f"--nice={nice_for(spec.priority)}",
-            "--requeue" if spec.requeue_on_failure else "--no-requeue",
+            f"--nice={nice_for(spec.priority) + (PREEMPTIBLE_NICE if spec.preemptible else 0)}",
+            "--requeue" if spec.requeue_on_failure or spec.preemptible else "--no-requeue",
             f"--export={','.join(exported) or 'NONE'}",
         ]
         res = spec.resources
@@ -460,6 +504,8 @@ class SlurmBackend:
             args.append(f"--cpus-per-task={math.ceil(res.cpus)}")
         if res.memory_gib > 0:
             args.append(f"--mem={math.ceil(res.memory_gib * 1024)}M")
+        if res.disk_gib > 0:  # SkyPilot's disk_size: the node's TmpDisk must have it
+            args.append(f"--tmp={math.ceil(res.disk_gib * 1024)}M")
         if spec.time_limit_s > 0:
             args.append(f"--time={_time_limit(spec.time_limit_s)}")
         placed = list(dict.fromkeys(n.node for n in spec.nodes if n.node))
@@ -469,6 +515,8 @@ class SlurmBackend:
         for threshold, name in self.qos_by_priority:
             if spec.priority >= threshold:
                 qos = name
+        if spec.preemptible and self.preemptible_qos:
+            qos = self.preemptible_qos
         chosen = {"partition": self.partition, "account": self.account, "qos": qos}
         chosen.update({k: v for k, v in spec.options.items() if k in chosen and v})  # the spec's win
         args += [f"--{flag}={value}" for flag, value in chosen.items() if value]
@@ -507,6 +555,7 @@ class SlurmBackend:
             "--ntasks-per-node=1",
             f"--output={Path(spec.log_dir).absolute() / 'rank-%n.log'}",
             "--open-mode=append",
+            *self.container_args(spec),
             "bash",
             "-c",
             _NODE_SHELL,
@@ -518,6 +567,23 @@ class SlurmBackend:
         lines.append(" ".join(shlex.quote(a) for a in srun))
         lines.append(_FIRST_FAILURE)
         return "\n".join(lines)
+
+    def container_args(self, spec: LaunchSpec) -> list[str]:
+        """What puts a task with an image into it: pyxis's srun options, or `apptainer exec` before the node
+        shell. Either way the working and log folders and the mounts are at their own paths inside."""
+        if not spec.image:
+            return []
+        workdir = str(Path(spec.workdir).absolute() if spec.workdir else Path(spec.log_dir).absolute())
+        folders = [workdir, str(Path(spec.log_dir).absolute()), *(s for _p, s, _r in spec.file_mounts)]
+        folders = list(dict.fromkeys(folders))
+        if self.container_runtime == "pyxis":
+            return [
+                f"--container-image={enroot_image(spec.image)}",
+                f"--container-mounts={','.join(folders)}",
+                f"--container-workdir={workdir}",
+            ]
+        binds = [arg for folder in folders for arg in ("--bind", folder)]
+        return ["apptainer", "exec", "--pwd", workdir, *binds, f"docker://{spec.image}"]
 
     def _handle(self, key: str, job_id: str, log_dir: Path, num_nodes: int) -> Handle:
         return {

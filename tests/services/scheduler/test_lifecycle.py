@@ -171,3 +171,26 @@ def test_preemption_picks_the_cheapest_lower_priority_set() -> None:
     assert choose_preemption(group("urgent", 5, 9, gpus=2), nodes, victims[1:], releasing=victims[:1]) == []
     without = choose_preemption(group("urgent", 5, 9, gpus=2), nodes, victims[1:])  # would take one more
     assert without is not None and [v.job for v in without] == ["p1-n2"]
+
+
+def test_preemptible_groups_come_after_every_other_whatever_their_priority_and_age() -> None:
+    spot = QueuedGroup("spot-old-high", 900, 0.0, 1, (Demand("main", 1, 1),), preemptible=True)
+    young = QueuedGroup("spot-young", 900, 500.0, 2, (Demand("main", 1, 1),), preemptible=True)
+    queue = [spot, young, group("plain-low", 0, 3, since=1000)]
+    assert [g.job for g in queue_order(queue, now=1000)] == ["plain-low", "spot-old-high", "spot-young"]
+    result = admit(queue, [NodeFree("n1", "", [0], 8, 32)], now=1000)
+    assert [g.job for g, _ in result.admitted] == ["plain-low"] and result.blocked is spot
+
+
+def test_a_preemptible_group_is_preempted_first_even_by_a_lower_priority() -> None:
+    nodes = [NodeFree("n1", "", [], 16, 64)]
+    spot = RunningGroup(
+        "spot", 900, 1.0, {"main": (Slot(0, "n1", "", (0, 1)),)}, (Demand("main", 1, 2),), preemptible=True
+    )
+    plain = running("plain-p0", 0, "n1", (2, 3), start=2)
+    chosen = choose_preemption(group("needs-two", 1, 9, gpus=2), nodes, [spot, plain])
+    assert chosen is not None and [v.job for v in chosen] == ["spot"]
+    waiting_spot = QueuedGroup("other-spot", 1000, 0.0, 9, (Demand("main", 1, 2),), preemptible=True)
+    among_spot = choose_preemption(waiting_spot, nodes, [spot])  # among spot groups, priorities rule
+    assert among_spot is not None and [v.job for v in among_spot] == ["spot"]
+    assert choose_preemption(waiting_spot, nodes, [plain]) is None  # never a group that is not preemptible

@@ -135,18 +135,39 @@ class Resources(_message.Message):
     CPUS_FIELD_NUMBER: _builtins.int
     MEMORY_GIB_FIELD_NUMBER: _builtins.int
     GPU_ALTERNATIVES_FIELD_NUMBER: _builtins.int
+    DISK_GIB_FIELD_NUMBER: _builtins.int
+    PORTS_FIELD_NUMBER: _builtins.int
+    PREEMPTIBLE_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
     gpus: _builtins.str
     """GPU request as `TYPE:COUNT` (`H100:8`), `COUNT` (`8`) or empty for none."""
     cpus: _builtins.float
     """CPU cores, fractional allowed; 0 means the backend default."""
     memory_gib: _builtins.float
     """Memory in GiB; 0 means the backend default."""
+    disk_gib: _builtins.float
+    """Optional. Local disk per node in GiB (SkyPilot's `disk_size`); 0 means the backend default. Kubernetes:
+    the pod's ephemeral-storage request and limit; Slurm: `--tmp`; local: the free space the task's folder
+    must have at launch (else a PRECHECK failure).
+    """
+    preemptible: _builtins.bool
+    """Optional. SkyPilot's `use_spot`: the task may be preempted, and is placed below every job that is not."""
+    image: _builtins.str
+    """Optional. The container image the task runs in (SkyPilot's `image_id: docker:IMAGE`), at most 512
+    characters; empty means the backend's default (see BACKENDS.md).
+    """
     @_builtins.property
     def gpu_alternatives(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Optional. Other GPU requests that would do instead of `gpus`, each `TYPE:COUNT`, in order of
         preference (SkyPilot's list or set of accelerators), at most 8; `gpus` is the first choice and must
         be set with them (CreateJob checks, INVALID_JOB_SPEC). The scheduler places a task on `gpus` for now;
         these are kept so that placement can take the first one the cluster satisfies.
+        """
+
+    @_builtins.property
+    def ports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Optional. TCP ports the task listens on (SkyPilot's `ports`), each `PORT` or `FIRST-LAST`, at most 16;
+        see SPEC.md for what each backend does with them.
         """
 
     def __init__(
@@ -156,10 +177,14 @@ class Resources(_message.Message):
         cpus: _builtins.float = ...,
         memory_gib: _builtins.float = ...,
         gpu_alternatives: _abc.Iterable[_builtins.str] | None = ...,
+        disk_gib: _builtins.float = ...,
+        ports: _abc.Iterable[_builtins.str] | None = ...,
+        preemptible: _builtins.bool = ...,
+        image: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpus", b"cpus", "gpu_alternatives", b"gpu_alternatives", "gpus", b"gpus", "memory_gib", b"memory_gib"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpus", b"cpus", "disk_gib", b"disk_gib", "gpu_alternatives", b"gpu_alternatives", "gpus", b"gpus", "image", b"image", "memory_gib", b"memory_gib", "ports", b"ports", "preemptible", b"preemptible"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,7 +27,7 @@ from tandem.common.v1 import types_pb2 as tandem_dot_common_dot_v1_dot_types__pb
 from tandem.common.v1 import validation_pb2 as tandem_dot_common_dot_v1_dot_validation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tandem/scheduler/v1/job_spec.proto\x12\x13tandem.scheduler.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1ctandem/common/v1/types.proto\x1a!tandem/common/v1/validation.proto\"\xb1\x04\n\x07JobSpec\x12\x1d\n\x0c\x64isplay_name\x18\x01 \x01(\tB\x07\xfa\xa9\x19\x03\x18\x80\x01\x12\x41\n\texecution\x18\x02 \x01(\x0e\x32&.tandem.scheduler.v1.JobSpec.ExecutionB\x06\xfa\xa9\x19\x02@\x01\x12(\n\x08priority\x18\x03 \x01(\x05\x42\x16\xfa\xa9\x19\x12)\x00\x00\x00\x00\x00\x00\x00\x00\x31\x00\x00\x00\x00\x00@\x8f@\x12\x35\n\x08recovery\x18\x04 \x01(\x0b\x32#.tandem.scheduler.v1.RecoveryPolicy\x12\x36\n\x05tasks\x18\x05 \x03(\x0b\x32\x1d.tandem.scheduler.v1.TaskSpecB\x08\xfa\xa9\x19\x04\x08\x01\x38\x10\x12\x35\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32\x1c.tandem.scheduler.v1.BackendB\x06\xfa\xa9\x19\x02@\x01\x12/\n\x0cmax_duration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x05slurm\x18\x08 \x01(\x0b\x32!.tandem.scheduler.v1.SlurmOptionsH\x00\x12<\n\nkubernetes\x18\t \x01(\x0b\x32&.tandem.scheduler.v1.KubernetesOptionsH\x00\">\n\tExecution\x12\x19\n\x15\x45XECUTION_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45XECUTION_PARALLEL\x10\x01\x42\x11\n\x0f\x62\x61\x63kend_options\"\xdf\x02\n\x0eRecoveryPolicy\x12-\n\x16max_restarts_on_errors\x18\x01 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00Y@\x12\x37\n\x15recover_on_exit_codes\x18\x02 \x03(\x05\x42\x18\xfa\xa9\x19\x14)\x00\x00\x00\x00\x00\x00\xf0?1\x00\x00\x00\x00\x00\xe0o@8\x10\x12\x32\n\x0finitial_backoff\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\x0bmax_backoff\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12@\n\x05scope\x18\x05 \x01(\x0e\x32).tandem.scheduler.v1.RecoveryPolicy.ScopeB\x06\xfa\xa9\x19\x02@\x01\"?\n\x05Scope\x12\x15\n\x11SCOPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSCOPE_GROUP\x10\x01\x12\x0e\n\nSCOPE_TASK\x10\x02\"\xec\x06\n\x08TaskSpec\x12.\n\x04name\x18\x01 \x01(\tB \xfa\xa9\x19\x1c\x08\x01\x18?\"\x16^[a-z][a-z0-9-]{0,62}$\x12:\n\x04kind\x18\x02 \x01(\x0e\x32\".tandem.scheduler.v1.TaskSpec.KindB\x08\xfa\xa9\x19\x04\x08\x01@\x01\x12\x38\n\x04role\x18\x03 \x01(\x0e\x32\".tandem.scheduler.v1.TaskSpec.RoleB\x06\xfa\xa9\x19\x02@\x01\x12\x34\n\x11termination_delay\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\tresources\x18\x05 \x01(\x0b\x32\x1b.tandem.common.v1.Resources\x12 \n\tnum_nodes\x18\x06 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00P@\x12>\n\x04\x65nvs\x18\x07 \x03(\x0b\x32\'.tandem.scheduler.v1.TaskSpec.EnvsEntryB\x07\xfa\xa9\x19\x03\x38\x80\x01\x12;\n\x07secrets\x18\x08 \x03(\x0b\x32\".tandem.scheduler.v1.SecretBindingB\x06\xfa\xa9\x19\x02\x38 \x12;\n\x0b\x66ile_mounts\x18\t \x03(\x0b\x32\x1e.tandem.scheduler.v1.FileMountB\x06\xfa\xa9\x19\x02\x38 \x12\x17\n\x05setup\x18\n \x01(\tB\x08\xfa\xa9\x19\x04\x18\x80\x80\x04\x12\x15\n\x03run\x18\x0b \x01(\tB\x08\xfa\xa9\x19\x04\x18\x80\x80\x04\x12\x39\n\tonline_rl\x18\x0c \x01(\x0b\x32$.tandem.scheduler.v1.OnlineRlOptionsH\x00\x12\x36\n\x07service\x18\r \x01(\x0b\x32#.tandem.scheduler.v1.ServiceOptionsH\x00\x1a+\n\tEnvsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"T\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cKIND_COMMAND\x10\x01\x12\x12\n\x0eKIND_ONLINE_RL\x10\x02\x12\x10\n\x0cKIND_SERVICE\x10\x03\"B\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PRIMARY\x10\x01\x12\x12\n\x0eROLE_AUXILIARY\x10\x02\x42\x0e\n\x0ckind_options\"t\n\rSecretBinding\x12\x30\n\x06secret\x18\x01 \x01(\tB \xfa\xa9\x19\x1c\x08\x01\x18?\"\x16^[a-z][a-z0-9-]{0,62}$\x12\x31\n\x03\x65nv\x18\x02 \x01(\tB$\xfa\xa9\x19 \x18\x80\x01\"\x1b^([A-Z_][A-Z0-9_]{0,127})?$\"\xa0\x01\n\tFileMount\x12\x1e\n\x04path\x18\x01 \x01(\tB\x10\xfa\xa9\x19\x0c\x08\x01\x18\x80\x08\"\x05^/.*$\x12$\n\nlocal_path\x18\x02 \x01(\tB\x0e\xfa\xa9\x19\n\x18\x80\x08\"\x05^/.*$H\x00\x12\x30\n\x06volume\x18\x03 \x01(\tB\x1e\xfa\xa9\x19\x1a\x18?\"\x16^[a-z][a-z0-9-]{0,62}$H\x00\x12\x11\n\tread_only\x18\x04 \x01(\x08\x42\x08\n\x06source\"\xa5\x01\n\x0fOnlineRlOptions\x12\x1f\n\x0b\x63onfig_toml\x18\x01 \x01(\tB\x08\xfa\xa9\x19\x04\x18\x80\x80\x10H\x00\x12%\n\x0b\x63onfig_path\x18\x02 \x01(\tB\x0e\xfa\xa9\x19\n\x18\x80\x08\"\x05^/.*$H\x00\x12\x38\n\tplacement\x18\x03 \x01(\x0b\x32%.tandem.scheduler.v1.PlacementOptionsB\x10\n\x0etrainer_config\"\xdd\x02\n\x10PlacementOptions\x12%\n\x0einference_gpus\x18\x01 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00P@\x12+\n\x14tensor_parallel_size\x18\x02 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00P@\x12]\n\x13reference_placement\x18\x03 \x01(\x0e\x32\x38.tandem.scheduler.v1.PlacementOptions.ReferencePlacementB\x06\xfa\xa9\x19\x02@\x01\"\x95\x01\n\x12ReferencePlacement\x12#\n\x1fREFERENCE_PLACEMENT_UNSPECIFIED\x10\x00\x12\x1c\n\x18REFERENCE_PLACEMENT_NONE\x10\x01\x12\x1f\n\x1bREFERENCE_PLACEMENT_STACKED\x10\x02\x12\x1b\n\x17REFERENCE_PLACEMENT_OWN\x10\x03\"\xdb\x01\n\x0eServiceOptions\x12&\n\x04port\x18\x01 \x01(\rB\x18\xfa\xa9\x19\x14\x08\x01)\x00\x00\x00\x00\x00\x00\xf0?1\x00\x00\x00\x00\xe0\xff\xef@\x12&\n\x0bhealth_path\x18\x02 \x01(\tB\x11\xfa\xa9\x19\r\x18\x80\x02\"\x08^(/.*)?$\x12\x34\n\x11readiness_timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x43\n\x11register_task_app\x18\x04 \x01(\x0b\x32(.tandem.scheduler.v1.TaskAppRegistration\"\x82\x01\n\x13TaskAppRegistration\x12\x30\n\x06\x61pp_id\x18\x01 \x01(\tB \xfa\xa9\x19\x1c\x08\x01\x18?\"\x16^[a-z][a-z0-9-]{0,62}$\x12\x39\n\x0e\x61pi_key_secret\x18\x02 \x01(\tB!\xfa\xa9\x19\x1d\x18?\"\x19^([a-z][a-z0-9-]{0,62})?$\"\xa5\x01\n\x0cSlurmOptions\x12\x33\n\tpartition\x18\x01 \x01(\tB \xfa\xa9\x19\x1c\x18\x80\x01\"\x17^[A-Za-z0-9_.-]{0,128}$\x12\x31\n\x07\x61\x63\x63ount\x18\x02 \x01(\tB \xfa\xa9\x19\x1c\x18\x80\x01\"\x17^[A-Za-z0-9_.-]{0,128}$\x12-\n\x03qos\x18\x03 \x01(\tB \xfa\xa9\x19\x1c\x18\x80\x01\"\x17^[A-Za-z0-9_.-]{0,128}$\"\x8b\x02\n\x11KubernetesOptions\x12\x42\n\tnamespace\x18\x01 \x01(\tB/\xfa\xa9\x19+\x18?\"\'^([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)?$\x12W\n\rnode_selector\x18\x02 \x03(\x0b\x32\x38.tandem.scheduler.v1.KubernetesOptions.NodeSelectorEntryB\x06\xfa\xa9\x19\x02\x38\x10\x12$\n\x13priority_class_name\x18\x03 \x01(\tB\x07\xfa\xa9\x19\x03\x18\xfd\x01\x1a\x33\n\x11NodeSelectorEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*`\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x11\n\rBACKEND_LOCAL\x10\x01\x12\x11\n\rBACKEND_SLURM\x10\x02\x12\x16\n\x12\x42\x41\x43KEND_KUBERNETES\x10\x03\x42/Z-tandem/gen/go/tandem/scheduler/v1;schedulerv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tandem/scheduler/v1/job_spec.proto\x12\x13tandem.scheduler.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1ctandem/common/v1/types.proto\x1a!tandem/common/v1/validation.proto\"\xb1\x04\n\x07JobSpec\x12\x1d\n\x0c\x64isplay_name\x18\x01 \x01(\tB\x07\xfa\xa9\x19\x03\x18\x80\x01\x12\x41\n\texecution\x18\x02 \x01(\x0e\x32&.tandem.scheduler.v1.JobSpec.ExecutionB\x06\xfa\xa9\x19\x02@\x01\x12(\n\x08priority\x18\x03 \x01(\x05\x42\x16\xfa\xa9\x19\x12)\x00\x00\x00\x00\x00\x00\x00\x00\x31\x00\x00\x00\x00\x00@\x8f@\x12\x35\n\x08recovery\x18\x04 \x01(\x0b\x32#.tandem.scheduler.v1.RecoveryPolicy\x12\x36\n\x05tasks\x18\x05 \x03(\x0b\x32\x1d.tandem.scheduler.v1.TaskSpecB\x08\xfa\xa9\x19\x04\x08\x01\x38\x10\x12\x35\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32\x1c.tandem.scheduler.v1.BackendB\x06\xfa\xa9\x19\x02@\x01\x12/\n\x0cmax_duration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x05slurm\x18\x08 \x01(\x0b\x32!.tandem.scheduler.v1.SlurmOptionsH\x00\x12<\n\nkubernetes\x18\t \x01(\x0b\x32&.tandem.scheduler.v1.KubernetesOptionsH\x00\">\n\tExecution\x12\x19\n\x15\x45XECUTION_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45XECUTION_PARALLEL\x10\x01\x42\x11\n\x0f\x62\x61\x63kend_options\"\xdf\x02\n\x0eRecoveryPolicy\x12-\n\x16max_restarts_on_errors\x18\x01 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00Y@\x12\x37\n\x15recover_on_exit_codes\x18\x02 \x03(\x05\x42\x18\xfa\xa9\x19\x14)\x00\x00\x00\x00\x00\x00\xf0?1\x00\x00\x00\x00\x00\xe0o@8\x10\x12\x32\n\x0finitial_backoff\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\x0bmax_backoff\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12@\n\x05scope\x18\x05 \x01(\x0e\x32).tandem.scheduler.v1.RecoveryPolicy.ScopeB\x06\xfa\xa9\x19\x02@\x01\"?\n\x05Scope\x12\x15\n\x11SCOPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bSCOPE_GROUP\x10\x01\x12\x0e\n\nSCOPE_TASK\x10\x02\"\x9b\x07\n\x08TaskSpec\x12.\n\x04name\x18\x01 \x01(\tB \xfa\xa9\x19\x1c\x08\x01\x18?\"\x16^[a-z][a-z0-9-]{0,62}$\x12:\n\x04kind\x18\x02 \x01(\x0e\x32\".tandem.scheduler.v1.TaskSpec.KindB\x08\xfa\xa9\x19\x04\x08\x01@\x01\x12\x38\n\x04role\x18\x03 \x01(\x0e\x32\".tandem.scheduler.v1.TaskSpec.RoleB\x06\xfa\xa9\x19\x02@\x01\x12\x34\n\x11termination_delay\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\tresources\x18\x05 \x01(\x0b\x32\x1b.tandem.common.v1.Resources\x12 \n\tnum_nodes\x18\x06 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00P@\x12>\n\x04\x65nvs\x18\x07 \x03(\x0b\x32\'.tandem.scheduler.v1.TaskSpec.EnvsEntryB\x07\xfa\xa9\x19\x03\x38\x80\x01\x12;\n\x07secrets\x18\x08 \x03(\x0b\x32\".tandem.scheduler.v1.SecretBindingB\x06\xfa\xa9\x19\x02\x38 \x12;\n\x0b\x66ile_mounts\x18\t \x03(\x0b\x32\x1e.tandem.scheduler.v1.FileMountB\x06\xfa\xa9\x19\x02\x38 \x12\x17\n\x05setup\x18\n \x01(\tB\x08\xfa\xa9\x19\x04\x18\x80\x80\x04\x12\x15\n\x03run\x18\x0b \x01(\tB\x08\xfa\xa9\x19\x04\x18\x80\x80\x04\x12\x39\n\tonline_rl\x18\x0c \x01(\x0b\x32$.tandem.scheduler.v1.OnlineRlOptionsH\x00\x12\x36\n\x07service\x18\r \x01(\x0b\x32#.tandem.scheduler.v1.ServiceOptionsH\x00\x12-\n\x07workdir\x18\x14 \x01(\x0b\x32\x1c.tandem.scheduler.v1.Workdir\x1a+\n\tEnvsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"T\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cKIND_COMMAND\x10\x01\x12\x12\n\x0eKIND_ONLINE_RL\x10\x02\x12\x10\n\x0cKIND_SERVICE\x10\x03\"B\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PRIMARY\x10\x01\x12\x12\n\x0eROLE_AUXILIARY\x10\x02\x42\x0e\n\x0ckind_options\"i\n\x07Workdir\x12\x1e\n\x04path\x18\x01 \x01(\tB\x0e\xfa\xa9\x19\n\x18\x80\x08\"\x05^/.*$H\x00\x12\x1a\n\x07git_url\x18\x02 \x01(\tB\x07\xfa\xa9\x19\x03\x18\x80\x08H\x00\x12\x18\n\x07git_ref\x18\x03 \x01(\tB\x07\xfa\xa9\x19\x03\x18\x80\x02\x42\x08\n\x06source\"t\n\rSecretBinding\x12\x30\n\x06secret\x18\x01 \x01(\tB \xfa\xa9\x19\x1c\x08\x01\x18?\"\x16^[a-z][a-z0-9-]{0,62}$\x12\x31\n\x03\x65nv\x18\x02 \x01(\tB$\xfa\xa9\x19 \x18\x80\x01\"\x1b^([A-Z_][A-Z0-9_]{0,127})?$\"\xcf\x01\n\tFileMount\x12\x1e\n\x04path\x18\x01 \x01(\tB\x10\xfa\xa9\x19\x0c\x08\x01\x18\x80\x08\"\x05^/.*$\x12$\n\nlocal_path\x18\x02 \x01(\tB\x0e\xfa\xa9\x19\n\x18\x80\x08\"\x05^/.*$H\x00\x12\x30\n\x06volume\x18\x03 \x01(\tB\x1e\xfa\xa9\x19\x1a\x18?\"\x16^[a-z][a-z0-9-]{0,62}$H\x00\x12-\n\x06\x62ucket\x18\x05 \x01(\x0b\x32\x1b.tandem.scheduler.v1.BucketH\x00\x12\x11\n\tread_only\x18\x04 \x01(\x08\x42\x08\n\x06source\"\xeb\x01\n\x06\x42ucket\x12\x45\n\x03url\x18\x01 \x01(\tB8\xfa\xa9\x19\x34\x08\x01\x18\x80\x08\"-^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$\x12\x36\n\x04mode\x18\x02 \x01(\x0e\x32 .tandem.scheduler.v1.Bucket.ModeB\x06\xfa\xa9\x19\x02@\x01\x12\x0e\n\x06\x63reate\x18\x03 \x01(\x08\"R\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0e\n\nMODE_MOUNT\x10\x01\x12\r\n\tMODE_COPY\x10\x02\x12\x15\n\x11MODE_MOUNT_CACHED\x10\x03\"\xa5\x01\n\x0fOnlineRlOptions\x12\x1f\n\x0b\x63onfig_toml\x18\x01 \x01(\tB\x08\xfa\xa9\x19\x04\x18\x80\x80\x10H\x00\x12%\n\x0b\x63onfig_path\x18\x02 \x01(\tB\x0e\xfa\xa9\x19\n\x18\x80\x08\"\x05^/.*$H\x00\x12\x38\n\tplacement\x18\x03 \x01(\x0b\x32%.tandem.scheduler.v1.PlacementOptionsB\x10\n\x0etrainer_config\"\xdd\x02\n\x10PlacementOptions\x12%\n\x0einference_gpus\x18\x01 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00P@\x12+\n\x14tensor_parallel_size\x18\x02 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00P@\x12]\n\x13reference_placement\x18\x03 \x01(\x0e\x32\x38.tandem.scheduler.v1.PlacementOptions.ReferencePlacementB\x06\xfa\xa9\x19\x02@\x01\"\x95\x01\n\x12ReferencePlacement\x12#\n\x1fREFERENCE_PLACEMENT_UNSPECIFIED\x10\x00\x12\x1c\n\x18REFERENCE_PLACEMENT_NONE\x10\x01\x12\x1f\n\x1bREFERENCE_PLACEMENT_STACKED\x10\x02\x12\x1b\n\x17REFERENCE_PLACEMENT_OWN\x10\x03\"\xdb\x01\n\x0eServiceOptions\x12&\n\x04port\x18\x01 \x01(\rB\x18\xfa\xa9\x19\x14\x08\x01)\x00\x00\x00\x00\x00\x00\xf0?1\x00\x00\x00\x00\xe0\xff\xef@\x12&\n\x0bhealth_path\x18\x02 \x01(\tB\x11\xfa\xa9\x19\r\x18\x80\x02\"\x08^(/.*)?$\x12\x34\n\x11readiness_timeout\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x43\n\x11register_task_app\x18\x04 \x01(\x0b\x32(.tandem.scheduler.v1.TaskAppRegistration\"\x82\x01\n\x13TaskAppRegistration\x12\x30\n\x06\x61pp_id\x18\x01 \x01(\tB \xfa\xa9\x19\x1c\x08\x01\x18?\"\x16^[a-z][a-z0-9-]{0,62}$\x12\x39\n\x0e\x61pi_key_secret\x18\x02 \x01(\tB!\xfa\xa9\x19\x1d\x18?\"\x19^([a-z][a-z0-9-]{0,62})?$\"\xa5\x01\n\x0cSlurmOptions\x12\x33\n\tpartition\x18\x01 \x01(\tB \xfa\xa9\x19\x1c\x18\x80\x01\"\x17^[A-Za-z0-9_.-]{0,128}$\x12\x31\n\x07\x61\x63\x63ount\x18\x02 \x01(\tB \xfa\xa9\x19\x1c\x18\x80\x01\"\x17^[A-Za-z0-9_.-]{0,128}$\x12-\n\x03qos\x18\x03 \x01(\tB \xfa\xa9\x19\x1c\x18\x80\x01\"\x17^[A-Za-z0-9_.-]{0,128}$\"\x8b\x02\n\x11KubernetesOptions\x12\x42\n\tnamespace\x18\x01 \x01(\tB/\xfa\xa9\x19+\x18?\"\'^([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)?$\x12W\n\rnode_selector\x18\x02 \x03(\x0b\x32\x38.tandem.scheduler.v1.KubernetesOptions.NodeSelectorEntryB\x06\xfa\xa9\x19\x02\x38\x10\x12$\n\x13priority_class_name\x18\x03 \x01(\tB\x07\xfa\xa9\x19\x03\x18\xfd\x01\x1a\x33\n\x11NodeSelectorEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*`\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x11\n\rBACKEND_LOCAL\x10\x01\x12\x11\n\rBACKEND_SLURM\x10\x02\x12\x16\n\x12\x42\x41\x43KEND_KUBERNETES\x10\x03\x42/Z-tandem/gen/go/tandem/scheduler/v1;schedulerv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -71,6 +71,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASKSPEC'].fields_by_name['setup']._serialized_options = b'\372\251\031\004\030\200\200\004'
   _globals['_TASKSPEC'].fields_by_name['run']._loaded_options = None
   _globals['_TASKSPEC'].fields_by_name['run']._serialized_options = b'\372\251\031\004\030\200\200\004'
+  _globals['_WORKDIR'].fields_by_name['path']._loaded_options = None
+  _globals['_WORKDIR'].fields_by_name['path']._serialized_options = b'\372\251\031\n\030\200\010\"\005^/.*$'
+  _globals['_WORKDIR'].fields_by_name['git_url']._loaded_options = None
+  _globals['_WORKDIR'].fields_by_name['git_url']._serialized_options = b'\372\251\031\003\030\200\010'
+  _globals['_WORKDIR'].fields_by_name['git_ref']._loaded_options = None
+  _globals['_WORKDIR'].fields_by_name['git_ref']._serialized_options = b'\372\251\031\003\030\200\002'
   _globals['_SECRETBINDING'].fields_by_name['secret']._loaded_options = None
   _globals['_SECRETBINDING'].fields_by_name['secret']._serialized_options = b'\372\251\031\034\010\001\030?\"\026^[a-z][a-z0-9-]{0,62}$'
   _globals['_SECRETBINDING'].fields_by_name['env']._loaded_options = None
@@ -81,6 +87,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FILEMOUNT'].fields_by_name['local_path']._serialized_options = b'\372\251\031\n\030\200\010\"\005^/.*$'
   _globals['_FILEMOUNT'].fields_by_name['volume']._loaded_options = None
   _globals['_FILEMOUNT'].fields_by_name['volume']._serialized_options = b'\372\251\031\032\030?\"\026^[a-z][a-z0-9-]{0,62}$'
+  _globals['_BUCKET'].fields_by_name['url']._loaded_options = None
+  _globals['_BUCKET'].fields_by_name['url']._serialized_options = b'\372\251\0314\010\001\030\200\010\"-^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$'
+  _globals['_BUCKET'].fields_by_name['mode']._loaded_options = None
+  _globals['_BUCKET'].fields_by_name['mode']._serialized_options = b'\372\251\031\002@\001'
   _globals['_ONLINERLOPTIONS'].fields_by_name['config_toml']._loaded_options = None
   _globals['_ONLINERLOPTIONS'].fields_by_name['config_toml']._serialized_options = b'\372\251\031\004\030\200\200\020'
   _globals['_ONLINERLOPTIONS'].fields_by_name['config_path']._loaded_options = None
@@ -113,8 +123,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KUBERNETESOPTIONS'].fields_by_name['node_selector']._serialized_options = b'\372\251\031\0028\020'
   _globals['_KUBERNETESOPTIONS'].fields_by_name['priority_class_name']._loaded_options = None
   _globals['_KUBERNETESOPTIONS'].fields_by_name['priority_class_name']._serialized_options = b'\372\251\031\003\030\375\001'
-  _globals['_BACKEND']._serialized_start=3547
-  _globals['_BACKEND']._serialized_end=3643
+  _globals['_BACKEND']._serialized_start=3986
+  _globals['_BACKEND']._serialized_end=4082
   _globals['_JOBSPEC']._serialized_start=157
   _globals['_JOBSPEC']._serialized_end=718
   _globals['_JOBSPEC_EXECUTION']._serialized_start=637
@@ -124,31 +134,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RECOVERYPOLICY_SCOPE']._serialized_start=1009
   _globals['_RECOVERYPOLICY_SCOPE']._serialized_end=1072
   _globals['_TASKSPEC']._serialized_start=1075
-  _globals['_TASKSPEC']._serialized_end=1951
-  _globals['_TASKSPEC_ENVSENTRY']._serialized_start=1738
-  _globals['_TASKSPEC_ENVSENTRY']._serialized_end=1781
-  _globals['_TASKSPEC_KIND']._serialized_start=1783
-  _globals['_TASKSPEC_KIND']._serialized_end=1867
-  _globals['_TASKSPEC_ROLE']._serialized_start=1869
-  _globals['_TASKSPEC_ROLE']._serialized_end=1935
-  _globals['_SECRETBINDING']._serialized_start=1953
-  _globals['_SECRETBINDING']._serialized_end=2069
-  _globals['_FILEMOUNT']._serialized_start=2072
-  _globals['_FILEMOUNT']._serialized_end=2232
-  _globals['_ONLINERLOPTIONS']._serialized_start=2235
-  _globals['_ONLINERLOPTIONS']._serialized_end=2400
-  _globals['_PLACEMENTOPTIONS']._serialized_start=2403
-  _globals['_PLACEMENTOPTIONS']._serialized_end=2752
-  _globals['_PLACEMENTOPTIONS_REFERENCEPLACEMENT']._serialized_start=2603
-  _globals['_PLACEMENTOPTIONS_REFERENCEPLACEMENT']._serialized_end=2752
-  _globals['_SERVICEOPTIONS']._serialized_start=2755
-  _globals['_SERVICEOPTIONS']._serialized_end=2974
-  _globals['_TASKAPPREGISTRATION']._serialized_start=2977
-  _globals['_TASKAPPREGISTRATION']._serialized_end=3107
-  _globals['_SLURMOPTIONS']._serialized_start=3110
-  _globals['_SLURMOPTIONS']._serialized_end=3275
-  _globals['_KUBERNETESOPTIONS']._serialized_start=3278
-  _globals['_KUBERNETESOPTIONS']._serialized_end=3545
-  _globals['_KUBERNETESOPTIONS_NODESELECTORENTRY']._serialized_start=3494
-  _globals['_KUBERNETESOPTIONS_NODESELECTORENTRY']._serialized_end=3545
+  _globals['_TASKSPEC']._serialized_end=1998
+  _globals['_TASKSPEC_ENVSENTRY']._serialized_start=1785
+  _globals['_TASKSPEC_ENVSENTRY']._serialized_end=1828
+  _globals['_TASKSPEC_KIND']._serialized_start=1830
+  _globals['_TASKSPEC_KIND']._serialized_end=1914
+  _globals['_TASKSPEC_ROLE']._serialized_start=1916
+  _globals['_TASKSPEC_ROLE']._serialized_end=1982
+  _globals['_WORKDIR']._serialized_start=2000
+  _globals['_WORKDIR']._serialized_end=2105
+  _globals['_SECRETBINDING']._serialized_start=2107
+  _globals['_SECRETBINDING']._serialized_end=2223
+  _globals['_FILEMOUNT']._serialized_start=2226
+  _globals['_FILEMOUNT']._serialized_end=2433
+  _globals['_BUCKET']._serialized_start=2436
+  _globals['_BUCKET']._serialized_end=2671
+  _globals['_BUCKET_MODE']._serialized_start=2589
+  _globals['_BUCKET_MODE']._serialized_end=2671
+  _globals['_ONLINERLOPTIONS']._serialized_start=2674
+  _globals['_ONLINERLOPTIONS']._serialized_end=2839
+  _globals['_PLACEMENTOPTIONS']._serialized_start=2842
+  _globals['_PLACEMENTOPTIONS']._serialized_end=3191
+  _globals['_PLACEMENTOPTIONS_REFERENCEPLACEMENT']._serialized_start=3042
+  _globals['_PLACEMENTOPTIONS_REFERENCEPLACEMENT']._serialized_end=3191
+  _globals['_SERVICEOPTIONS']._serialized_start=3194
+  _globals['_SERVICEOPTIONS']._serialized_end=3413
+  _globals['_TASKAPPREGISTRATION']._serialized_start=3416
+  _globals['_TASKAPPREGISTRATION']._serialized_end=3546
+  _globals['_SLURMOPTIONS']._serialized_start=3549
+  _globals['_SLURMOPTIONS']._serialized_end=3714
+  _globals['_KUBERNETESOPTIONS']._serialized_start=3717
+  _globals['_KUBERNETESOPTIONS']._serialized_end=3984
+  _globals['_KUBERNETESOPTIONS_NODESELECTORENTRY']._serialized_start=3933
+  _globals['_KUBERNETESOPTIONS_NODESELECTORENTRY']._serialized_end=3984
 # @@protoc_insertion_point(module_scope)

@@ -336,6 +336,7 @@ class TaskSpec(_message.Message):
     RUN_FIELD_NUMBER: _builtins.int
     ONLINE_RL_FIELD_NUMBER: _builtins.int
     SERVICE_FIELD_NUMBER: _builtins.int
+    WORKDIR_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Required. The task name, unique in the job: a lowercase letter, then up to 62 lowercase letters,
     digits or hyphens.
@@ -392,6 +393,14 @@ class TaskSpec(_message.Message):
     def service(self) -> Global___ServiceOptions:
         """Optional. Settings of a SERVICE task."""
 
+    @_builtins.property
+    def workdir(self) -> Global___Workdir:
+        """Optional. SkyPilot's `workdir`: files copied into the task's working directory on every node before
+        `setup` runs, on every attempt; `setup` and `run` start there. Unset means the working directory starts
+        empty. A copy that fails (a folder the node cannot read, a repository it cannot clone) is a PRECHECK
+        failure.
+        """
+
     def __init__(
         self,
         *,
@@ -408,16 +417,55 @@ class TaskSpec(_message.Message):
         run: _builtins.str = ...,
         online_rl: Global___OnlineRlOptions | None = ...,
         service: Global___ServiceOptions | None = ...,
+        workdir: Global___Workdir | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kind_options", b"kind_options", "online_rl", b"online_rl", "resources", b"resources", "service", b"service", "termination_delay", b"termination_delay"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kind_options", b"kind_options", "online_rl", b"online_rl", "resources", b"resources", "service", b"service", "termination_delay", b"termination_delay", "workdir", b"workdir"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "file_mounts", b"file_mounts", "kind", b"kind", "kind_options", b"kind_options", "name", b"name", "num_nodes", b"num_nodes", "online_rl", b"online_rl", "resources", b"resources", "role", b"role", "run", b"run", "secrets", b"secrets", "service", b"service", "setup", b"setup", "termination_delay", b"termination_delay"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "file_mounts", b"file_mounts", "kind", b"kind", "kind_options", b"kind_options", "name", b"name", "num_nodes", b"num_nodes", "online_rl", b"online_rl", "resources", b"resources", "role", b"role", "run", b"run", "secrets", b"secrets", "service", b"service", "setup", b"setup", "termination_delay", b"termination_delay", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind_options: _TypeAlias = _typing.Literal["online_rl", "service"]  # noqa: Y015
     _WhichOneofArgType_kind_options: _TypeAlias = _typing.Literal["kind_options", b"kind_options"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind_options) -> _WhichOneofReturnType_kind_options | None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
+
+@_typing.final
+class Workdir(_message.Message):
+    """Workdir is where a task's working directory is filled from."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    GIT_URL_FIELD_NUMBER: _builtins.int
+    GIT_REF_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """Optional. An absolute folder on the nodes' filesystem (for several nodes, on storage they share),
+    at most 1024 characters; its contents are copied.
+    """
+    git_url: _builtins.str
+    """Optional. A git repository URL (https://, ssh://, git@host:path or file://), at most 1024 characters;
+    it is cloned, as SkyPilot's `workdir: {url, ref}`.
+    """
+    git_ref: _builtins.str
+    """Optional. With `git_url`: the branch, tag or commit to check out; empty means the default branch. At
+    most 256 characters.
+    """
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        git_url: _builtins.str = ...,
+        git_ref: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["git_url", b"git_url", "path", b"path", "source", b"source"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["git_ref", b"git_ref", "git_url", b"git_url", "path", b"path", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["path", "git_url"]  # noqa: Y015
+    _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
+
+Global___Workdir: _TypeAlias = Workdir  # noqa: Y015
 
 @_typing.final
 class SecretBinding(_message.Message):
@@ -459,6 +507,7 @@ class FileMount(_message.Message):
     PATH_FIELD_NUMBER: _builtins.int
     LOCAL_PATH_FIELD_NUMBER: _builtins.int
     VOLUME_FIELD_NUMBER: _builtins.int
+    BUCKET_FIELD_NUMBER: _builtins.int
     READ_ONLY_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """Required. The absolute path inside the task, at most 1024 characters."""
@@ -473,23 +522,94 @@ class FileMount(_message.Message):
     """
     read_only: _builtins.bool
     """Optional. Mount read-only; the default is read-write."""
+    @_builtins.property
+    def bucket(self) -> Global___Bucket:
+        """Optional. An object-store bucket (SkyPilot's storage), copied to and from the task's folder at `path`."""
+
     def __init__(
         self,
         *,
         path: _builtins.str = ...,
         local_path: _builtins.str = ...,
         volume: _builtins.str = ...,
+        bucket: Global___Bucket | None = ...,
         read_only: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["local_path", b"local_path", "source", b"source", "volume", b"volume"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "local_path", b"local_path", "source", b"source", "volume", b"volume"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_path", b"local_path", "path", b"path", "read_only", b"read_only", "source", b"source", "volume", b"volume"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "local_path", b"local_path", "path", b"path", "read_only", b"read_only", "source", b"source", "volume", b"volume"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["local_path", "volume"]  # noqa: Y015
+    _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["local_path", "volume", "bucket"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_source) -> _WhichOneofReturnType_source | None: ...
 
 Global___FileMount: _TypeAlias = FileMount  # noqa: Y015
+
+@_typing.final
+class Bucket(_message.Message):
+    """Bucket is SkyPilot's storage mount: an S3 (or S3-compatible) bucket whose objects the task sees as files.
+    The task opens it with the credentials of its own vault secrets `AWS_ACCESS_KEY_ID`,
+    `AWS_SECRET_ACCESS_KEY` (and `AWS_SESSION_TOKEN`) when it has them, anonymously otherwise; the endpoint is
+    the task's `AWS_ENDPOINT_URL` env when set. Nodes have no FUSE here, so no mode streams: every mode copies
+    the objects down before `setup`, and the MOUNT modes upload what the task wrote (SPEC.md has the details).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Mode:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _ModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[Bucket._Mode.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        MODE_UNSPECIFIED: Bucket._Mode.ValueType  # 0
+        """The default, MOUNT."""
+        MODE_MOUNT: Bucket._Mode.ValueType  # 1
+        """Read and write: the objects are copied down at start; new and changed files are uploaded every
+        `sync_interval` of the scheduler and once more when the task ends.
+        """
+        MODE_COPY: Bucket._Mode.ValueType  # 2
+        """Read only from the bucket: the objects are copied down at start, writes stay on the node."""
+        MODE_MOUNT_CACHED: Bucket._Mode.ValueType  # 3
+        """As MOUNT (SkyPilot's cached mount, whose writes reach the bucket asynchronously)."""
+
+    class Mode(_Mode, metaclass=_ModeEnumTypeWrapper):
+        """Mode is SkyPilot's storage mode."""
+
+    MODE_UNSPECIFIED: Bucket.Mode.ValueType  # 0
+    """The default, MOUNT."""
+    MODE_MOUNT: Bucket.Mode.ValueType  # 1
+    """Read and write: the objects are copied down at start; new and changed files are uploaded every
+    `sync_interval` of the scheduler and once more when the task ends.
+    """
+    MODE_COPY: Bucket.Mode.ValueType  # 2
+    """Read only from the bucket: the objects are copied down at start, writes stay on the node."""
+    MODE_MOUNT_CACHED: Bucket.Mode.ValueType  # 3
+    """As MOUNT (SkyPilot's cached mount, whose writes reach the bucket asynchronously)."""
+
+    URL_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    CREATE_FIELD_NUMBER: _builtins.int
+    url: _builtins.str
+    """Required. `s3://bucket` or `s3://bucket/prefix`, at most 1024 characters."""
+    mode: Global___Bucket.Mode.ValueType
+    """Optional. How the task sees the bucket; the default is MOUNT."""
+    create: _builtins.bool
+    """Optional. Create the bucket when it does not exist (SkyPilot's `name` + `store`), at the task's start."""
+    def __init__(
+        self,
+        *,
+        url: _builtins.str = ...,
+        mode: Global___Bucket.Mode.ValueType = ...,
+        create: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create", b"create", "mode", b"mode", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Bucket: _TypeAlias = Bucket  # noqa: Y015
 
 @_typing.final
 class OnlineRlOptions(_message.Message):

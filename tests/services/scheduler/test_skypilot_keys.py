@@ -1,0 +1,235 @@
+"""SkyPilot's `workdir`, storage `file_mounts` and the resources keys `ports`, `disk_size`, `use_spot` and
+`image_id` as `load_yaml` reads them: every form, the refusals with their reasons, and a file read alike by
+SkyPilot's own loader (in .venv-sky, `make setup-skypilot`; that test skips without it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+from tandem.scheduler.v1 import job_spec_pb2 as js
+
+from mesh.errors import InvalidArgument
+from services.scheduler import expand
+from services.scheduler import spec as S
+from tests.services.scheduler.test_skypilot import SKY_PYTHON, needs_skypilot
+
+Bucket = js.Bucket
+
+
+def parse(text: str, base_dir: Path | None = None) -> js.JobSpec:
+    return S.parse_yaml(textwrap.dedent(text), base_dir=base_dir)
+
+
+def refusals(text: str, base_dir: Path | None = None) -> dict[str, str]:
+    with pytest.raises(InvalidArgument) as caught:
+        parse(text, base_dir)
+    return {v.field: v.description for v in caught.value.violations}
+
+
+def test_a_workdir_folder_is_read_from_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "code").mkdir()
+    monkeypatch.chdir(tmp_path)
+    task = parse("workdir: code\nrun: python train.py\n", base_dir=tmp_path / "elsewhere").tasks[0]
+    assert task.workdir.path == str(tmp_path / "code")
+    assert parse(f"workdir: {tmp_path}/code/\nrun: x\n", tmp_path).tasks[0].workdir.path == str(
+        tmp_path / "code"
+    )
+    found = refusals("workdir: missing\nrun: x\n", tmp_path)
+    assert "is not a folder" in found["workdir"]
+    assert "only from a job file on disk" in refusals("workdir: code\nrun: x\n")["workdir"]
+    assert "$VAR" in refusals("workdir: /src/$USER\nrun: x\n")["workdir"]
+
+
+def test_a_git_workdir_is_a_url_and_a_ref() -> None:
+    task = parse("workdir: {url: 'https://github.com/org/repo.git', ref: v1.2}\nrun: x\n").tasks[0]
+    assert (task.workdir.git_url, task.workdir.git_ref) == ("https://github.com/org/repo.git", "v1.2")
+    assert parse("workdir: {url: 'git@github.com:org/repo.git'}\nrun: x\n").tasks[0].workdir.git_ref == ""
+    assert "is required" in refusals("workdir: {ref: main}\nrun: x\n")["workdir.url"]
+    assert "not a git URL" in refusals("workdir: {url: 'not a url'}\nrun: x\n")["workdir.url"]
+    assert (
+        "'-'"
+        in refusals("workdir: {url: 'https://h/r.git', ref: '--upload-pack=x'}\nrun: x\n")["workdir.ref"]
+    )
+
+
+def test_workdir_lines_copy_or_check_out_and_fail_as_precheck() -> None:
+    folder = js.TaskSpec(name="t", kind=js.TaskSpec.KIND_COMMAND, run="x", workdir=js.Workdir(path="/src"))
+    [line] = expand.workdir_lines(folder)
+    assert "cp -R -p -- /src/. ." in line and f"exit {expand.SETUP_FAILED_EXIT}" in line
+    git = js.TaskSpec(workdir=js.Workdir(git_url="https://h/r.git", git_ref="v1"))
+    [line] = expand.workdir_lines(git)
+    assert "git fetch -q --depth 1 -- https://h/r.git v1" in line and "checkout -q -f FETCH_HEAD" in line
+    assert expand.workdir_lines(js.TaskSpec()) == []
+
+
+@pytest.mark.parametrize(
+    ("value", "url", "mode", "create"),
+    [
+        ("s3://datasets/gsm8k", "s3://datasets/gsm8k", Bucket.MODE_COPY, False),  # a URI value is COPY
+        ("{source: 's3://datasets/'}", "s3://datasets", Bucket.MODE_UNSPECIFIED, False),  # MOUNT
+        ("{source: 's3://data/x', mode: copy}", "s3://data/x", Bucket.MODE_COPY, False),
+        ("{name: ckpts, store: s3, mode: MOUNT_CACHED}", "s3://ckpts", Bucket.MODE_MOUNT_CACHED, True),
+        ("{name: ckpts, persistent: true}", "s3://ckpts", Bucket.MODE_UNSPECIFIED, True),
+    ],
+)
+def test_buckets_in_every_skypilot_form(value: str, url: str, mode: int, create: bool) -> None:
+    [mount] = parse(f"run: x\nfile_mounts:\n  /data: {value}\n").tasks[0].file_mounts
+    assert (mount.path, mount.bucket.url, mount.bucket.mode, mount.bucket.create) == (
+        "/data",
+        url,
+        mode,
+        create,
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "field", "words"),
+    [
+        ("gs://bucket/data", "", "only S3"),
+        ("{name: bkt, store: gcs}", ".store", "only S3"),
+        ("{name: bkt, source: /local/dir}", ".source", "upload it first"),
+        ("{name: bkt, source: 's3://c'}", ".name", "not both"),
+        ("{source: [/a, /b]}", ".source", "list of local folders"),
+        ("{name: bkt, persistent: false}", ".persistent", "deleting a bucket"),
+        ("{source: 's3://bkt', mode: STREAM}", ".mode", "must be one of mount, copy, mount_cached"),
+        ("{source: 's3://bkt', config: {mount_cached: {}}}", ".config", "copied here"),
+        ("{mode: COPY}", "", "needs `source: s3://...` or `name`"),
+        ("{volume: v, name: bkt}", ".volume", "not taken with a bucket"),
+        ("{source: 's3://B_ad'}", ".source", "not an S3 bucket name"),
+        ("{name: B_ad}", ".name", "not an S3 bucket name"),
+        ("'s3://'", "", "not an S3 bucket name"),
+    ],
+)
+def test_buckets_that_cannot_be_mounted_say_why(value: str, field: str, words: str) -> None:
+    found = refusals(f"run: x\nfile_mounts:\n  /data: {value}\n")
+    where = f'file_mounts["/data"]{field}'
+    assert where in found, found
+    assert words in found[where], found[where]
+
+
+def test_the_placement_keys() -> None:
+    resources = (
+        parse(
+            """\
+        run: x
+        resources:
+          disk_size: 256
+          ports: [8080, "10000-10010"]
+          use_spot: true
+          image_id: docker:nvcr.io/nvidia/pytorch:24.01-py3
+        """
+        )
+        .tasks[0]
+        .resources
+    )
+    assert resources.disk_gib == 256 and list(resources.ports) == ["8080", "10000-10010"]
+    assert resources.preemptible and resources.image == "nvcr.io/nvidia/pytorch:24.01-py3"
+    assert list(parse("run: x\nresources: {ports: 8888}\n").tasks[0].resources.ports) == ["8888"]
+    assert S.port_range("10000-10010") == range(10000, 10011)
+
+
+@pytest.mark.parametrize(
+    ("resources", "field", "words"),
+    [
+        ("{ports: 70000}", "resources.ports[0]", "1 to 65535"),
+        ("{ports: '9-3'}", "resources.ports[0]", "not above the last"),
+        ("{ports: 'http'}", "resources.ports[0]", "not a port"),
+        ("{ports: '1000-5000'}", "resources.ports[0]", "at most 1024"),
+        ("{ports: [true]}", "resources.ports[0]", "must be a port"),
+        ("{disk_size: -1}", "resources.disk_size", "0 (the backend default) or more"),
+        ("{use_spot: yes-please}", "resources.use_spot", "true or false"),
+        ("{image_id: ami-0123}", "resources.image_id", "machine image"),
+        ("{image_id: {us-east-1: ami-1}}", "resources.image_id", "by region"),
+        ("{image_id: 'docker:two words'}", "resources.image_id", "not an image reference"),
+    ],
+)
+def test_placement_keys_that_cannot_mean_anything_say_why(resources: str, field: str, words: str) -> None:
+    found = refusals(f"run: x\nresources: {resources}\n")
+    assert field in found, found
+    assert words in found[field], found[field]
+
+
+def test_at_most_sixteen_ports() -> None:
+    ports = ", ".join(str(8000 + i) for i in range(17))
+    assert "at most 16" in refusals(f"run: x\nresources: {{ports: [{ports}]}}\n")["resources.ports"]
+
+
+# Runs in .venv-sky: what SkyPilot's own loader makes of the file.
+ORACLE = """
+import json, sys
+from sky.utils import dag_utils
+task = dag_utils.load_dag_from_yaml(sys.argv[1]).tasks[0]
+resources = list(task.resources)[0]
+print(json.dumps({
+    "workdir": task.workdir,
+    "file_mounts": task.file_mounts,
+    "storage": {p: [s.source, s.name, s.mode.value] for p, s in task.storage_mounts.items()},
+    "ports": resources.ports,
+    "disk_size": resources.disk_size,
+    "use_spot": resources.use_spot,
+    "image_id": resources.image_id,
+}))
+"""
+
+
+@needs_skypilot
+def test_skypilot_reads_these_keys_as_tandem_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "code").mkdir()
+    path = tmp_path / "task.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            name: train_on_buckets
+            workdir: code
+            resources:
+              disk_size: 512
+              ports: [8080, "9000-9002"]
+              use_spot: true
+              image_id: docker:nvcr.io/nvidia/pytorch:24.01-py3
+            file_mounts:
+              /data: s3://datasets/gsm8k
+              /ckpt:
+                name: run-ckpts
+                store: s3
+                mode: MOUNT_CACHED
+              /eval:
+                source: s3://evals/v2
+                mode: COPY
+            run: python train.py
+            """
+        )
+    )
+    done = subprocess.run(
+        [str(SKY_PYTHON), "-c", ORACLE, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+        cwd=tmp_path,
+        env={**os.environ, "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "HOME": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    sky = json.loads(done.stdout.strip().splitlines()[-1])
+    monkeypatch.chdir(tmp_path)
+    task = S.load_yaml(path).tasks[0]
+    assert task.workdir.path == str((tmp_path / sky["workdir"]).resolve())
+    mounts = {m.path: m.bucket for m in task.file_mounts}
+    for where, uri in sky["file_mounts"].items():  # a URI as the value: SkyPilot copies it down
+        assert (mounts[where].url, mounts[where].mode) == (uri, Bucket.MODE_COPY)
+    modes = {"MOUNT": Bucket.MODE_MOUNT, "COPY": Bucket.MODE_COPY, "MOUNT_CACHED": Bucket.MODE_MOUNT_CACHED}
+    for where, (source, name, mode) in sky["storage"].items():
+        bucket = mounts[where]
+        assert bucket.url == (source or f"s3://{name}") and bucket.create == (name is not None)
+        assert (bucket.mode or Bucket.MODE_MOUNT) == modes[mode]
+    assert set(mounts) == {*sky["file_mounts"], *sky["storage"]}
+    resources = task.resources
+    assert list(resources.ports) == sky["ports"]
+    assert resources.disk_gib == sky["disk_size"] and resources.preemptible == sky["use_spot"]
+    assert {f"docker:{resources.image}"} == set(sky["image_id"].values())
