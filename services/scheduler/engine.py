@@ -1137,6 +1137,8 @@ class Engine:
             mount_env = expand.mount_env(mounts)
             output = Path(expand.output_dir_for(spec_task, str(task_dir / "output")))
         resume = newest_checkpoint(output) if spec_task.kind == TaskSpec.KIND_ONLINE_RL else None
+        gpus = len(slots[0].gpu_indices) if slots and slots[0].gpu_indices else task_resources(spec_task).gpus
+        names = [t.name for t in spec.tasks]
         env = expand.task_env(
             spec_task,
             job=job.name,
@@ -1144,6 +1146,10 @@ class Engine:
             node_ips=[s.address for s in slots if s.address],
             resume_from=str(resume) if resume else "",
             job_token=token,
+            gpus_per_node=gpus,
+            task_index=names.index(spec_task.name),
+            group_size=len(names),
+            backend=attempt.backend,
         )
         env.update(mount_env)
         # One trace follows a rollout from the trainer on: its spans go to the mesh's collector, or to a file
@@ -1167,7 +1173,6 @@ class Engine:
             config_path = task_dir / "trainer.toml"
             config_path.write_text(spec_task.online_rl.config_toml)
             config_file = str(config_path)
-        gpus = len(slots[0].gpu_indices) if slots and slots[0].gpu_indices else task_resources(spec_task).gpus
         command = expand.command_for(
             spec_task,
             job=job.name,
@@ -1176,6 +1181,17 @@ class Engine:
             output_dir=str(output),
             python=sys.executable,
         )
+        if len(names) > 1 and attempt.backend in HOST_BACKENDS:
+            # Siblings by host name (`{task}-{rank}.{group}`): each node publishes its own and sees the others'
+            # in a private /etc/hosts (backends/group_hosts.py).
+            from services.scheduler.backends import group_hosts  # noqa: PLC0415
+
+            env[group_hosts.DIR_ENV] = str(self.task_dir(job.name, ".hosts"))
+            env[group_hosts.TASKS_ENV] = " ".join(n for n in names if n != spec_task.name)
+            command = (  # by its file: it needs only the standard library, wherever the task runs
+                f"exec {shlex.quote(sys.executable)} {shlex.quote(group_hosts.__file__)}"
+                f" bash -euo pipefail -c {shlex.quote(command)}"
+            )
         if secret_env and attempt.backend in HOST_BACKENDS:
             # Host processes (local, Slurm) open their secrets themselves, by name, with their job token.
             from services.scheduler.backends.task_secrets import SECRETS_ENV, format_secrets  # noqa: PLC0415

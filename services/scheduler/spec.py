@@ -53,7 +53,21 @@ MAX_ENV_VALUE_BYTES = 32 * 1024
 MAX_GPUS_PER_NODE = 1024
 MAX_GPU_ALTERNATIVES = 8
 # Set by the scheduler on every node; a spec may not set them itself (TANDEM_* is reserved as a whole).
-RESERVED_ENVS = frozenset({"SKYPILOT_NUM_NODES", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS"})
+RESERVED_ENVS = frozenset(
+    {
+        "SKYPILOT_NUM_NODES",
+        "SKYPILOT_NODE_RANK",
+        "SKYPILOT_NODE_IPS",
+        "SKYPILOT_SETUP_NODE_RANK",
+        "SKYPILOT_SETUP_NODE_IPS",
+        "SKYPILOT_NUM_GPUS_PER_NODE",
+        "SKYPILOT_SETUP_NUM_GPUS_PER_NODE",
+        "SKYPILOT_TASK_ID",
+        "SKYPILOT_TASK_IDS",
+        "SKYPILOT_JOBGROUP_NAME",
+        "SKYPILOT_CLUSTER_INFO",
+    }
+)
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _GPU_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -461,7 +475,7 @@ def _envs(task: TaskSpec, at: str) -> list[FieldViolation]:
         elif name.startswith("TANDEM_") or name in RESERVED_ENVS:
             found.append(
                 FieldViolation(
-                    where, "is set by the scheduler (TANDEM_* and SKYPILOT_NUM_NODES, _NODE_RANK, _NODE_IPS)"
+                    where, "is set by the scheduler (TANDEM_* and the SKYPILOT_* variables SkyPilot sets)"
                 )
             )
         if len(value.encode()) > MAX_ENV_VALUE_BYTES:

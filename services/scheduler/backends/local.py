@@ -478,10 +478,10 @@ class LocalBackend:
         ips = "\n".join(n.address or self.address for n in nodes)
         env.setdefault("TANDEM_NUM_NODES", str(spec.num_nodes))
         env.setdefault("SKYPILOT_NUM_NODES", str(spec.num_nodes))
-        env.setdefault("TANDEM_NODE_IPS", ips)
-        env.setdefault("SKYPILOT_NODE_IPS", ips)
+        for variable in ("TANDEM_NODE_IPS", "SKYPILOT_NODE_IPS", "SKYPILOT_SETUP_NODE_IPS"):
+            env.setdefault(variable, ips)
         env.setdefault("TANDEM_RESTART_COUNT", str(spec.attempt))
-        env["TANDEM_NODE_RANK"] = env["SKYPILOT_NODE_RANK"] = str(node.rank)
+        env["TANDEM_NODE_RANK"] = env["SKYPILOT_NODE_RANK"] = env["SKYPILOT_SETUP_NODE_RANK"] = str(node.rank)
         env[KEY_ENV] = spec.key
         if node.gpu_indices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in node.gpu_indices)
