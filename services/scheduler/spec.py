@@ -181,6 +181,7 @@ def spec_violations(spec: JobSpec) -> list[FieldViolation]:
     """Every broken rule of `spec`, with proto field paths: the contract's rules, then those across fields."""
     found = violations(spec)
     found.extend(_job_rules(spec))
+    found.extend(_serial_rules(spec))
     for index, task in enumerate(spec.tasks):
         found.extend(_task_rules(task, f"tasks[{index}]"))
     return found
@@ -314,6 +315,19 @@ def readiness_timeout_s(options: js.ServiceOptions) -> float:
 
 
 # -- rules across fields (proto paths) ----------------------------------------------------------------------
+
+
+def _serial_rules(spec: JobSpec) -> list[FieldViolation]:
+    if spec.execution != JobSpec.EXECUTION_SERIAL:
+        return []
+    return [
+        FieldViolation(
+            f"tasks[{index}].role",
+            "a serial group (a pipeline) runs every task to its end, one after another: no auxiliary tasks",
+        )
+        for index, task in enumerate(spec.tasks)
+        if task.role == TaskSpec.ROLE_AUXILIARY
+    ]
 
 
 def _job_rules(spec: JobSpec) -> list[FieldViolation]:
@@ -779,6 +793,11 @@ _SKY_SERVICE_KEYS = dict.fromkeys(
 _BUCKETS = f"{_NOT_YET}: SkyPilot storage (cloud buckets) is not mounted; mount a host path or a volume"
 _ENV_IN_MOUNT = f"{_NOT_YET}: SkyPilot fills envs into mount paths ($VAR); Tandem takes a path as written"
 _SKY_MOUNT_KEYS = dict.fromkeys(("name", "store", "mode", "persistent", "config", "type"), _BUCKETS)
+_EXECUTIONS = {"parallel": js.JobSpec.EXECUTION_PARALLEL, "serial": js.JobSpec.EXECUTION_SERIAL}
+# Keys only a task document has: a first document with one of them is a task, not a header.
+_SKY_TASK_ONLY = frozenset(
+    {"run", "setup", "resources", "envs", "num_nodes", "file_mounts", "secrets", "workdir"}
+)
 # `cloud:` and the first part of `infra:` that name one of Tandem's backends; any other names a public cloud.
 _CLOUD_BACKENDS: dict[str, js.Backend.ValueType] = {
     "kubernetes": js.BACKEND_KUBERNETES,
@@ -856,21 +875,15 @@ class _Reader:
             return spec
         tasks: Any
         if len(documents) > 1:  # SkyPilot's form: a header document, then one document per task
-            tasks = documents[1:]
             if isinstance(head, dict) and "tasks" in head:
                 self.found.append(
                     FieldViolation("tasks", "write the tasks either as `tasks:` or as documents, not both")
                 )
-            if isinstance(head, dict) and head.keys() & {"run", "setup", "resources", "envs"}:
-                self.found.append(
-                    FieldViolation(
-                        "(document)",
-                        "SkyPilot runs documents without a header as a pipeline (one task after another), "
-                        "which Tandem does not; a job group starts with a header document "
-                        "(`name`, `execution: parallel`) and its tasks run side by side",
-                    )
-                )
-                return spec
+            if isinstance(head, dict) and head.keys() & _SKY_TASK_ONLY:
+                return self.pipeline(spec, documents)
+            tasks = documents[1:]
+            if isinstance(head, dict) and "execution" not in head:  # SkyPilot's rule: then it is a pipeline
+                spec.execution = js.JobSpec.EXECUTION_SERIAL
         else:
             tasks = head.get("tasks") if isinstance(head, dict) else None
         try:
@@ -886,6 +899,14 @@ class _Reader:
         else:
             for index, task in enumerate(tasks):
                 self.guard(lambda t=task, i=index: self.task(spec.tasks.add(), t, f"tasks[{i}]"))
+        self.finish(spec)
+        return spec
+
+    def pipeline(self, spec: JobSpec, documents: list[Any]) -> JobSpec:
+        """SkyPilot's pipeline without a header: every document is a task, run one after another."""
+        spec.execution = js.JobSpec.EXECUTION_SERIAL
+        for index, task in enumerate(documents):
+            self.guard(lambda t=task, i=index: self.task(spec.tasks.add(), t, f"tasks[{i}]"))
         self.finish(spec)
         return spec
 
@@ -1003,8 +1024,9 @@ class _Reader:
         if "name" in doc:
             spec.display_name = self.text(doc["name"], "name")
         if "execution" in doc:
-            self.choice(doc["execution"], "execution", {"parallel": js.JobSpec.EXECUTION_PARALLEL})
-            spec.execution = js.JobSpec.EXECUTION_PARALLEL
+            self.guard(
+                lambda: setattr(spec, "execution", self.choice(doc["execution"], "execution", _EXECUTIONS))
+            )
         if "priority" in doc:
             self.guard(
                 lambda: setattr(
