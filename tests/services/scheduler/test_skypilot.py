@@ -487,6 +487,8 @@ def test_skypilot_and_tandem_read_the_same_files_alike(tmp_path: Path) -> None:
         path = tmp_path / name
         path.write_text(textwrap.dedent(text))
         paths[path] = envs
+    for example in ("sky-torchrun.yaml", "sky-two-node.yaml"):  # the examples SkyPilot users would write
+        paths[ROOT / "examples" / "jobs" / example] = {"MASTER_PORT": "29500"}
     theirs = skypilot(paths)
     for path, envs in paths.items():
         sky, spec = theirs[str(path)], S.load_yaml(path, envs=envs)
