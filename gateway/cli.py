@@ -496,9 +496,15 @@ def launch_spec(args: argparse.Namespace) -> Any:
                 )
             task.secrets.append(job_spec_pb2.SecretBinding(secret=name.lower().replace("_", "-"), env=name))
     if args.infra:
-        backend = _INFRA.get(args.infra.split("/", 1)[0].lower())
+        first, _, rest = args.infra.partition("/")
+        backend = _INFRA.get(first.lower())
         if backend is None:
             raise UsageError(f"--infra {args.infra}: Tandem runs on {', '.join(sorted(_INFRA))}")
+        if rest:  # as the file's `infra:` (services/scheduler/SPEC.md): never dropped silently
+            raise UsageError(
+                f"--infra {args.infra}: a context, cluster or partition ({rest!r}) is not taken here yet;"
+                " give the backend alone and its options in the file (`slurm: {partition: ...}`)"
+            )
         spec.backend = job_spec_pb2.Backend.Value(backend)
     try:
         job_spec.check_spec(spec)

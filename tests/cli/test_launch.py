@@ -67,6 +67,10 @@ async def test_launch_queue_logs_and_cancel(cli: Cli, tmp_path: Path) -> None:
         "launch", str(task), "--env", "GREETING=a", "--env", "WHO=b", "--infra", "aws"
     )
     assert code == 2 and "--infra aws" in err, err
+    code, _, err = await cli.run(
+        "launch", str(task), "--env", "GREETING=a", "--env", "WHO=b", "--infra", "slurm/c/p"
+    )
+    assert code == 2 and "'c/p'" in err, err
 
 
 def test_the_launch_help_examples_run_as_written(capsys: pytest.CaptureFixture[str]) -> None:
