@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.files import write_atomic
+from services.scheduler.backends import group_hosts
 from services.scheduler.backends.base import (
     Handle,
     LaunchRefused,
@@ -617,7 +618,8 @@ def hand_over_attempt(spec: LaunchSpec, folders: Sequence[Path], work_dir: Path)
     volumes of other organizations."""
     account = org_account(job_org(spec.job))
     work_dir = work_dir.resolve()
-    handed = list(dict.fromkeys(folders))
+    hosts = spec.env.get(group_hosts.DIR_ENV)  # the job's sibling host names, written by its tasks
+    handed = list(dict.fromkeys([*folders, *([Path(hosts)] if hosts else [])]))
     for folder in handed:
         hand_over(folder, account, recursive=True)
     for _, source, _ in spec.file_mounts:

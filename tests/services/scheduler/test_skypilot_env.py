@@ -17,6 +17,8 @@ from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from tandem.scheduler.v1 import scheduler_service_pb2 as pb
 
 from services.scheduler.backends import group_hosts
+from services.scheduler.backends.base import LaunchSpec
+from services.scheduler.backends.local import hand_over_attempt
 from services.scheduler.spec import parse_yaml
 from tests.services.scheduler.test_scheduler import ORG, TERMINAL, Clients, log_text, wait_for
 from tests.services.scheduler.test_slurm_jobs import clients_for
@@ -188,3 +190,20 @@ async def test_on_slurm_a_group_reaches_its_sibling_by_name(slurm: Clients, tmp_
     done = await run_pair(slurm, "pair-slurm", tmp_path / "scripts", backend=job_spec_pb2.BACKEND_SLURM)
     await check_server_env(slurm, done, gpus=0)
     assert all(t.backend_handle.slurm.job_id for t in done.tasks)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="handing folders to another user needs root")
+def test_under_run_as_org_the_hosts_folder_is_the_orgs(tmp_path: Path) -> None:
+    """`run_as = org`: the job's tasks run as the organization's user, who must write the job's hosts folder;
+    it is handed over with the attempt's own folders."""
+    hosts = tmp_path / "jobs" / "orgs-acme-jobs-pair" / ".hosts"
+    spec = LaunchSpec(
+        key="orgs-acme-jobs-pair.server.0",
+        job="orgs/acme/jobs/pair",
+        task="server",
+        attempt=0,
+        command="true",
+        env={group_hosts.DIR_ENV: str(hosts)},
+    )
+    account = hand_over_attempt(spec, [tmp_path / "jobs" / "orgs-acme-jobs-pair" / "server"], tmp_path)
+    assert (hosts.stat().st_uid, hosts.stat().st_mode & 0o777) == (account.pw_uid, 0o700)
