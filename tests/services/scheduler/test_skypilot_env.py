@@ -111,7 +111,7 @@ async def mesh_clients(tmp_path: Path) -> AsyncIterator[Clients]:
 
 @pytest.fixture
 async def local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Clients]:
-    for name, value in {"GPUS": "4", "GPU_TYPE": "A100", "CPUS": "8", "MEMORY_GIB": "16"}.items():
+    for name, value in {"GPUS": "4", "GPU_TYPE": "H100", "CPUS": "8", "MEMORY_GIB": "16"}.items():
         monkeypatch.setenv(f"TANDEM_SCHEDULER_LOCAL__{name}", value)
     async with mesh_clients(tmp_path) as clients:
         yield clients
@@ -120,7 +120,7 @@ async def local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterato
 async def test_a_group_reaches_its_sibling_by_name_and_sees_skypilots_variables(
     local: Clients, tmp_path: Path
 ) -> None:
-    done = await run_pair(local, "pair-local", tmp_path / "scripts", accelerators="A100:2")
+    done = await run_pair(local, "pair-local", tmp_path / "scripts", accelerators="H100:2")
     await check_server_env(local, done, gpus=2)
     assert "resolved server-0.pair-local 127.0.0.1" in await log_text(local, done.name, "client")
 
