@@ -23,7 +23,7 @@ resources:
 envs:
   GREETING: null
   WHO: null
-run: echo "$GREETING $WHO from $SKYPILOT_TASK_ID on $SKYPILOT_NUM_NODES node(s)"
+run: echo "$GREETING $WHO from $SKYPILOT_TASK_ID on $SKYPILOT_NUM_NODES node(s), token ${#HF_TOKEN} long"
 """
 
 
@@ -40,16 +40,49 @@ async def test_launch_queue_logs_and_cancel(cli: Cli, tmp_path: Path) -> None:
     assert code == 0, err
     dry = json.loads(out)
     assert dry["tasks"][0]["envs"] == {"GREETING": "hi", "WHO": "x"}
+    overrides = (
+        "--gpus",
+        "A100:8",
+        "--num-nodes",
+        "2",
+        "--infra",
+        "slurm",
+        "--secret",
+        "HF_TOKEN",
+        "--dryrun",
+    )
+    code, out, err = await cli.run("launch", str(task), "--env", "GREETING=a", "--env", "WHO=b", *overrides)
+    assert code == 0, err
+    dry = json.loads(out)
+    assert (dry["backend"], dry["tasks"][0]["num_nodes"]) == ("BACKEND_SLURM", 2)
+    assert dry["tasks"][0]["resources"]["gpus"] == "A100:8"
+    assert dry["tasks"][0]["secrets"] == [{"secret": "hf-token", "env": "HF_TOKEN"}]
+    code, _, err = await cli.run(
+        "launch", str(task), "--env", "GREETING=a", "--env", "WHO=b", "--secret", "X=1"
+    )
+    assert code == 2 and "vault" in err, err
     code, out, err = await cli.run("queue", "--json")
     assert (code, json.loads(out)) == (0, []), err  # --dryrun started nothing
 
-    args = ("--env", "GREETING=hi", "--env", "WHO=alice", "--job-id", "hello", "--json")
+    code, _, err = await cli.run("secrets", "put", "hf-token", stdin=b"a-token-value")
+    assert code == 0, err
+    args = (
+        "--env",
+        "GREETING=hi",
+        "--env",
+        "WHO=alice",
+        "--secret",
+        "HF_TOKEN",
+        "--job-id",
+        "hello",
+        "--json",
+    )
     code, out, err = await cli.run("launch", str(task), *args)
     assert code == 0, err
     assert json.loads(out)["name"] == "orgs/acme/jobs/hello"
     code, out, err = await cli.run("logs", "hello", "hello", "--follow")
     assert code == 0, err
-    assert "hi alice from acme_hello-0 on 1 node(s)" in out, out
+    assert "hi alice from acme_hello-0 on 1 node(s), token 13 long" in out, out  # the vault's value
 
     task.write_text(TASK.replace("run: echo", "run: sleep 600; echo"))
     code, out, err = await cli.run(
