@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -451,6 +451,85 @@ async def _rl_logs(args: argparse.Namespace) -> int:
     return 0
 
 
+_INFRA = {"k8s": "BACKEND_KUBERNETES", "kubernetes": "BACKEND_KUBERNETES", "slurm": "BACKEND_SLURM"}
+_INFRA["local"] = "BACKEND_LOCAL"
+
+
+class UsageError(CliError):
+    """Bad input on the command line or in the file: exit code 2."""
+
+
+def launch_envs(pairs: list[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """`--env NAME=VALUE` values, and `--env NAME` taken from the caller's environment (as `sky launch`)."""
+    envs: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            if name not in environ:
+                raise UsageError(f"--env {name}: no value given and {name} is not set in this shell")
+            value = environ[name]
+        envs[name] = value
+    return envs
+
+
+def launch_spec(args: argparse.Namespace) -> Any:
+    """The job file as a checked JobSpec, with the command line's overrides applied to every task."""
+    from tandem.scheduler.v1 import job_spec_pb2  # noqa: PLC0415
+
+    from mesh.errors import InvalidArgument  # noqa: PLC0415
+    from services.scheduler import spec as job_spec  # noqa: PLC0415
+
+    try:
+        spec = job_spec.load_yaml(Path(args.file), envs=launch_envs(args.env, os.environ))
+    except InvalidArgument as error:
+        raise UsageError(str(error)) from None
+    for task in spec.tasks:
+        if args.gpus:
+            task.resources.gpus = args.gpus
+            del task.resources.gpu_alternatives[:]
+        if args.num_nodes:
+            task.num_nodes = args.num_nodes
+        for name in args.secret:
+            if "=" in name:
+                raise UsageError(
+                    f"--secret {name.split('=')[0]}: secrets come from the vault; give only a name"
+                )
+            task.secrets.append(job_spec_pb2.SecretBinding(secret=name.lower().replace("_", "-"), env=name))
+    if args.infra:
+        first, _, rest = args.infra.partition("/")
+        backend = _INFRA.get(first.lower())
+        if backend is None:
+            raise UsageError(f"--infra {args.infra}: Tandem runs on {', '.join(sorted(_INFRA))}")
+        if rest:  # as the file's `infra:` (services/scheduler/SPEC.md): never dropped silently
+            raise UsageError(
+                f"--infra {args.infra}: a context, cluster or partition ({rest!r}) is not taken here yet;"
+                " give the backend alone and its options in the file (`slurm: {partition: ...}`)"
+            )
+        spec.backend = job_spec_pb2.Backend.Value(backend)
+    try:
+        job_spec.check_spec(spec)
+    except InvalidArgument as error:
+        raise UsageError(str(error)) from None
+    return spec
+
+
+async def _launch(args: argparse.Namespace) -> int:
+    from gateway.progress import job_state  # noqa: PLC0415
+
+    spec = launch_spec(args)
+    if args.dryrun:
+        _print_json(_dict(spec))
+        return 0
+    async with _client(args) as client:
+        job = await client.create_job(spec=spec, job_id=args.job_id)
+    if args.json:
+        _print_json(_dict(job))
+    else:
+        print(f"created {job.name} ({job_state(job.state)})")
+        print(f"follow it with: tandem logs {job.name} --follow")
+    return 0
+
+
 async def _watch(client: AsyncClient, args: argparse.Namespace, job: str) -> int:
     """Follow a job until it is terminal (or Ctrl-C), resuming across dropped connections."""
     from gateway.progress import ProgressView, job_state, total_steps  # noqa: PLC0415
@@ -841,10 +920,57 @@ def _add_rl(sub: Any, gw: argparse.ArgumentParser) -> None:
     )
     q.add_argument("job", help="job id or name")
     q.add_argument("--task", default="", help="the task's name in the spec (optional for a one-task job)")
+    _log_options(q)
+
+
+def _log_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("--rank", type=int, default=0, help="the node rank within the task (default 0)")
     q.add_argument("--tail-bytes", type=int, default=0, help="start this many bytes before the end")
     q.add_argument("--follow", action="store_true", help="keep printing until the task ends")
     q.set_defaults(func=_async(_rl_logs))
+
+
+def _add_launch(sub: Any, gw: argparse.ArgumentParser) -> None:
+    q = _sub(
+        sub,
+        "launch",
+        "submit a SkyPilot task or job-group file (YAML) as a job",
+        "  tandem launch examples/jobs/torchrun-multinode.yaml --dryrun\n"
+        "  tandem launch examples/jobs/torchrun-multinode.yaml --env NCCL_DEBUG=INFO --gpus A100:8 --num-nodes 4"
+        " --dryrun\n"
+        "  tandem launch examples/jobs/rl-with-eval-watcher.yaml --infra local --job-id run-7 --dryrun",
+        [gw],
+    )
+    q.add_argument(
+        "file", help="the task or job-group file, in SkyPilot's vocabulary (services/scheduler/SPEC.md)"
+    )
+    q.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]", help="set in every task")
+    q.add_argument(
+        "--secret", action="append", default=[], metavar="NAME", help="a vault secret in every task"
+    )
+    q.add_argument("--gpus", default="", metavar="TYPE:COUNT", help="every task's accelerators (A100:8)")
+    q.add_argument("--num-nodes", type=int, default=0, help="every task's node count")
+    q.add_argument("--infra", default="", help="the backend: k8s, slurm or local")
+    q.add_argument("--job-id", default="", help="the job id (default: the server picks one)")
+    q.add_argument("--dryrun", action="store_true", help="check the file and print the spec, start nothing")
+    q.set_defaults(func=_async(_launch))
+    q = _sub(sub, "queue", "list the organization's jobs, newest first", "  tandem queue --json", [gw])
+    q.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    q.set_defaults(func=_async(_rl_list))
+    q = _sub(
+        sub,
+        "logs",
+        "print a job task's log, or follow it until the task ends",
+        "  tandem logs demo trainer --follow",
+        [gw],
+    )
+    q.add_argument("job", help="job id or name")
+    q.add_argument("task", nargs="?", default="", help="the task's name (optional for a one-task job)")
+    _log_options(q)
+    q = _sub(sub, "cancel", "stop a job", "  tandem cancel demo --reason 'wrong learning rate'", [gw])
+    q.add_argument("job", help="job id or name")
+    q.add_argument("--reason", default="", help="recorded in the job's terminal event")
+    q.set_defaults(func=_async(_rl_cancel))
 
 
 def _add_events(sub: Any, gw: argparse.ArgumentParser) -> None:
@@ -981,6 +1107,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_secrets(sub, gw)
     _add_taskapp(sub, gw)
     _add_rl(sub, gw)
+    _add_launch(sub, gw)
     _add_events(sub, gw)
     _add_checkpoints(sub, gw)
     _add_infer(sub, gw)
@@ -1001,6 +1128,9 @@ def main(argv: list[str] | None = None) -> int:
         message, hint = _error_text(error, getattr(args, "gateway", DEFAULT_GATEWAY))
         _report(message, hint)
         return 1
+    except UsageError as error:
+        _report(str(error), error.hint)
+        return 2
     except CliError as error:
         _report(str(error), error.hint)
         return 1

@@ -108,6 +108,19 @@ def demands_of(spec: JobSpec) -> tuple[lc.Demand, ...]:
     return tuple(demands)
 
 
+def is_serial(spec: JobSpec) -> bool:
+    """A pipeline: its tasks run one after another, each once the one before it SUCCEEDED."""
+    return spec.execution == JobSpec.EXECUTION_SERIAL
+
+
+def due_task(record: JobRecord) -> str:
+    """The task of a serial group that may run now: the first that has not SUCCEEDED ("" when all have)."""
+    for task in record.tasks:
+        if task.state is not TaskState.SUCCEEDED:
+            return task.task
+    return ""
+
+
 def attempt_key(job: str, task: str, attempt: int) -> str:
     return f"{job.replace('/', '-')}.{task}.{attempt}"
 
@@ -449,7 +462,10 @@ class Engine:
             await self._apply(live, attempt, observed, backend)
 
     async def _reattach(self, live: _Live, attempt: AttemptRow, backend: Backend) -> None:
-        """An attempt stored before a launch that never reported back: find it, else launch it now."""
+        """An attempt stored before a launch that never reported back: find it, else launch it now. A serial
+        group's later tasks wait here, their attempts stored at admission, until the one before succeeds."""
+        if is_serial(live.spec) and attempt.task != due_task(live.record):
+            return
         handle = await backend.find(attempt.key)
         if handle is None:
             task = next(t for t in live.spec.tasks if t.name == attempt.task)
@@ -696,6 +712,8 @@ class Engine:
         if running:
             return
         for task in record.tasks:
+            if task.state is TaskState.SUCCEEDED and is_serial(live.spec):
+                continue  # a pipeline resumes at the task that failed
             if task.state is not TaskState.RECOVERING:
                 await self._set_task(record, task, TaskState.RECOVERING)
 
@@ -728,10 +746,19 @@ class Engine:
             await self._stop_auxiliaries(live, now)
         elif (
             job.state is JobState.STARTING
-            and lc.job_state_for_tasks(t.state for t in record.tasks) is JobState.RUNNING
+            and lc.job_state_for_tasks(t.state for t in self._started(live)) is JobState.RUNNING
         ):
             job.start_time = job.start_time or now
             await self._set_job(record, JobState.RUNNING)
+
+    @staticmethod
+    def _started(live: _Live) -> list[TaskRow]:
+        """The tasks that decide STARTING -> RUNNING: all of them, or a serial group's up to the one due."""
+        if not is_serial(live.spec):
+            return list(live.record.tasks)
+        due = due_task(live.record)
+        names = [t.task for t in live.record.tasks]
+        return live.record.tasks[: names.index(due) + 1] if due else list(live.record.tasks)
 
     async def _stop_all(self, live: _Live, running: Sequence[AttemptRow], grace_s: float) -> None:
         for attempt in running:
@@ -847,7 +874,11 @@ class Engine:
                 job.state is JobState.RECOVERING
                 and (job.next_restart_time is None or now >= job.next_restart_time)
                 and not self._live_attempts(live.record)
-                and all(t.state is TaskState.RECOVERING for t in live.record.tasks)
+                and all(
+                    t.state is TaskState.RECOVERING
+                    or (t.state is TaskState.SUCCEEDED and is_serial(live.spec))
+                    for t in live.record.tasks
+                )
                 and (
                     recovery_policy(live.spec).group_scope
                     or job.failure is None
@@ -951,7 +982,10 @@ class Engine:
         job.next_restart_time, job.message, job.state = None, "", JobState.STARTING
         events = [job_event(job, old)]
         prepared = []
+        serial = is_serial(live.spec)
         for task, spec_task in zip(record.tasks, live.spec.tasks, strict=True):
+            if serial and task.state is TaskState.SUCCEEDED:
+                continue  # a pipeline restarted at a later task keeps what already succeeded
             slots = [
                 NodeAssignment(s.rank, s.node, s.address, s.gpu_indices) for s in placement.get(task.task, ())
             ]
@@ -961,6 +995,8 @@ class Engine:
             prepared.append((spec_task, attempt, slots))
         await self.store.save(job, record.tasks, [a for _, a, _ in prepared], events)  # stored before launch
         for spec_task, attempt, slots in prepared:
+            if serial and spec_task.name != due_task(record):
+                continue  # launched by _reattach once the task before it has succeeded
             await self._launch(live, spec_task, attempt, slots)
 
     async def _start_attempt(
@@ -1165,6 +1201,8 @@ class Engine:
             mount_env = expand.mount_env(mounts)
             output = Path(expand.output_dir_for(spec_task, str(task_dir / "output")))
         resume = newest_checkpoint(output) if spec_task.kind == TaskSpec.KIND_ONLINE_RL else None
+        gpus = len(slots[0].gpu_indices) if slots and slots[0].gpu_indices else task_resources(spec_task).gpus
+        names = [t.name for t in spec.tasks]
         env = expand.task_env(
             spec_task,
             job=job.name,
@@ -1172,6 +1210,10 @@ class Engine:
             node_ips=[s.address for s in slots if s.address],
             resume_from=str(resume) if resume else "",
             job_token=token,
+            gpus_per_node=gpus,
+            task_index=names.index(spec_task.name),
+            group_size=len(names),
+            backend=attempt.backend,
         )
         env.update(mount_env)
         # One trace follows a rollout from the trainer on: its spans go to the mesh's collector, or to a file
@@ -1195,7 +1237,6 @@ class Engine:
             config_path = task_dir / "trainer.toml"
             config_path.write_text(spec_task.online_rl.config_toml)
             config_file = str(config_path)
-        gpus = len(slots[0].gpu_indices) if slots and slots[0].gpu_indices else task_resources(spec_task).gpus
         command = expand.command_for(
             spec_task,
             job=job.name,
@@ -1204,6 +1245,17 @@ class Engine:
             output_dir=str(output),
             python="python" if spec_task.resources.image else sys.executable,  # an image's own Python
         )
+        if len(names) > 1 and attempt.backend in HOST_BACKENDS and not is_serial(spec):
+            # Siblings by host name (`{task}-{rank}.{group}`): each node publishes its own and sees the others'
+            # in a private /etc/hosts (backends/group_hosts.py).
+            from services.scheduler.backends import group_hosts  # noqa: PLC0415
+
+            env[group_hosts.DIR_ENV] = str(self.task_dir(job.name, ".hosts"))
+            env[group_hosts.TASKS_ENV] = " ".join(n for n in names if n != spec_task.name)
+            command = (  # by its file: it needs only the standard library, wherever the task runs
+                f"exec {shlex.quote(sys.executable)} {shlex.quote(group_hosts.__file__)}"
+                f" bash -euo pipefail -c {shlex.quote(command)}"
+            )
         command = self.wrapped(attempt.backend, spec_task, command, env, mounts, secret_env)
         # Each attempt's part of a task's log begins with a line naming it.
         command = f"echo '[tandem] attempt {attempt.attempt}'\n{command}"

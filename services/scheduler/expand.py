@@ -27,8 +27,13 @@ The environment the engine provides (`task_env`, plus `node_env` per node rank, 
 | `TANDEM_JOB` | the job's name, `orgs/{org}/jobs/{job}` |
 | `TANDEM_TASK` | the task's name |
 | `TANDEM_NUM_NODES`, `SKYPILOT_NUM_NODES` | the task's node count |
-| `TANDEM_NODE_RANK`, `SKYPILOT_NODE_RANK` | this node's rank, 0 first (per node: `node_env`) |
-| `TANDEM_NODE_IPS`, `SKYPILOT_NODE_IPS` | the nodes' addresses, one a line, rank 0 first (SkyPilot's format) |
+| `TANDEM_NODE_RANK`, `SKYPILOT_NODE_RANK`, `SKYPILOT_SETUP_NODE_RANK` | this node's rank, 0 first (`node_env`) |
+| `TANDEM_NODE_IPS`, `SKYPILOT_NODE_IPS`, `SKYPILOT_SETUP_NODE_IPS` | the nodes' addresses, one a line, rank 0 first |
+| `SKYPILOT_NUM_GPUS_PER_NODE`, `SKYPILOT_SETUP_NUM_GPUS_PER_NODE` | the GPUs each node of the task holds, `0` without |
+| `SKYPILOT_TASK_ID` | `{org}_{job}-{index}`, `index` the task's place in the group; the same on every attempt |
+| `SKYPILOT_TASK_IDS` | every task's `SKYPILOT_TASK_ID`, one a line, in the group's order |
+| `SKYPILOT_JOBGROUP_NAME` | the job's id (`{job}`), the domain of the group's host names (`group_hosts`) |
+| `SKYPILOT_CLUSTER_INFO` | SkyPilot's JSON: `cluster_name` the job's id, `cloud` the backend, `region` / `zone` null |
 | `TANDEM_RESTART_COUNT` | the attempt number, 0 on the first start |
 | `TANDEM_RESUME_FROM` | the newest complete checkpoint folder of the task's output, when there is one |
 | `TANDEM_JOB_TOKEN` | the task's short-lived job token (opens its secrets, publishes events) |
@@ -39,11 +44,13 @@ into the environment a backend stores.
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Callable, Sequence
 
 from tandem.scheduler.v1 import job_spec_pb2 as js
 
+from services.scheduler.backends.base import IPS_VARIABLES, RANK_VARIABLES
 from services.scheduler.backends.task_buckets import BucketMount
 from services.scheduler.spec import port_range, secret_env_name, trainer_config
 
@@ -139,11 +146,16 @@ def task_env(
     node_ips: Sequence[str] = (),
     resume_from: str = "",
     job_token: str = "",
+    gpus_per_node: int = 0,
+    task_index: int = 0,
+    group_size: int = 1,
+    backend: str = "",
 ) -> dict[str, str]:
     """The environment of every node of one attempt: the spec's `envs`, then the scheduler's variables
-    (which win; the spec cannot set them anyway). Per-node variables come from `node_env`."""
+    (which win; the spec cannot set them anyway). `task_index` is the task's place among the group's
+    `group_size` tasks. Per-node variables come from `node_env`."""
     nodes = str(max(task.num_nodes, 1))
-    ips = "\n".join(node_ips)
+    group = group_name(job)
     env = dict(task.envs)
     env.update(
         {
@@ -151,13 +163,21 @@ def task_env(
             "TANDEM_TASK": task.name,
             "TANDEM_NUM_NODES": nodes,
             "SKYPILOT_NUM_NODES": nodes,
+            "SKYPILOT_NUM_GPUS_PER_NODE": str(gpus_per_node),
+            "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": str(gpus_per_node),
+            "SKYPILOT_TASK_ID": task_id(job, task_index),
+            "SKYPILOT_TASK_IDS": "\n".join(task_id(job, index) for index in range(max(group_size, 1))),
+            "SKYPILOT_JOBGROUP_NAME": group,
+            "SKYPILOT_CLUSTER_INFO": json.dumps(
+                {"cluster_name": group, "cloud": backend, "region": None, "zone": None}
+            ),
             "TANDEM_RESTART_COUNT": str(attempt),
             "TANDEM_RESUME_FROM": resume_from,
             "TANDEM_JOB_TOKEN": job_token,
         }
     )
     if node_ips:
-        env["TANDEM_NODE_IPS"] = env["SKYPILOT_NODE_IPS"] = ips
+        env.update(ips_env(node_ips))
     if task.resources.ports:
         env["TANDEM_PORTS"] = ",".join(task.resources.ports)
     return env
@@ -209,10 +229,36 @@ def in_container(
 
 def node_env(rank: int, node_ips: Sequence[str] = ()) -> dict[str, str]:
     """The variables that differ per node: its rank (and the address list once a backend knows it)."""
-    env = {"TANDEM_NODE_RANK": str(rank), "SKYPILOT_NODE_RANK": str(rank)}
+    env = dict.fromkeys(RANK_VARIABLES, str(rank))
     if node_ips:
-        env["TANDEM_NODE_IPS"] = env["SKYPILOT_NODE_IPS"] = "\n".join(node_ips)
+        env.update(ips_env(node_ips))
     return env
+
+
+def ips_env(node_ips: Sequence[str]) -> dict[str, str]:
+    """The address-list variables, SkyPilot's format: one address a line, rank 0 first."""
+    return dict.fromkeys(IPS_VARIABLES, "\n".join(node_ips))
+
+
+def group_name(job: str) -> str:
+    """`SKYPILOT_JOBGROUP_NAME`: the job's id, the last segment of `orgs/{org}/jobs/{job}`. Unlike SkyPilot
+    (the group's `name` as written) it is unique among running jobs, so two runs of one file never share host
+    names; a script that builds them from the variable runs unchanged."""
+    return job.rsplit("/", 1)[-1]
+
+
+def task_id(job: str, index: int) -> str:
+    """`SKYPILOT_TASK_ID`: `{org}_{job}-{index}`, the same on every attempt; like SkyPilot's, its part after
+    the last `-` is the task's index in the group."""
+    parts = job.split("/")
+    org = parts[1] if len(parts) == 4 else ""
+    return f"{org}_{group_name(job)}-{index}"
+
+
+def sibling_host(task: str, rank: int, job: str) -> str:
+    """The host name of node `rank` of `task` in `job`'s group: SkyPilot's `{task}-{rank}.{group}`
+    (`sky/jobs/job_group_networking.py`)."""
+    return f"{task}-{rank}.{group_name(job)}"
 
 
 def task_apps(org: str, task: js.TaskSpec) -> list[str]:

@@ -53,7 +53,21 @@ MAX_ENV_VALUE_BYTES = 32 * 1024
 MAX_GPUS_PER_NODE = 1024
 MAX_GPU_ALTERNATIVES = 8
 # Set by the scheduler on every node; a spec may not set them itself (TANDEM_* is reserved as a whole).
-RESERVED_ENVS = frozenset({"SKYPILOT_NUM_NODES", "SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS"})
+RESERVED_ENVS = frozenset(
+    {
+        "SKYPILOT_NUM_NODES",
+        "SKYPILOT_NODE_RANK",
+        "SKYPILOT_NODE_IPS",
+        "SKYPILOT_SETUP_NODE_RANK",
+        "SKYPILOT_SETUP_NODE_IPS",
+        "SKYPILOT_NUM_GPUS_PER_NODE",
+        "SKYPILOT_SETUP_NUM_GPUS_PER_NODE",
+        "SKYPILOT_TASK_ID",
+        "SKYPILOT_TASK_IDS",
+        "SKYPILOT_JOBGROUP_NAME",
+        "SKYPILOT_CLUSTER_INFO",
+    }
+)
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _GPU_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -167,6 +181,7 @@ def spec_violations(spec: JobSpec) -> list[FieldViolation]:
     """Every broken rule of `spec`, with proto field paths: the contract's rules, then those across fields."""
     found = violations(spec)
     found.extend(_job_rules(spec))
+    found.extend(_serial_rules(spec))
     for index, task in enumerate(spec.tasks):
         found.extend(_task_rules(task, f"tasks[{index}]"))
     return found
@@ -304,6 +319,19 @@ def readiness_timeout_s(options: js.ServiceOptions) -> float:
 
 
 # -- rules across fields (proto paths) ----------------------------------------------------------------------
+
+
+def _serial_rules(spec: JobSpec) -> list[FieldViolation]:
+    if spec.execution != JobSpec.EXECUTION_SERIAL:
+        return []
+    return [
+        FieldViolation(
+            f"tasks[{index}].role",
+            "a serial group (a pipeline) runs every task to its end, one after another: no auxiliary tasks",
+        )
+        for index, task in enumerate(spec.tasks)
+        if task.role == TaskSpec.ROLE_AUXILIARY
+    ]
 
 
 def _job_rules(spec: JobSpec) -> list[FieldViolation]:
@@ -496,7 +524,7 @@ def _envs(task: TaskSpec, at: str) -> list[FieldViolation]:
         elif name.startswith("TANDEM_") or name in RESERVED_ENVS:
             found.append(
                 FieldViolation(
-                    where, "is set by the scheduler (TANDEM_* and SKYPILOT_NUM_NODES, _NODE_RANK, _NODE_IPS)"
+                    where, "is set by the scheduler (TANDEM_* and the SKYPILOT_* variables SkyPilot sets)"
                 )
             )
         if len(value.encode()) > MAX_ENV_VALUE_BYTES:
@@ -835,6 +863,11 @@ _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _GIT_URL = re.compile(r"^(?:(?:https?|ssh|git|file)://\S+|[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:\S+)$")
 _PORT = re.compile(r"^([0-9]{1,5})(?:-([0-9]{1,5}))?$")
 MAX_PORTS = 16
+_EXECUTIONS = {"parallel": js.JobSpec.EXECUTION_PARALLEL, "serial": js.JobSpec.EXECUTION_SERIAL}
+# Keys only a task document has: a first document with one of them is a task, not a header.
+_SKY_TASK_ONLY = frozenset(
+    {"run", "setup", "resources", "envs", "num_nodes", "file_mounts", "secrets", "workdir"}
+)
 # `cloud:` and the first part of `infra:` that name one of Tandem's backends; any other names a public cloud.
 _CLOUD_BACKENDS: dict[str, js.Backend.ValueType] = {
     "kubernetes": js.BACKEND_KUBERNETES,
@@ -912,21 +945,15 @@ class _Reader:
             return spec
         tasks: Any
         if len(documents) > 1:  # SkyPilot's form: a header document, then one document per task
-            tasks = documents[1:]
             if isinstance(head, dict) and "tasks" in head:
                 self.found.append(
                     FieldViolation("tasks", "write the tasks either as `tasks:` or as documents, not both")
                 )
-            if isinstance(head, dict) and head.keys() & {"run", "setup", "resources", "envs"}:
-                self.found.append(
-                    FieldViolation(
-                        "(document)",
-                        "SkyPilot runs documents without a header as a pipeline (one task after another), "
-                        "which Tandem does not; a job group starts with a header document "
-                        "(`name`, `execution: parallel`) and its tasks run side by side",
-                    )
-                )
-                return spec
+            if isinstance(head, dict) and head.keys() & _SKY_TASK_ONLY:
+                return self.pipeline(spec, documents)
+            tasks = documents[1:]
+            if isinstance(head, dict) and "execution" not in head:  # SkyPilot's rule: then it is a pipeline
+                spec.execution = js.JobSpec.EXECUTION_SERIAL
         else:
             tasks = head.get("tasks") if isinstance(head, dict) else None
         try:
@@ -942,6 +969,14 @@ class _Reader:
         else:
             for index, task in enumerate(tasks):
                 self.guard(lambda t=task, i=index: self.task(spec.tasks.add(), t, f"tasks[{i}]"))
+        self.finish(spec)
+        return spec
+
+    def pipeline(self, spec: JobSpec, documents: list[Any]) -> JobSpec:
+        """SkyPilot's pipeline without a header: every document is a task, run one after another."""
+        spec.execution = js.JobSpec.EXECUTION_SERIAL
+        for index, task in enumerate(documents):
+            self.guard(lambda t=task, i=index: self.task(spec.tasks.add(), t, f"tasks[{i}]"))
         self.finish(spec)
         return spec
 
@@ -1059,8 +1094,9 @@ class _Reader:
         if "name" in doc:
             spec.display_name = self.text(doc["name"], "name")
         if "execution" in doc:
-            self.choice(doc["execution"], "execution", {"parallel": js.JobSpec.EXECUTION_PARALLEL})
-            spec.execution = js.JobSpec.EXECUTION_PARALLEL
+            self.guard(
+                lambda: setattr(spec, "execution", self.choice(doc["execution"], "execution", _EXECUTIONS))
+            )
         if "priority" in doc:
             self.guard(
                 lambda: setattr(

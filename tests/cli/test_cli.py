@@ -57,6 +57,10 @@ COMMANDS = [
     ["rl", "list"],
     ["rl", "cancel"],
     ["rl", "logs"],
+    ["launch"],
+    ["queue"],
+    ["logs"],
+    ["cancel"],
     ["events"],
     ["events", "watch"],
     ["checkpoints"],
@@ -116,7 +120,9 @@ class Cli:
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-        env.update({"TANDEM_GATEWAY": self.gateway, "PYTHONPATH": str(ROOT), **extra})
+        # this checkout's code and its generated contracts, whatever the environment installed
+        path = os.pathsep.join([str(ROOT), str(ROOT / "gen" / "python")])
+        env.update({"TANDEM_GATEWAY": self.gateway, "PYTHONPATH": path, **extra})
         if self.key:
             env["TANDEM_API_KEY"] = self.key
         return env

@@ -82,6 +82,10 @@ class NodeAssignment:
     gpu_indices: tuple[int, ...] = ()
 
 
+# The per-node variables every backend sets: the node's rank, and the task's node addresses (one a line).
+RANK_VARIABLES = ("TANDEM_NODE_RANK", "SKYPILOT_NODE_RANK", "SKYPILOT_SETUP_NODE_RANK")
+IPS_VARIABLES = ("TANDEM_NODE_IPS", "SKYPILOT_NODE_IPS", "SKYPILOT_SETUP_NODE_IPS")
+
 NODE_SELECTOR_OPTION = "node_selector."  # LaunchSpec.options keys of a job's own Kubernetes node labels
 
 

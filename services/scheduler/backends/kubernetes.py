@@ -61,7 +61,9 @@ import urllib3
 from kubernetes import client as k8s
 
 from services.scheduler.backends.base import (
+    IPS_VARIABLES,
     NODE_SELECTOR_OPTION,
+    RANK_VARIABLES,
     BackendUnavailable,
     Handle,
     LaunchRefused,
@@ -439,7 +441,7 @@ class KubernetesBackend:
 
     def _container(self, spec: LaunchSpec, name: str, nodes: int) -> Json:
         env: list[Json] = []
-        own = {"TANDEM_NODE_RANK", "SKYPILOT_NODE_RANK", "TANDEM_NODE_IPS", "SKYPILOT_NODE_IPS", SECRETS_ENV}
+        own = {*RANK_VARIABLES, *IPS_VARIABLES, SECRETS_ENV}
         fixed = {
             "TANDEM_NUM_NODES": str(nodes),
             "SKYPILOT_NUM_NODES": str(nodes),
@@ -451,22 +453,13 @@ class KubernetesBackend:
             if variable not in own:
                 env.append({"name": variable, "value": value})
         rank_ref = {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}
-        env += [
-            {"name": "TANDEM_NODE_RANK", "valueFrom": rank_ref},
-            {"name": "SKYPILOT_NODE_RANK", "valueFrom": rank_ref},
-        ]
+        env += [{"name": variable, "valueFrom": rank_ref} for variable in RANK_VARIABLES]
         if nodes > 1:
             hosts = "\n".join(f"{name}-{rank}.{name}" for rank in range(nodes))
-            env += [
-                {"name": "TANDEM_NODE_IPS", "value": hosts},
-                {"name": "SKYPILOT_NODE_IPS", "value": hosts},
-            ]
+            env += [{"name": variable, "value": hosts} for variable in IPS_VARIABLES]
         else:
             ip_ref = {"fieldRef": {"fieldPath": "status.podIP"}}
-            env += [
-                {"name": "TANDEM_NODE_IPS", "valueFrom": ip_ref},
-                {"name": "SKYPILOT_NODE_IPS", "valueFrom": ip_ref},
-            ]
+            env += [{"name": variable, "valueFrom": ip_ref} for variable in IPS_VARIABLES]
         script = ["bash", "-euo", "pipefail", "-c", spec.command]
         if spec.secret_env:
             env.append({"name": SECRETS_ENV, "value": format_secrets(spec.secret_env)})

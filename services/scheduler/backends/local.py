@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.files import write_atomic
+from services.scheduler.backends import group_hosts
 from services.scheduler.backends import sandbox as sandboxing
 from services.scheduler.backends.base import (
     Handle,
@@ -521,10 +522,10 @@ class LocalBackend:
         ips = "\n".join(n.address or self.address for n in nodes)
         env.setdefault("TANDEM_NUM_NODES", str(spec.num_nodes))
         env.setdefault("SKYPILOT_NUM_NODES", str(spec.num_nodes))
-        env.setdefault("TANDEM_NODE_IPS", ips)
-        env.setdefault("SKYPILOT_NODE_IPS", ips)
+        for variable in ("TANDEM_NODE_IPS", "SKYPILOT_NODE_IPS", "SKYPILOT_SETUP_NODE_IPS"):
+            env.setdefault(variable, ips)
         env.setdefault("TANDEM_RESTART_COUNT", str(spec.attempt))
-        env["TANDEM_NODE_RANK"] = env["SKYPILOT_NODE_RANK"] = str(node.rank)
+        env["TANDEM_NODE_RANK"] = env["SKYPILOT_NODE_RANK"] = env["SKYPILOT_SETUP_NODE_RANK"] = str(node.rank)
         env[KEY_ENV] = spec.key
         if node.gpu_indices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in node.gpu_indices)
@@ -556,7 +557,7 @@ class LocalBackend:
                     account,
                     cwd=cwd,
                     hide=self.hide,
-                    own=[attempt_dir, cwd, log_dir],
+                    own=[attempt_dir, cwd, log_dir, *_hosts_folder(spec)],
                     mounts=[(Path(source), read_only) for _, source, read_only in spec.file_mounts],
                 )
             else:
@@ -731,6 +732,7 @@ def hand_over_attempt(
     account = org_account(org)
     work_dir = work_dir.resolve()
     volumes = work_dir / "volumes" / org
+    folders = [*folders, *_hosts_folder(spec)]  # the job's sibling host names, written by its tasks
     handed = list(dict.fromkeys(folders))
     for _, source, _ in spec.file_mounts:
         path = Path(source).resolve()
@@ -750,6 +752,12 @@ def hand_over_attempt(
             if parent.is_relative_to(work_dir) and mode.st_uid != account.pw_uid:
                 os.chmod(parent, (mode.st_mode & 0o7700) | 0o011)  # noqa: S103 - others may enter, not list
     return account
+
+
+def _hosts_folder(spec: LaunchSpec) -> list[Path]:
+    """The job's sibling host names folder (backends/group_hosts.py), shared by its tasks, where it has one."""
+    hosts = spec.env.get(group_hosts.DIR_ENV)
+    return [Path(hosts)] if hosts else []
 
 
 def job_org(job: str) -> str:

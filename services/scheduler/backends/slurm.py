@@ -4,11 +4,11 @@
 (`--job-name=<key>`), which is how `find` recognises it (`squeue --name`, then `sacct --name` where
 accounting exists). The script exports the task's environment, then runs the command once per node as one
 `srun` step (`--ntasks-per-node=1`, `--kill-on-bad-exit=1`), each with TANDEM_NODE_RANK / SKYPILOT_NODE_RANK
-from SLURM_NODEID and TANDEM_NODE_IPS / SKYPILOT_NODE_IPS (newline-separated addresses) from
-`scontrol show hostnames $SLURM_JOB_NODELIST` (each node's `NodeAddr`, as an IPv4 address where it
-resolves). Node rank r writes `<log_dir>/rank-<r>.log` (appended, so a requeued job's runs follow each
-other); the batch shell itself writes `<log_dir>/batch.log`. When a node fails, srun stops the others and the
-job exits with the code of the node that failed first.
+(and SKYPILOT_SETUP_NODE_RANK) from SLURM_NODEID and TANDEM_NODE_IPS / SKYPILOT_NODE_IPS (and
+SKYPILOT_SETUP_NODE_IPS; newline-separated addresses) from `scontrol show hostnames $SLURM_JOB_NODELIST`
+(each node's `NodeAddr`, as an IPv4 address where it resolves). Node rank r writes `<log_dir>/rank-<r>.log`
+(appended, so a requeued job's runs follow each other); the batch shell itself writes `<log_dir>/batch.log`.
+When a node fails, srun stops the others and the job exits with the code of the node that failed first.
 
 State comes from `scontrol show job` (live jobs and finished ones Slurm still remembers, `MinJobAge`) and,
 for jobs it forgot, from `sacct` where the cluster has accounting (slurmdbd); a job neither knows is LOST.
@@ -98,7 +98,8 @@ _NODE_DOWN = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWERED_DOWN", "POWER_
 # Runs on every node of the job as one srun task; $1 is the task's command.
 # A node that fails records when and how in the log folder ($2); the ranks srun then stops die of its signal
 # before they could, so the job exits with the code of the rank that failed first, not of those stopped after.
-_NODE_SHELL = """export TANDEM_NODE_RANK="$SLURM_NODEID" SKYPILOT_NODE_RANK="$SLURM_NODEID"
+_NODE_SHELL = """export TANDEM_NODE_RANK="$SLURM_NODEID" SKYPILOT_NODE_RANK="$SLURM_NODEID" \\
+  SKYPILOT_SETUP_NODE_RANK="$SLURM_NODEID"
 bash -euo pipefail -c "$1"
 code=$?
 if [ "$code" != 0 ]; then echo "$(date +%s%N) $code" > "$2/.exit-$SLURM_JOB_ID-$SLURM_NODEID"; fi
@@ -123,7 +124,8 @@ for h in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
   ip=$(getent ahostsv4 "${addr:-$h}" 2>/dev/null | awk 'NR==1{print $1}')
   tandem_ips+="${ip:-${addr:-$h}}"$'\n'
 done
-export TANDEM_NODE_IPS="${tandem_ips%$'\n'}" SKYPILOT_NODE_IPS="${tandem_ips%$'\n'}"
+export TANDEM_NODE_IPS="${tandem_ips%$'\n'}" SKYPILOT_NODE_IPS="${tandem_ips%$'\n'}" \
+  SKYPILOT_SETUP_NODE_IPS="${tandem_ips%$'\n'}"
 """
 
 

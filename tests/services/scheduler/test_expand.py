@@ -172,8 +172,18 @@ def test_the_task_environment_has_the_tandem_and_skypilot_variables() -> None:
     task = one_task("- name: train\n  run: x\n  num_nodes: 2\n  envs: {OMP_NUM_THREADS: 8}\n")
     ips = ["10.0.0.1", "10.0.0.2"]
     env = X.task_env(
-        task, job=JOB, attempt=2, node_ips=ips, resume_from="/ckpt/checkpoints/step-000040", job_token="t"
+        task,
+        job=JOB,
+        attempt=2,
+        node_ips=ips,
+        resume_from="/ckpt/checkpoints/step-000040",
+        job_token="t",
+        gpus_per_node=4,
+        task_index=1,
+        group_size=3,
+        backend="slurm",
     )
+    org, job_id = JOB.split("/")[1], JOB.split("/")[3]
     assert env == {
         "OMP_NUM_THREADS": "8",
         "TANDEM_JOB": JOB,
@@ -182,11 +192,27 @@ def test_the_task_environment_has_the_tandem_and_skypilot_variables() -> None:
         "SKYPILOT_NUM_NODES": "2",
         "TANDEM_NODE_IPS": "10.0.0.1\n10.0.0.2",
         "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2",
+        "SKYPILOT_SETUP_NODE_IPS": "10.0.0.1\n10.0.0.2",
+        "SKYPILOT_NUM_GPUS_PER_NODE": "4",
+        "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": "4",
+        "SKYPILOT_TASK_ID": f"{org}_{job_id}-1",
+        "SKYPILOT_TASK_IDS": f"{org}_{job_id}-0\n{org}_{job_id}-1\n{org}_{job_id}-2",
+        "SKYPILOT_JOBGROUP_NAME": job_id,
+        "SKYPILOT_CLUSTER_INFO": json.dumps(
+            {"cluster_name": job_id, "cloud": "slurm", "region": None, "zone": None}
+        ),
         "TANDEM_RESTART_COUNT": "2",
         "TANDEM_RESUME_FROM": "/ckpt/checkpoints/step-000040",
         "TANDEM_JOB_TOKEN": "t",
     }
-    assert X.node_env(1) == {"TANDEM_NODE_RANK": "1", "SKYPILOT_NODE_RANK": "1"}
+    # SkyPilot's SDK reads the task's index as what follows the last `-` (sky/jobs/client/sdk.py).
+    assert env["SKYPILOT_TASK_ID"].rsplit("-", 1)[1] == "1"
+    assert X.node_env(1) == {
+        "TANDEM_NODE_RANK": "1",
+        "SKYPILOT_NODE_RANK": "1",
+        "SKYPILOT_SETUP_NODE_RANK": "1",
+    }
+    assert X.sibling_host("eval", 0, JOB) == f"eval-0.{job_id}"
     assert X.node_env(0, ips)["SKYPILOT_NODE_IPS"] == "10.0.0.1\n10.0.0.2"
     assert X.task_env(one_task("- name: a\n  run: x\n"), job=JOB, attempt=0)["TANDEM_NUM_NODES"] == "1"
 

@@ -108,3 +108,17 @@ async def test_cancel_stops_a_running_pod(acme: Clients, cluster: FakeKubeApi) -
     assert cancelled.state == job_pb2.Job.State.STATE_CANCELLED
     [created] = jobs_in(cluster, NS)
     assert not cluster.pods(NS, created["metadata"]["name"])  # type: ignore[index]
+
+
+async def test_a_pod_gets_skypilots_variables(acme: Clients, cluster: FakeKubeApi) -> None:
+    cluster.add_node("gpu-node", gpus=8)
+    run = (
+        'echo "torchrun --nproc_per_node=$SKYPILOT_NUM_GPUS_PER_NODE setup_rank=$SKYPILOT_SETUP_NODE_RANK'
+        ' id=$SKYPILOT_TASK_ID group=$SKYPILOT_JOBGROUP_NAME cloud=$SKYPILOT_CLUSTER_INFO"'
+    )
+    job = await create(acme, command(run, gpus="2"), job_id="sky-env", backend=KUBERNETES)
+    done = await wait_for(acme, job.name, *TERMINAL, within_s=120)
+    assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure.message
+    text = await log_text(acme, job.name)
+    assert "torchrun --nproc_per_node=2 setup_rank=0 id=acme_sky-env-0 group=sky-env" in text, text
+    assert '"cloud": "kubernetes"' in text, text

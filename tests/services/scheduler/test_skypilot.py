@@ -301,9 +301,18 @@ def test_a_typo_names_the_nearest_key() -> None:
     assert "did you mean run?" in refusals("name: g\ntasks:\n  - name: a\n    rn: x\n")["tasks[0].rn"]
 
 
-def test_a_pipeline_without_a_header_is_refused_with_the_reason() -> None:
-    found = refusals("run: a\n---\nrun: b\n")
-    assert "pipeline" in found["(document)"]
+def test_a_pipeline_is_a_serial_group_without_auxiliaries() -> None:
+    assert parse("run: a\n---\nrun: b\n").execution == js.JobSpec.EXECUTION_SERIAL
+    assert parse("name: g\n---\nname: a\nrun: a\n").execution == js.JobSpec.EXECUTION_SERIAL
+    assert (
+        parse("name: g\nexecution: parallel\n---\nname: a\nrun: a\n").execution
+        == js.JobSpec.EXECUTION_PARALLEL
+    )
+    found = refusals(
+        "name: g\nexecution: serial\ntasks:\n  - {name: a, run: x}\n  - {name: b, run: y, role: auxiliary}\n"
+    )
+    assert "no auxiliary tasks" in found["tasks[1].role"]
+    assert "serial" in refusals("name: g\nexecution: sideways\n---\nname: a\nrun: a\n")["execution"]
 
 
 # -- SkyPilot as the oracle ---------------------------------------------------------------------------------
@@ -379,6 +388,46 @@ SKY_FILES: dict[str, tuple[str, dict[str, str]]] = {
         """,
         {},
     ),
+    "pipeline.yaml": (
+        """\
+        name: prep_train_eval
+        ---
+        name: prepare
+        run: python prepare.py
+        ---
+        name: train
+        resources:
+          accelerators: A100:8
+        run: python train.py
+        ---
+        name: evaluate
+        run: python eval.py
+        """,
+        {},
+    ),
+    "pipeline-headerless.yaml": (
+        """\
+        run: python prepare.py
+        ---
+        resources:
+          accelerators: L4:1
+        run: python train.py
+        """,
+        {},
+    ),
+    "pipeline-serial.yaml": (
+        """\
+        name: steps
+        execution: serial
+        ---
+        name: first
+        run: echo one
+        ---
+        name: second
+        run: echo two
+        """,
+        {},
+    ),
 }
 
 # Runs in .venv-sky: SkyPilot's own loader on each file, what it made of it as JSON.
@@ -404,7 +453,8 @@ for path, envs in json.loads(sys.argv[1]).items():
             "memory": [r.memory for r in resources],
         })
     primary = getattr(dag, "primary_tasks", None)
-    out[path] = {"name": dag.name, "tasks": tasks, "primary": primary}
+    execution = dag.execution.value if dag.execution is not None else None
+    out[path] = {"name": dag.name, "tasks": tasks, "primary": primary, "execution": execution}
 print(json.dumps(out))
 """
 
@@ -434,12 +484,18 @@ def test_skypilot_and_tandem_read_the_same_files_alike(tmp_path: Path) -> None:
         path = tmp_path / name
         path.write_text(textwrap.dedent(text))
         paths[path] = envs
+    for example in ("sky-torchrun.yaml", "sky-two-node.yaml"):  # the examples SkyPilot users would write
+        paths[ROOT / "examples" / "jobs" / example] = {"MASTER_PORT": "29500"}
     theirs = skypilot(paths)
     for path, envs in paths.items():
         sky, spec = theirs[str(path)], S.load_yaml(path, envs=envs)
         assert len(spec.tasks) == len(sky["tasks"]), path.name
         if sky["name"] is not None:
             assert spec.display_name == sky["name"], path.name
+        if len(sky["tasks"]) > 1:  # SkyPilot's pipelines (serial) and job groups (parallel)
+            assert js.JobSpec.Execution.Name(spec.execution) == f"EXECUTION_{sky['execution'].upper()}", (
+                path.name
+            )
         if sky["primary"]:
             primary = {t.name for t in spec.tasks if t.role != js.TaskSpec.ROLE_AUXILIARY}
             assert primary == set(sky["primary"]), path.name

@@ -149,7 +149,7 @@ REFUSED = {
     "wrong type": (group(ECHO, "name: g\npriority: high"), "priority"),
     "bad priority": (group(ECHO, "name: g\npriority: 2000"), "priority"),
     "bool is not an integer": (group(ECHO, "name: g\npriority: true"), "priority"),
-    "execution": (group(ECHO, "name: g\nexecution: serial"), "execution"),
+    "execution": (group(ECHO, "name: g\nexecution: sideways"), "execution"),
     "duplicate task names": (group(ECHO + ECHO), "tasks[1].name"),
     "no primary task": (group("- name: main\n  run: x\n  role: auxiliary\n"), "tasks"),
     "no tasks": ("name: g\ntasks: []\n", "tasks"),

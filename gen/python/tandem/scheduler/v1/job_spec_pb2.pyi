@@ -72,6 +72,12 @@ class JobSpec(_message.Message):
         """Every task starts together once the whole group is admitted. The job ends when every PRIMARY task
         has ended; AUXILIARY tasks are then stopped after their termination delay.
         """
+        EXECUTION_SERIAL: JobSpec._Execution.ValueType  # 2
+        """One task after another, in the order written (a SkyPilot pipeline): each starts once the one before
+        it has SUCCEEDED; a task that fails (after its recovery budget) fails the job and the tasks after it
+        are CANCELLED. Every task is PRIMARY. The group is admitted as a whole and keeps its placement until
+        it ends.
+        """
 
     class Execution(_Execution, metaclass=_ExecutionEnumTypeWrapper):
         """Execution says how the tasks of the group run relative to each other."""
@@ -81,6 +87,12 @@ class JobSpec(_message.Message):
     EXECUTION_PARALLEL: JobSpec.Execution.ValueType  # 1
     """Every task starts together once the whole group is admitted. The job ends when every PRIMARY task
     has ended; AUXILIARY tasks are then stopped after their termination delay.
+    """
+    EXECUTION_SERIAL: JobSpec.Execution.ValueType  # 2
+    """One task after another, in the order written (a SkyPilot pipeline): each starts once the one before
+    it has SUCCEEDED; a task that fails (after its recovery budget) fails the job and the tasks after it
+    are CANCELLED. Every task is PRIMARY. The group is admitted as a whole and keeps its placement until
+    it ends.
     """
 
     DISPLAY_NAME_FIELD_NUMBER: _builtins.int

@@ -1,0 +1,120 @@
+"""`tandem launch`, `queue`, `logs` and `cancel`, the commands a SkyPilot user reaches for, as real processes
+against a real mesh behind the gateway: a SkyPilot task file with an env given at launch runs and its log
+reads back, `--env NAME` takes the caller's value, a missing env is named (exit 2), `--dryrun` starts
+nothing, and a running job is cancelled."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import main
+from tests.cli.test_cli import ROOT, Cli, cli, mesh
+
+pytestmark = pytest.mark.timeout(120)
+__all__ = ["cli", "mesh"]  # fixtures
+
+TASK = """name: hello
+resources:
+  cpus: 1+
+envs:
+  GREETING: null
+  WHO: null
+run: echo "$GREETING $WHO from $SKYPILOT_TASK_ID on $SKYPILOT_NUM_NODES node(s), token ${#HF_TOKEN} long"
+"""
+
+
+async def test_launch_queue_logs_and_cancel(cli: Cli, tmp_path: Path) -> None:
+    task = tmp_path / "task.yaml"
+    task.write_text(TASK)
+    code, _, err = await cli.run("launch", str(task), "--env", "GREETING=hi")
+    assert code == 2 and "Traceback" not in err, err
+    assert "WHO" in err, err
+
+    code, out, err = await cli.run(
+        "launch", str(task), "--env", "GREETING=hi", "--env", "WHO", "--dryrun", WHO="x"
+    )
+    assert code == 0, err
+    dry = json.loads(out)
+    assert dry["tasks"][0]["envs"] == {"GREETING": "hi", "WHO": "x"}
+    overrides = (
+        "--gpus",
+        "A100:8",
+        "--num-nodes",
+        "2",
+        "--infra",
+        "slurm",
+        "--secret",
+        "HF_TOKEN",
+        "--dryrun",
+    )
+    code, out, err = await cli.run("launch", str(task), "--env", "GREETING=a", "--env", "WHO=b", *overrides)
+    assert code == 0, err
+    dry = json.loads(out)
+    assert (dry["backend"], dry["tasks"][0]["num_nodes"]) == ("BACKEND_SLURM", 2)
+    assert dry["tasks"][0]["resources"]["gpus"] == "A100:8"
+    assert dry["tasks"][0]["secrets"] == [{"secret": "hf-token", "env": "HF_TOKEN"}]
+    code, _, err = await cli.run(
+        "launch", str(task), "--env", "GREETING=a", "--env", "WHO=b", "--secret", "X=1"
+    )
+    assert code == 2 and "vault" in err, err
+    code, out, err = await cli.run("queue", "--json")
+    assert (code, json.loads(out)) == (0, []), err  # --dryrun started nothing
+
+    code, _, err = await cli.run("secrets", "put", "hf-token", stdin=b"a-token-value")
+    assert code == 0, err
+    args = (
+        "--env",
+        "GREETING=hi",
+        "--env",
+        "WHO=alice",
+        "--secret",
+        "HF_TOKEN",
+        "--job-id",
+        "hello",
+        "--json",
+    )
+    code, out, err = await cli.run("launch", str(task), *args)
+    assert code == 0, err
+    assert json.loads(out)["name"] == "orgs/acme/jobs/hello"
+    code, out, err = await cli.run("logs", "hello", "hello", "--follow")
+    assert code == 0, err
+    assert "hi alice from acme_hello-0 on 1 node(s), token 13 long" in out, out  # the vault's value
+
+    task.write_text(TASK.replace("run: echo", "run: sleep 600; echo"))
+    code, out, err = await cli.run(
+        "launch", str(task), "--env", "GREETING=a", "--env", "WHO=b", "--job-id", "sleeper"
+    )
+    assert code == 0, err
+    code, out, err = await cli.run("cancel", "sleeper", "--json")
+    assert code == 0, err
+    assert json.loads(out)["name"] == "orgs/acme/jobs/sleeper"
+    code, out, err = await cli.run("queue", "--json")
+    assert code == 0, err
+    assert [job["name"] for job in json.loads(out)] == ["orgs/acme/jobs/sleeper", "orgs/acme/jobs/hello"]
+
+    code, _, err = await cli.run(
+        "launch", str(task), "--env", "GREETING=a", "--env", "WHO=b", "--infra", "aws"
+    )
+    assert code == 2 and "--infra aws" in err, err
+    code, _, err = await cli.run(
+        "launch", str(task), "--env", "GREETING=a", "--env", "WHO=b", "--infra", "slurm/c/p"
+    )
+    assert code == 2 and "'c/p'" in err, err
+
+
+def test_the_launch_help_examples_run_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["launch", "--help"])
+    examples = [
+        line.strip() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("tandem ")
+    ]
+    assert len(examples) == 3
+    for example in examples:
+        words = shlex.split(example)[1:]
+        words[1] = str(ROOT / words[1])
+        assert main(words) == 0, example
+        assert json.loads(capsys.readouterr().out)["tasks"]
