@@ -31,8 +31,9 @@ from mesh.secrets import open_secrets
 from mesh.server import Deps, Registration
 from mesh.store import Database, IntegrityError, open_database
 from services.taskapp_proxy.config import TaskAppProxySettings
-from services.taskapp_proxy.rollouts import Limits, RolloutRunner, http_session
+from services.taskapp_proxy.rollouts import Limits, RolloutRunner, http_session, key_headers
 from services.taskapp_proxy.store import MIGRATIONS
+from tandem_taskapp import hosted
 
 SERVICE_NAME = taskapp_service_pb2.DESCRIPTOR.services_by_name["TaskAppService"].full_name
 pb = taskapp_service_pb2
@@ -210,12 +211,13 @@ class TaskAppServiceServicer(taskapp_service_pb2_grpc.TaskAppServiceServicer):
         try:
             async with asyncio.timeout(TASK_INFO_TIMEOUT_S):
                 async with self._http.get(
-                    app.base_url.rstrip("/") + "/task_info", params={"seed": 0}, headers={"X-API-Key": key}
+                    app.base_url.rstrip("/") + "/task_info", params={"seed": 0}, headers=key_headers(key)
                 ) as response:
                     body = json.loads(await response.read())
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
         info = struct_pb2.Struct()
+        body = hosted.task_info_to_tandem(body)  # stored in Tandem's shape, whatever the app's dialect
         if isinstance(body, dict):
             json_format.ParseDict(body, info, ignore_unknown_fields=True)
         return info

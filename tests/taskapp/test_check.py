@@ -299,9 +299,9 @@ def test_the_rollout_request_the_kit_sends_follows_the_contract() -> None:
     schemas = check._Schemas(check.DEFAULT_OPENAPI_PATH)
     assert schemas.source == "taskapp-openapi.yaml"
     body = check.rollout_request("tandem-check-abc-rollout", "http://127.0.0.1:1/traces/x/v1")
-    assert check._schema_errors(schemas.validator("post", "/rollout", request=True), body) is None
+    assert check._schema_errors(schemas.validator("post", "/rollout", request=True), body) == []
     bad = {**body, "trace_correlation_id": "has spaces"}
-    assert check._schema_errors(schemas.validator("post", "/rollout", request=True), bad) is not None
+    assert check._schema_errors(schemas.validator("post", "/rollout", request=True), bad) != []
 
 
 def test_builtin_schemas_apply_without_the_openapi_document(tmp_path: Any) -> None:
@@ -313,8 +313,9 @@ def test_builtin_schemas_apply_without_the_openapi_document(tmp_path: Any) -> No
         "trajectory": {},
         "aborted": False,
     }
-    assert check._schema_errors(schemas.validator("post", "/rollout"), result) is None
-    assert check._schema_errors(schemas.validator("post", "/rollout"), {"metrics": {}}) is not None
+    assert check._schema_errors(schemas.validator("post", "/rollout"), result) == []
+    violations = check._schema_errors(schemas.validator("post", "/rollout"), {"metrics": {}})
+    assert len(violations) == 4, violations  # every one, not only the first
 
 
 def test_format_table_aligns_columns() -> None:
