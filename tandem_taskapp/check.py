@@ -18,8 +18,18 @@ app (the rows become `tandem.taskapp.v1.CheckResult`). The checks, in the order 
   `X-Trace-Correlation-Id` header.
 - `timeout_behaviour`: with `limits.max_seconds = 1` and a policy that answers after 3 s, the app answers
   within 1 s plus 1.5 s of slack, with `aborted: true` or a 408/5xx status.
-- `idempotent_repeat`: the same rollout body (same correlation id) sent again answers an equal result
-  (`metrics.details`, free-form and often timed, is not compared).
+- `idempotent_repeat`: an episode played against a stub policy whose every reply holds a fresh random word,
+  sent again with the same correlation id, answers an equal result (`metrics.details`, free-form and often
+  timed, is not compared) without calling the policy again: an app that plays a repeat again fails, even a
+  deterministic one.
+- `dialect`: which dialect the app speaks, `tandem` or `hosted: <where it showed>` (the hosted online-RL
+  product's shapes: `{"detail"}` errors, a key-less `/health`, the hosted `task_info`, `trajectories[].steps[]`
+  or `trace` rollouts, `X-API-Keys`; `tandem_taskapp/hosted.py`); fails when no rollout answer followed either.
+
+A check that validates an answer accepts it in either dialect (a hosted answer is validated once more after
+it is turned into Tandem's shape) and, when it follows neither, lists every violation of the nearer one:
+in the row's `violations` (one a line under the row in the table, a list in `--json`), with their count in
+the detail.
 
 When no `policy_url` is given the kit serves its own stub policy on 127.0.0.1 (a free port, in this process):
 an OpenAI-compatible `/chat/completions` that answers every call with a fixed short reply and records the

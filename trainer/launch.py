@@ -74,12 +74,21 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _serve_command(script: Path, port: int) -> list[str]:
+    """How an example app is served: through the SDK (`tandem taskapp serve`), or, for an app that does not
+    use the SDK (hosted_copy_letter.py, written to the hosted contract on the standard library), as its own
+    program, which takes `--port` and reads `ENVIRONMENT_API_KEY` as the SDK's server does."""
+    if "tandem_taskapp" not in script.read_text(encoding="utf-8"):
+        return [sys.executable, str(script), "--port", str(port)]
+    return [sys.executable, "-m", "gateway.cli", "taskapp", "serve", str(script), "--port", str(port)]
+
+
 @contextlib.contextmanager
 def _task_app(script: Path, key: str) -> Iterator[str]:
     port = _free_port()
     env = {**os.environ, "ENVIRONMENT_API_KEY": key}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "taskapp", "serve", str(script), "--port", str(port)],
+        _serve_command(script, port),
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
