@@ -201,7 +201,11 @@ class TaskAppServiceServicer(taskapp_service_pb2_grpc.TaskAppServiceServicer):
             duration.FromNanoseconds(int(result.duration_s * 1e9))
             out.append(
                 task_app_pb2.CheckResult(
-                    check=result.name, passed=result.passed, detail=result.detail, duration=duration
+                    check=result.name,
+                    passed=result.passed,
+                    detail=result.detail,
+                    duration=duration,
+                    violations=result.violations,
                 )
             )
         return out
