@@ -234,6 +234,15 @@ async def _embedded(
     org = target.name.split("/")[1] if target.name else "local"
     app_id = target.name.rsplit("/", 1)[-1] if target.name else "app"
     key = secrets.token_hex(16)
+    if target.base_url:
+        # The app already runs with its own key. Here no vault holds `secret_name` (a job submitted through
+        # the gateway registers the app with that secret instead), so the key comes from the environment.
+        key = os.environ.get("ENVIRONMENT_API_KEY", "").strip()
+        if not key:
+            raise RuntimeError(
+                "task_app.base_url: set ENVIRONMENT_API_KEY to the app's key for a run on this machine "
+                "(a job submitted through the gateway opens task_app.secret_name instead)"
+            )
     url = target.base_url or stack.enter_context(_task_app(_example_script(target.name), key))
     settings = await stack.enter_async_context(mesh_process(output_dir / "mesh", mesh_key))
     algorithm = job.config.algorithm
