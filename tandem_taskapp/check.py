@@ -7,8 +7,10 @@ app (the rows become `tandem.taskapp.v1.CheckResult`). The checks, in the order 
   or its first 6 characters.
 - `auth_missing_key`: `POST /rollout` and `GET /task_info` without a key answer 401 with no key material.
 - `auth_wrong_key`: both answer 401 to a wrong key, the same body for two different wrong keys, echoing
-  neither wrong key and holding no key material.
-- `auth_bearer`: `Authorization: Bearer <key>` is accepted; a wrong bearer key answers 401.
+  neither wrong key and holding no key material; so does `/health`, unless it takes no key at all (the
+  hosted dialect's key-less health: 200 to no key and to wrong keys, revealing neither).
+- `auth_bearer`: `Authorization: Bearer <key>` is accepted (or, in the hosted dialect, `X-API-Keys`, a
+  comma-separated list); a wrong key in that form answers 401.
 - `task_info_schema`: `GET /task_info?seed=0` answers 200 with JSON valid per docs/taskapp-openapi.yaml.
 - `task_info_deterministic`: the same seed twice gives identical JSON (seeds 0 and 1, which may differ).
 - `rollout_schema`: a real one-turn rollout against the policy answers 200, valid per the schema, with
