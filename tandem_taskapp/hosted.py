@@ -101,9 +101,14 @@ def task_info_to_tandem(body: Any) -> Any:
     limits = out.get("limits")
     limits = dict(limits) if isinstance(limits, dict) else {}
     timeout = limits.get("timeout_seconds")
-    if "max_seconds" not in limits and isinstance(timeout, int | float) and _is_number(timeout):
-        if 1 <= timeout <= _MAX_SECONDS:
-            limits["max_seconds"] = int(timeout)
+    numeric = isinstance(timeout, int | float) and _is_number(timeout)
+    if (
+        "max_seconds" not in limits
+        and isinstance(timeout, int | float)
+        and numeric
+        and 1 <= timeout <= _MAX_SECONDS
+    ):
+        limits["max_seconds"] = int(timeout)
     out["limits"] = limits
     if isinstance(out.get("task_metadata"), dict) and "instance" not in out:
         out["instance"] = out["task_metadata"]
