@@ -53,6 +53,8 @@ class CheckpointIndex:
                     uri=saved.uri,
                     format=checkpoint_pb2.Checkpoint.FORMAT_HF_SAFETENSORS,
                     size_bytes=saved.size_bytes,
+                    trigger=saved.trigger,
+                    resumable=saved.resumable,
                 )
                 found.policy_version.job = job
                 found.policy_version.weight_version = saved.weight_version

@@ -1011,7 +1011,7 @@ def _add_infer(sub: Any, gw: argparse.ArgumentParser) -> None:
         "infer",
         "generate a completion from a job's checkpoint (`tandem infer list` and `tandem infer stop` for the"
         " running workers)",
-        "  tandem infer demo 'Copy this letter: B'\n  tandem infer demo --checkpoint step-000040 'Copy this letter: B'"
+        "  tandem infer demo 'Copy this letter: B'\n  tandem infer demo --checkpoint step-40 'Copy this letter: B'"
         "\n  tandem infer list                  the running inference workers and their idle time left"
         "\n  tandem infer stop demo             stop the worker of demo's newest checkpoint"
         "\n(a job named `list` or `stop` is asked by its full name, orgs/ORG/jobs/list)",

@@ -103,6 +103,27 @@ def task_app_of(config: config_pb2.TrainerConfig) -> str:
     return config.task_app.name
 
 
+_APP_ID = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+
+
+def bare_app_id(job_id: str, token: str) -> str:
+    """The id a config's bare `base_url` app is registered under: `job-{job_id}`, or `job-{token}` when the
+    job has no id (yet) or that would not be a valid app id."""
+    wanted = f"job-{job_id}"
+    return wanted if job_id and _APP_ID.fullmatch(wanted) else f"job-{token}"
+
+
+def naming(config: config_pb2.TrainerConfig, app: str) -> config_pb2.TrainerConfig:
+    """`config` with its Task App given by the registered name `app` instead of `base_url` + `secret_name`
+    (the registration holds both)."""
+    named = config_pb2.TrainerConfig()
+    named.CopyFrom(config)
+    named.task_app.ClearField("base_url")
+    named.task_app.ClearField("secret_name")
+    named.task_app.name = app
+    return named
+
+
 def check_task_app(org: str, app: str) -> None:
     """A config may name only its own organization's apps; another's answers exactly as a missing one of
     its own does (NOT_FOUND / TASK_APP_NOT_FOUND, the proxy's words), whether it exists or not."""

@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -30,8 +31,8 @@ from tandem.events.v1 import events_service_pb2_grpc
 from tandem.gateway.v1 import gateway_service_pb2, gateway_service_pb2_grpc, org_pb2, server_info_pb2
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2, scheduler_service_pb2_grpc
 from tandem.scheduler.v1 import scheduler_service_pb2 as sched_pb
+from tandem.taskapp.v1 import task_app_pb2, taskapp_service_pb2_grpc
 from tandem.taskapp.v1 import taskapp_service_pb2 as taskapp_pb
-from tandem.taskapp.v1 import taskapp_service_pb2_grpc
 from tandem.trainer.v1 import checkpoint_pb2, config_pb2
 from tandem.vault.v1 import org_key_pb2, vault_service_pb2_grpc
 from tandem.vault.v1 import vault_service_pb2 as vault_pb
@@ -449,22 +450,80 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         )
         return reply.job
 
+    async def _register_bare_app(
+        self, scope: Scope, config: config_pb2.TrainerConfig, job_id: str, validate_only: bool
+    ) -> tuple[config_pb2.TrainerConfig, str] | None:
+        """A config's bare Task App (`base_url`, with `secret_name` as its key) registered for the job under
+        a generated id, and the config and its TOML naming that registration instead; None for a config
+        that names a registered app. Registering runs the checks with the key opened from that secret, so a
+        `validate_only` call checks the app too (and stores nothing). A repeat of the same job finds its
+        own registration and checks it again."""
+        target = config.task_app
+        if not target.base_url:
+            return None
+        parent = f"orgs/{scope.org}"
+        app_id = rljob.bare_app_id(job_id, secrets.token_hex(6))
+        name = f"{parent}/taskApps/{app_id}"
+        request = taskapp_pb.RegisterTaskAppRequest(
+            parent=parent,
+            task_app_id=app_id,
+            task_app=task_app_pb2.TaskApp(base_url=target.base_url, secret_name=target.secret_name),
+            validate_only=validate_only,
+        )
+        try:
+            await _forwarded(
+                self._task_apps.RegisterTaskApp(request, metadata=scope.metadata, timeout=self._timeout)
+            )
+        except Forwarded as error:
+            if error.reason != R.ERROR_REASON_ALREADY_EXISTS:
+                raise
+            existing = await _forwarded(
+                self._task_apps.GetTaskApp(
+                    taskapp_pb.GetTaskAppRequest(name=name), metadata=scope.metadata, timeout=self._timeout
+                )
+            )
+            same = (existing.task_app.base_url, existing.task_app.secret_name) == (
+                target.base_url,
+                target.secret_name,
+            )
+            if not same:
+                raise
+            checked = await self._check_task_app(scope, name)
+            rljob.refuse_failed_checks(name, "task_app.base_url", checked.check_results)
+        named = rljob.naming(config, name)
+        return named, rljob.to_toml(named)
+
     async def _rl_spec(
-        self, scope: Scope, config: config_pb2.TrainerConfig, toml: str, field: str, **options: Any
+        self,
+        scope: Scope,
+        config: config_pb2.TrainerConfig,
+        toml: str,
+        field: str,
+        *,
+        job_id: str = "",
+        validate_only: bool = False,
+        **options: Any,
     ) -> Any:
-        """The job group of an online-RL config, once the Task App it names passes its checks now."""
+        """The job group of an online-RL config, once the Task App it names passes its checks now (a bare
+        `base_url` app is registered for the job first, `_register_bare_app`)."""
+        bare = await self._register_bare_app(scope, config, job_id, validate_only)
+        if bare is not None:
+            config, toml = bare
         app = rljob.task_app_of(config)
         rljob.check_task_app(scope.org, app)
-        if app:
+        if app and bare is None:
             checked = await self._check_task_app(scope, app)
             rljob.refuse_failed_checks(app, f"{field}.task_app.name", checked.check_results)
         return rljob.job_spec(config, toml, **options)
 
-    async def _check_spec_task_apps(self, scope: Scope, spec: job_spec_pb2.JobSpec) -> None:
-        """The Task Apps named by a spec's inline online-RL configs pass their checks now. A config that does
-        not parse is left to the scheduler, which names the field. An app that one of the group's own
-        `service` tasks registers (`register_task_app`) exists only once the scheduler starts that task, so
-        it is not checked here."""
+    async def _check_spec_task_apps(
+        self, scope: Scope, spec: job_spec_pb2.JobSpec, job_id: str, validate_only: bool
+    ) -> None:
+        """The Task Apps named by a spec's inline online-RL configs pass their checks now; a config's bare
+        `base_url` app is registered for the job and the config rewritten to name it (`_register_bare_app`).
+        A config that does not parse is left to the scheduler, which names the field. An app that one of the
+        group's own `service` tasks registers (`register_task_app`) exists only once the scheduler starts
+        that task, so it is not checked here."""
         own = {
             f"orgs/{scope.org}/taskApps/{task.service.register_task_app.app_id}"
             for task in spec.tasks
@@ -480,6 +539,10 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
                 config = rljob.parse_toml(task.online_rl.config_toml, field)
             except InvalidArgument:
                 continue
+            bare = await self._register_bare_app(scope, config, job_id, validate_only)
+            if bare is not None:
+                task.online_rl.config_toml = bare[1]
+                continue
             app = rljob.task_app_of(config)
             rljob.check_task_app(scope.org, app)
             if app and app not in own:
@@ -490,11 +553,19 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
         scope = self._scope(request.parent, R.ERROR_REASON_ORG_NOT_FOUND)
         source = request.WhichOneof("source")
         if source == "spec":
-            spec = request.spec
-            await self._check_spec_task_apps(scope, spec)
+            spec = job_spec_pb2.JobSpec()
+            spec.CopyFrom(request.spec)
+            await self._check_spec_task_apps(scope, spec, request.job_id, request.validate_only)
         elif source == "rl_config_toml":
             config = rljob.parse_toml(request.rl_config_toml, "rl_config_toml")
-            spec = await self._rl_spec(scope, config, request.rl_config_toml, "rl_config_toml")
+            spec = await self._rl_spec(
+                scope,
+                config,
+                request.rl_config_toml,
+                "rl_config_toml",
+                job_id=request.job_id,
+                validate_only=request.validate_only,
+            )
         else:
             raise InvalidArgument(
                 "set spec or rl_config_toml",
@@ -515,6 +586,8 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             config,
             toml,
             "config",
+            job_id=request.job_id,
+            validate_only=request.validate_only,
             display_name=request.display_name,
             backend=request.backend,
             priority=request.priority,

@@ -2,8 +2,10 @@
 
 The schema is `tandem.trainer.v1.TrainerConfig` (protos/tandem/trainer/v1/config.proto): every `[section]`
 is a nested message and every key a field of the same name, documented there. `load_job` parses the file,
-refuses unknown keys and values of the wrong type, checks the contract's field rules (ranges, patterns,
-required fields) and the rules that span fields, and names each offending field in the error. `Job` gives
+refuses unknown keys and values of the wrong type (named as the file spells them, e.g.
+`algorithm.prompts_per_stepz: is not a key of [algorithm]; the valid keys are ...`, never in the protobuf
+parser's words), checks the contract's field rules (ranges, patterns, required fields) and the rules that
+span fields, and names each offending field in the error. `Job` gives
 the effective values, with every unset optional field at the default its comment names. No torch here.
 """
 
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from tandem.trainer.v1 import config_pb2
 
 from mesh.errors import FieldViolation, InvalidArgument, R
@@ -33,13 +36,94 @@ def _invalid(message: str, found: list[FieldViolation]) -> InvalidArgument:
     return InvalidArgument(message, reason=R.ERROR_REASON_INVALID_JOB_SPEC, violations=found)
 
 
+_INT64 = frozenset(
+    {
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    }
+)
+
+
+def _kind(field: FieldDescriptor) -> tuple[str, tuple[type, ...]]:
+    """What a TOML value of `field` must be: a word for the message and the Python types TOML gives it."""
+    if field.type == FieldDescriptor.TYPE_MESSAGE:
+        return "a table", (dict,)
+    if field.enum_type is not None:
+        return "one of " + ", ".join(v.name for v in field.enum_type.values[1:]), (str,)
+    if field.type == FieldDescriptor.TYPE_BOOL:
+        return "true or false", (bool,)
+    if field.type == FieldDescriptor.TYPE_STRING:
+        return "a string", (str,)
+    if field.type in (FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE):
+        return "a number", (int, float)
+    return "an integer", (int,)
+
+
+def _shape(table: dict[str, Any], message: Descriptor, path: str) -> list[FieldViolation]:
+    """Every key of `table` that is not a field of `message`, and every value of the wrong kind, named as
+    the file spells it (snake_case, dotted from the top) with what was expected: the valid keys of that
+    table, or the kind of value. Tables of a well-known type (e.g. `env_config`, a free-form Struct) are
+    left as they are."""
+    found: list[FieldViolation] = []
+    fields = {f.name: f for f in message.fields}
+    by_json = {f.json_name: f for f in message.fields}
+    for key, value in table.items():
+        where = f"{path}.{key}" if path else str(key)
+        field = fields.get(key) or by_json.get(key)
+        if field is None:
+            section = f"[{path}]" if path else "the top level"
+            valid = ", ".join(sorted(fields))
+            found.append(FieldViolation(where, f"is not a key of {section}; the valid keys are {valid}"))
+            continue
+        values = value if _is_repeated(field) and isinstance(value, list) else [value]
+        if _is_repeated(field) and not isinstance(value, list):
+            found.append(FieldViolation(where, "must be a list"))
+            continue
+        kind, types = _kind(field)
+        for index, item in enumerate(values):
+            at = f"{where}[{index}]" if _is_repeated(field) else where
+            if field.type in _INT64 and isinstance(item, str) and item.lstrip("-").isdigit():
+                continue  # proto3 JSON's spelling of a 64-bit integer, as a TOML the gateway wrote has it
+            if not isinstance(item, types) or (bool not in types and isinstance(item, bool)):
+                found.append(FieldViolation(at, f"must be {kind}, not {_toml_type(item)}"))
+            elif field.enum_type is not None and item not in field.enum_type.values_by_name:
+                found.append(FieldViolation(at, f"must be {kind}, not {item!r}"))
+            elif (
+                isinstance(item, dict)
+                and field.message_type is not None
+                and not field.message_type.full_name.startswith("google.protobuf.")
+            ):
+                found.extend(_shape(item, field.message_type, at))
+    return found
+
+
+def _is_repeated(field: FieldDescriptor) -> bool:
+    return bool(field.is_repeated)
+
+
+def _toml_type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list"}
+    return names.get(type(value), "a table" if isinstance(value, dict) else type(value).__name__)
+
+
 def parse_job(document: dict[str, Any]) -> config_pb2.TrainerConfig:
-    """A TOML document (as a dict) -> a validated TrainerConfig; InvalidArgument naming every bad field."""
+    """A TOML document (as a dict) -> a validated TrainerConfig; InvalidArgument naming every bad field.
+    Unknown keys and values of the wrong kind are named as the file spells them (snake_case), with the valid
+    keys of their table or the kind expected."""
     config = config_pb2.TrainerConfig()
+    shape = _shape(document, config.DESCRIPTOR, "")
+    if shape:
+        names = ", ".join(f"{v.field} ({v.description})" for v in shape[:5])
+        raise _invalid(f"invalid job config: {names}", shape)
     try:
         json_format.ParseDict(document, config, ignore_unknown_fields=False)
-    except json_format.ParseError as exc:
-        raise _invalid(f"the job config does not fit the schema: {exc}", []) from None
+    except json_format.ParseError:  # what the walk above lets through: say where, not the parser's words
+        raise _invalid(
+            "the job config does not fit the schema", [FieldViolation("(config)", "does not fit the schema")]
+        ) from None
     found = violations(config)
     found.extend(_cross_field(config))
     if found:

@@ -7,8 +7,10 @@ app (the rows become `tandem.taskapp.v1.CheckResult`). The checks, in the order 
   or its first 6 characters.
 - `auth_missing_key`: `POST /rollout` and `GET /task_info` without a key answer 401 with no key material.
 - `auth_wrong_key`: both answer 401 to a wrong key, the same body for two different wrong keys, echoing
-  neither wrong key and holding no key material.
-- `auth_bearer`: `Authorization: Bearer <key>` is accepted; a wrong bearer key answers 401.
+  neither wrong key and holding no key material; so does `/health`, unless it takes no key at all (the
+  hosted dialect's key-less health: 200 to no key and to wrong keys, revealing neither).
+- `auth_bearer`: `Authorization: Bearer <key>` is accepted (or, in the hosted dialect, `X-API-Keys`, a
+  comma-separated list); a wrong key in that form answers 401.
 - `task_info_schema`: `GET /task_info?seed=0` answers 200 with JSON valid per docs/taskapp-openapi.yaml.
 - `task_info_deterministic`: the same seed twice gives identical JSON (seeds 0 and 1, which may differ).
 - `rollout_schema`: a real one-turn rollout against the policy answers 200, valid per the schema, with
@@ -18,8 +20,18 @@ app (the rows become `tandem.taskapp.v1.CheckResult`). The checks, in the order 
   `X-Trace-Correlation-Id` header.
 - `timeout_behaviour`: with `limits.max_seconds = 1` and a policy that answers after 3 s, the app answers
   within 1 s plus 1.5 s of slack, with `aborted: true` or a 408/5xx status.
-- `idempotent_repeat`: the same rollout body (same correlation id) sent again answers an equal result
-  (`metrics.details`, free-form and often timed, is not compared).
+- `idempotent_repeat`: an episode played against a stub policy whose every reply holds a fresh random word,
+  sent again with the same correlation id, answers an equal result (`metrics.details`, free-form and often
+  timed, is not compared) without calling the policy again: an app that plays a repeat again fails, even a
+  deterministic one.
+- `dialect`: which dialect the app speaks, `tandem` or `hosted: <where it showed>` (the hosted online-RL
+  product's shapes: `{"detail"}` errors, a key-less `/health`, the hosted `task_info`, `trajectories[].steps[]`
+  or `trace` rollouts, `X-API-Keys`; `tandem_taskapp/hosted.py`); fails when no rollout answer followed either.
+
+A check that validates an answer accepts it in either dialect (a hosted answer is validated once more after
+it is turned into Tandem's shape) and, when it follows neither, lists every violation of the nearer one:
+in the row's `violations` (one a line under the row in the table, a list in `--json`), with their count in
+the detail.
 
 When no `policy_url` is given the kit serves its own stub policy on 127.0.0.1 (a free port, in this process):
 an OpenAI-compatible `/chat/completions` that answers every call with a fixed short reply and records the
@@ -62,6 +74,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tandem_taskapp import hosted
+
 __all__ = [
     "CHECK_NAMES",
     "DEFAULT_OPENAPI_PATH",
@@ -89,6 +103,7 @@ CHECK_NAMES: Final = (
     "correlation_id_propagated",
     "timeout_behaviour",
     "idempotent_repeat",
+    "dialect",
 )
 
 DEFAULT_OPENAPI_PATH: Final = Path(__file__).resolve().parent.parent / "docs" / "taskapp-openapi.yaml"
@@ -106,6 +121,7 @@ MAX_ANSWER_BYTES: Final = 16 * 1024 * 1024
 _MAX_RECORDED_CALLS: Final = 10_000
 _SKIPPED: Final = "skipped: "
 _DETAIL_MAX: Final = 300
+_MAX_VIOLATIONS: Final = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,14 +132,17 @@ class CheckResult:
     passed: bool
     detail: str
     duration_s: float
+    violations: tuple[str, ...] = ()
+    """Every schema violation the check found, each `at <path>: <message>`; empty for other failures."""
 
 
 class _CheckFailed(Exception):
-    """Raised inside a check: the check failed with this detail."""
+    """Raised inside a check: the check failed with this detail (and these schema violations)."""
 
-    def __init__(self, detail: str) -> None:
+    def __init__(self, detail: str, violations: Sequence[str] = ()) -> None:
         super().__init__(detail)
         self.detail = detail
+        self.violations = tuple(violations)
 
 
 # --------------------------------------------------------------------------------------------- stub policy
@@ -155,8 +174,9 @@ class _QuietServer(uvicorn.Server):
 class StubPolicyServer:
     """A tiny OpenAI-compatible policy on 127.0.0.1: every `POST .../chat/completions` gets `reply`.
 
-    Paths under `/slow/` answer after `slow_delay_s` (or at shutdown, whichever is first). Every request is
-    recorded in `calls`. Use as `async with StubPolicyServer() as policy:`.
+    Paths under `/slow/` answer after `slow_delay_s` (or at shutdown, whichever is first); paths under
+    `/random/` answer `reply` and a fresh random word, so that two plays of one episode differ. Every
+    request is recorded in `calls`. Use as `async with StubPolicyServer() as policy:`.
     """
 
     reply: str = STUB_REPLY
@@ -173,9 +193,10 @@ class StubPolicyServer:
             raise RuntimeError("the stub policy is not running")
         return f"http://127.0.0.1:{self._port}"
 
-    def inference_url(self, correlation_id: str, *, slow: bool = False) -> str:
+    def inference_url(self, correlation_id: str, *, slow: bool = False, random: bool = False) -> str:
         """The `inference_url` for one episode: the correlation id in the path, as the trainer builds it."""
-        return f"{self.base_url}/{'slow' if slow else 'traces'}/{correlation_id}/v1"
+        kind = "slow" if slow else "random" if random else "traces"
+        return f"{self.base_url}/{kind}/{correlation_id}/v1"
 
     def calls_for(self, correlation_id: str) -> list[PolicyCall]:
         return [call for call in self.calls if call.carries(correlation_id)]
@@ -199,8 +220,9 @@ class StubPolicyServer:
         model = body.get("model") if isinstance(body, dict) else None
         model = model if isinstance(model, str) else STUB_MODEL
         created = int(time.time())
+        reply = f"{self.reply} {secrets.token_hex(4)}" if path.startswith("/random/") else self.reply
         if isinstance(body, dict) and body.get("stream") is True:
-            return StreamingResponse(self._stream(model, created), media_type="text/event-stream")
+            return StreamingResponse(self._stream(model, created, reply), media_type="text/event-stream")
         return JSONResponse(
             {
                 "id": "chatcmpl-tandem-check",
@@ -210,7 +232,7 @@ class StubPolicyServer:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": self.reply},
+                        "message": {"role": "assistant", "content": reply},
                         "finish_reason": "stop",
                     }
                 ],
@@ -218,9 +240,9 @@ class StubPolicyServer:
             }
         )
 
-    async def _stream(self, model: str, created: int) -> AsyncIterator[str]:
+    async def _stream(self, model: str, created: int, reply: str) -> AsyncIterator[str]:
         base = {"id": "chatcmpl-tandem-check", "object": "chat.completion.chunk", "created": created}
-        for delta, finish in (({"role": "assistant", "content": self.reply}, None), ({}, "stop")):
+        for delta, finish in (({"role": "assistant", "content": reply}, None), ({}, "stop")):
             chunk = {
                 **base,
                 "model": model,
@@ -331,6 +353,17 @@ _FALLBACK_SCHEMAS: Final[dict[tuple[str, str, str], dict[str, Any]]] = {
 }
 
 
+_FALLBACK_HOSTED: Final[dict[str, dict[str, Any]]] = {
+    "HostedError": {"type": "object", "required": ["detail"]},
+    "HostedTaskInfo": {"type": "object", "required": ["task", "dataset"]},
+    "HostedRolloutResponse": {
+        "type": "object",
+        "required": ["metrics"],
+        "anyOf": [{"required": ["trajectories"]}, {"required": ["trace"]}],
+    },
+}
+
+
 def _pointer_token(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
 
@@ -362,6 +395,14 @@ class _Schemas:
             schema: dict[str, Any] = {} if request else _FALLBACK_SCHEMAS.get((method, route, status), {})
             return jsonschema.Draft202012Validator(schema)
         return jsonschema.Draft202012Validator({"$ref": f"{_OPENAPI_URI}#{pointer}"}, registry=self._registry)
+
+    def component(self, name: str) -> jsonschema.Draft202012Validator:
+        """The validator of `components.schemas[name]` (the hosted dialect's shapes live there)."""
+        schemas = (self._doc or {}).get("components", {}).get("schemas", {})
+        if isinstance(schemas, dict) and name in schemas:
+            ref = f"{_OPENAPI_URI}#/components/schemas/{_pointer_token(name)}"
+            return jsonschema.Draft202012Validator({"$ref": ref}, registry=self._registry)
+        return jsonschema.Draft202012Validator(_FALLBACK_HOSTED.get(name, {}))
 
     def _pointer(self, method: str, route: str, *, status: str, request: bool) -> str | None:
         if self._doc is None:
@@ -409,16 +450,24 @@ class _Schemas:
         return node
 
 
-def _schema_errors(validator: jsonschema.Draft202012Validator, instance: Any) -> str | None:
+def _schema_errors(validator: jsonschema.Draft202012Validator, instance: Any) -> list[str]:
+    """Every violation of the schema by `instance`, shallowest first, each `at <path>: <message>`."""
     errors = sorted(
         validator.iter_errors(instance), key=lambda e: (len(e.absolute_path), str(e.absolute_path))
     )
-    if not errors:
-        return None
-    first = errors[0]
-    where = "/".join(str(p) for p in first.absolute_path) or "(root)"
-    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"at {where}: {first.message}{more}"
+    out = []
+    for error in errors[:_MAX_VIOLATIONS]:
+        where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+        out.append(_short(f"at {where}: {error.message}"))
+    if len(errors) > _MAX_VIOLATIONS:
+        out.append(f"... and {len(errors) - _MAX_VIOLATIONS} more")
+    return out
+
+
+def _breaks(what: str, source: str, violations: Sequence[str]) -> _CheckFailed:
+    """The failure of an answer that breaks a schema: the detail names the count, the rows list each."""
+    count = f"{len(violations)} violation{'s' if len(violations) != 1 else ''}"
+    return _CheckFailed(f"{what} breaks the {source} ({count}): " + "; ".join(violations), violations)
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -447,6 +496,9 @@ def rollout_request(
         },
         "mode": "eval",
         "limits": {"max_turns": max_turns, "max_seconds": max_seconds},
+        # The hosted dialect's names for the id and the time limit, as the proxy sends them too.
+        "run_id": correlation_id,
+        "safety": {"max_time_s": max_seconds},
     }
 
 
@@ -523,15 +575,48 @@ class _Kit:
         self.rollout_answer: _Answer | None = None
         self.rollout_json: Any = None
         self.rollout_calls: list[PolicyCall] = []
+        self.rollout_conformed = False
+        self.hosted: list[str] = []  # what the app answered in the hosted dialect, in the order seen
 
     def correlation_id(self, purpose: str) -> str:
         return f"tandem-check-{self.run_id}-{purpose}"
 
-    def inference_url(self, correlation_id: str, *, slow: bool = False) -> str:
+    def inference_url(self, correlation_id: str, *, slow: bool = False, random: bool = False) -> str:
         if self.policy is not None:
-            return self.policy.inference_url(correlation_id, slow=slow)
+            return self.policy.inference_url(correlation_id, slow=slow, random=random)
         assert self.policy_url is not None
         return self.policy_url
+
+    def speaks_hosted(self, what: str) -> None:
+        if what not in self.hosted:
+            self.hosted.append(what)
+
+    def conform(
+        self,
+        what: str,
+        tandem: jsonschema.Draft202012Validator,
+        hosted_schema: str,
+        body: Any,
+        *,
+        evidence: str,
+        normalise: Callable[[Any], Any] = lambda body: body,
+    ) -> Any:
+        """`body` in Tandem's shape: as it is when it follows Tandem's contract, normalised when it follows
+        the hosted dialect's `hosted_schema`. Neither: fails with every violation of the nearer one."""
+        found = _schema_errors(tandem, body)
+        if not found:
+            return body
+        in_hosted = _schema_errors(self.schemas.component(hosted_schema), body)
+        if not in_hosted:
+            normalised = normalise(body)
+            again = _schema_errors(tandem, normalised)
+            if again:
+                raise _breaks(f"{what}, read in the hosted dialect,", self.schemas.source, again)
+            self.speaks_hosted(evidence)
+            return normalised
+        if len(in_hosted) < len(found):
+            raise _breaks(what, f"{self.schemas.source} (hosted dialect, {hosted_schema})", in_hosted)
+        raise _breaks(what, self.schemas.source, found)
 
     def redact(self, text: str) -> str:
         for needle in sorted(self.needles, key=len, reverse=True):
@@ -604,8 +689,8 @@ class _Kit:
         if self.leaks(answer):
             raise _CheckFailed("GET /health reveals key material (the key or its first 6 characters)")
         problem = _schema_errors(self.schemas.validator("get", "/health"), body)
-        if problem is not None:
-            raise _CheckFailed(f"GET /health breaks the {self.schemas.source}: {problem}")
+        if problem:
+            raise _breaks("GET /health", self.schemas.source, problem)
         if self.key:
             anonymous = await self.request("GET", "/health", headers={})
             if self.leaks(anonymous):
@@ -636,11 +721,14 @@ class _Kit:
             error_body = answer.json()
         except ValueError:
             raise _CheckFailed(f"the 401 of {method} {route} {how} is not JSON") from None
-        problem = _schema_errors(self.schemas.validator(method.lower(), route, status="401"), error_body)
-        if problem is not None:
-            raise _CheckFailed(
-                f"the 401 of {method} {route} {how} breaks the {self.schemas.source}: {problem}"
-            )
+        self.conform(
+            f"the 401 of {method} {route} {how}",
+            self.schemas.validator(method.lower(), route, status="401"),
+            "HostedError",
+            error_body,
+            evidence='errors as {"detail": ...}',
+            normalise=hosted.error_to_tandem,
+        )
         return answer
 
     async def check_auth_missing_key(self) -> str:
@@ -660,6 +748,8 @@ class _Kit:
         ]
         for method, route in (("POST", "/rollout"), ("GET", "/task_info"), ("GET", "/health")):
             bodies = set()
+            if route == "/health" and await self.open_health(wrong):
+                continue
             for key in wrong:
                 answer = await self._rejects(method, route, self.headers(key), "with a wrong key", key)
                 bodies.add(answer.text)
@@ -667,24 +757,49 @@ class _Kit:
                 raise _CheckFailed(f"the 401 of {method} {route} differs between two wrong keys")
         return ""
 
+    async def open_health(self, wrong: Sequence[str]) -> bool:
+        """Whether `/health` takes no key at all (the hosted dialect's key-less health): it answers 200 to
+        no key and to each wrong key, revealing neither key."""
+        for key in wrong:
+            answer = await self.request("GET", "/health", headers=self.headers(key))
+            if answer.status != 200:
+                return False
+            if self.leaks(answer, extra=[key]):
+                raise _CheckFailed("GET /health with a wrong key reveals key material")
+        anonymous = await self.request("GET", "/health", headers={})
+        if anonymous.status != 200:
+            return False
+        self.speaks_hosted("a key-less /health")
+        return True
+
     async def check_auth_bearer(self) -> str:
         if not self.key:
             return _SKIPPED + "no key given, the app takes none"
         answer = await self.request(
             "GET", "/task_info", headers=self.headers(bearer=True), params={"seed": 0}
         )
+        form = "Authorization: Bearer"
         if answer.status != 200:
-            raise _CheckFailed(
-                f"GET /task_info with Authorization: Bearer answered HTTP {answer.status}, expected 200"
-            )
+            # The hosted dialect's other form: X-API-Keys, a comma-separated list of keys to try.
+            keys = {"X-API-Keys": f"{secrets.token_hex(12)},{self.key}"}
+            listed = await self.request("GET", "/task_info", headers=keys, params={"seed": 0})
+            if listed.status != 200:
+                raise _CheckFailed(
+                    f"GET /task_info with Authorization: Bearer answered HTTP {answer.status} and with "
+                    f"X-API-Keys HTTP {listed.status}, expected 200"
+                )
+            self.speaks_hosted("the key in X-API-Keys")
+            form = "X-API-Keys"
         # Only the status here: what a 401 may hold is auth_missing_key's and auth_wrong_key's business.
-        wrong = self.headers(secrets.token_hex(24), bearer=True)
+        wrong_key = secrets.token_hex(24)
+        wrong = self.headers(wrong_key, bearer=True) if form != "X-API-Keys" else {"X-API-Keys": wrong_key}
         answer = await self.request("GET", "/task_info", headers=wrong, params={"seed": 0})
         if answer.status != 401:
             raise _CheckFailed(
-                f"GET /task_info with a wrong bearer key answered HTTP {answer.status}, expected 401"
+                f"GET /task_info with a wrong {'bearer ' if form != 'X-API-Keys' else ''}key"
+                f"{' in X-API-Keys' if form == 'X-API-Keys' else ''} answered HTTP {answer.status}, expected 401"
             )
-        return ""
+        return "" if form != "X-API-Keys" else "Authorization: Bearer refused; X-API-Keys accepted"
 
     async def task_info(self, seed: int) -> Any:
         answer = await self.request("GET", "/task_info", headers=self.headers(), params={"seed": seed})
@@ -694,9 +809,16 @@ class _Kit:
 
     async def check_task_info_schema(self) -> str:
         body = await self.task_info(0)
-        problem = _schema_errors(self.schemas.validator("get", "/task_info"), body)
-        if problem is not None:
-            raise _CheckFailed(f"GET /task_info?seed=0 breaks the {self.schemas.source}: {problem}")
+        self.conform(
+            "GET /task_info?seed=0",
+            self.schemas.validator("get", "/task_info"),
+            "HostedTaskInfo",
+            body,
+            evidence="task_info in the hosted shape",
+            normalise=hosted.task_info_to_tandem,
+        )
+        if "task_info in the hosted shape" in self.hosted:
+            return f"validated against {self.schemas.source} in the hosted dialect"
         return f"validated against {self.schemas.source}"
 
     async def check_task_info_deterministic(self) -> str:
@@ -726,13 +848,24 @@ class _Kit:
             raise _CheckFailed(f"POST /rollout answered HTTP {answer.status}, expected 200")
         body = _parse_json(answer, "POST /rollout")
         self.rollout_answer, self.rollout_json = answer, body
-        problem = _schema_errors(self.schemas.validator("post", "/rollout"), body)
-        if problem is not None:
-            raise _CheckFailed(f"POST /rollout breaks the {self.schemas.source}: {problem}")
+        form = "rollouts in the trace form"
+        if isinstance(body, dict) and isinstance(body.get("trajectories"), list):
+            form = "rollouts as trajectories[].steps[]"
+        body = self.conform(
+            "POST /rollout",
+            self.schemas.validator("post", "/rollout"),
+            "HostedRolloutResponse",
+            body,
+            evidence=form,
+            normalise=hosted.rollout_to_tandem,
+        )
+        self.rollout_json = body
+        self.rollout_conformed = True
         problem = _finite_rewards(body)
         if problem is not None:
             raise _CheckFailed(problem)
-        return f"validated against {self.schemas.source}; answered in {answer.elapsed_s:.2f}s"
+        how = " in the hosted dialect" if form in self.hosted else ""
+        return f"validated against {self.schemas.source}{how}; answered in {answer.elapsed_s:.2f}s"
 
     def first_rollout(self) -> Any:
         if self.rollout_answer is None:
@@ -782,23 +915,57 @@ class _Kit:
             return f"{took} with HTTP {answer.status}"
         if answer.status != 200:
             raise _CheckFailed(f"{took} with HTTP {answer.status}; expected aborted: true, 408 or 5xx")
-        result = _parse_json(answer, "POST /rollout")
+        result = hosted.rollout_to_tandem(_parse_json(answer, "POST /rollout"))
         if not (isinstance(result, dict) and result.get("aborted") is True):
             raise _CheckFailed(f"{took} with HTTP 200 but not aborted: true")
         return f"{took} with aborted: true"
 
     async def check_idempotent_repeat(self) -> str:
-        first = self.first_rollout()
-        assert self.rollout_body is not None
-        answer = await self.rollout(self.rollout_body, deadline_s=self.timeout_s + 2)
+        """A repeat must answer the recorded result. With the kit's stub, the episode is played against a
+        policy whose every reply holds a fresh random word, so an app that plays a repeated id again (and
+        only happens to be deterministic) answers differently, or is seen calling the policy again."""
+        self.first_rollout()
+        if self.policy is None:
+            assert self.rollout_body is not None
+            body, first = self.rollout_body, self.rollout_json
+        else:
+            cid = self.correlation_id("repeat")
+            body = rollout_request(
+                cid,
+                self.inference_url(cid, random=True),
+                model=self.model,
+                max_seconds=min(86_400, max(1, math.floor(self.timeout_s))),
+            )
+            answer = await self.rollout(body, deadline_s=self.timeout_s + 2)
+            if answer.status != 200:
+                raise _CheckFailed(f"POST /rollout answered HTTP {answer.status}, expected 200")
+            first = hosted.rollout_to_tandem(_parse_json(answer, "POST /rollout"))
+        calls = len(self.policy.calls_for(body["trace_correlation_id"])) if self.policy else 0
+        answer = await self.rollout(body, deadline_s=self.timeout_s + 2)
         if answer.status != 200:
             raise _CheckFailed(f"the repeated POST /rollout answered HTTP {answer.status}, expected 200")
-        second = _parse_json(answer, "the repeated POST /rollout")
+        second = hosted.rollout_to_tandem(_parse_json(answer, "the repeated POST /rollout"))
         differing = _differences(first, second)
         if differing:
             raise _CheckFailed("the repeat answered a different result: " + ", ".join(differing))
+        if self.policy is not None and len(self.policy.calls_for(body["trace_correlation_id"])) > calls:
+            raise _CheckFailed(
+                "the repeat played the episode again (it called the policy); a repeated "
+                "trace_correlation_id must answer the recorded result"
+            )
+        if self.policy is None:
+            return "played again with the same result (--policy-url: the kit cannot see the policy calls)"
         replayed = answer.headers.get("x-tandem-replayed") == "true"
-        return "replayed the recorded result" if replayed else "played again with the same result"
+        return "replayed the recorded result" if replayed else "answered the recorded result"
+
+    async def check_dialect(self) -> str:
+        """Which dialect the app speaks: Tandem's, or the hosted one, and where it showed. Unknown (a
+        failure) when no rollout answer followed either."""
+        if not self.rollout_conformed:
+            raise _CheckFailed("unknown: no rollout answer followed either dialect (see rollout_schema)")
+        if not self.hosted:
+            return hosted.TANDEM
+        return f"{hosted.HOSTED}: " + ", ".join(self.hosted)
 
 
 def _differences(first: Any, second: Any) -> list[str]:
@@ -862,13 +1029,22 @@ async def run_checks(
         for name in CHECK_NAMES:
             check: Callable[[], Awaitable[str]] = getattr(kit, f"check_{name}")
             started = time.monotonic()
+            violations: tuple[str, ...] = ()
             try:
                 detail, passed = await check(), True
             except _CheckFailed as failed:
-                detail, passed = failed.detail, False
+                detail, passed, violations = failed.detail, False, failed.violations
             except Exception as error:  # a bug or an odd answer must cost one row, never the table
                 detail, passed = f"the check itself failed: {type(error).__name__}: {error}", False
-            results.append(CheckResult(name, passed, _short(kit.redact(detail)), time.monotonic() - started))
+            results.append(
+                CheckResult(
+                    name,
+                    passed,
+                    _short(kit.redact(detail)),
+                    time.monotonic() - started,
+                    tuple(kit.redact(v) for v in violations),
+                )
+            )
     return results
 
 
@@ -881,9 +1057,12 @@ def format_table(results: Sequence[CheckResult]) -> str:
     rows += [(r.name, "PASS" if r.passed else "FAIL", f"{r.duration_s:.2f}s", r.detail) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = []
-    for name, result, took, detail in rows:
+    indent = " " * (widths[0] + widths[1] + widths[2] + 6)
+    for index, (name, result, took, detail) in enumerate(rows):
         line = f"{name:<{widths[0]}}  {result:<{widths[1]}}  {took:>{widths[2]}}  {detail}"
         lines.append(line.rstrip())
+        if index:  # every schema violation of a failed check, one a line under its row
+            lines += [f"{indent}- {v}" for v in results[index - 1].violations]
     return "\n".join(lines)
 
 
@@ -943,7 +1122,13 @@ def main(argv: list[str]) -> int:
     )
     all_passed = all(r.passed for r in results)
     if args.json:
-        print(json.dumps({"all_passed": all_passed, "check_results": [asdict(r) for r in results]}, indent=2))
+        dialect = next((r.detail for r in results if r.name == "dialect" and r.passed), "")
+        document = {
+            "all_passed": all_passed,
+            "dialect": dialect.split(":", 1)[0],
+            "check_results": [{**asdict(r), "violations": list(r.violations)} for r in results],
+        }
+        print(json.dumps(document, indent=2))
     else:
         print(format_table(results))
         failed = sum(not r.passed for r in results)

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.trainer.v1 import checkpoint_pb2
+
 METADATA_FILE = "tandem.json"
 STATE_FILE = "trainer_state.pt"
 PARTIAL_SUFFIX = ".partial"
@@ -32,6 +34,14 @@ class Trigger(enum.Enum):
     INTERVAL = "interval"  # checkpoint_interval was reached
     REQUESTED = "requested"  # SaveCheckpoint
     FINAL = "final"  # the last step, or StopTraining
+
+
+# Each trigger as the contract's `Checkpoint.Trigger`, for the TrainerService and `checkpoint.saved` events.
+TRIGGERS = {
+    Trigger.INTERVAL: checkpoint_pb2.Checkpoint.TRIGGER_INTERVAL,
+    Trigger.REQUESTED: checkpoint_pb2.Checkpoint.TRIGGER_ON_DEMAND,
+    Trigger.FINAL: checkpoint_pb2.Checkpoint.TRIGGER_FINAL,
+}
 
 
 @dataclass(frozen=True)

@@ -74,12 +74,21 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _serve_command(script: Path, port: int) -> list[str]:
+    """How an example app is served: through the SDK (`tandem taskapp serve`), or, for an app that does not
+    use the SDK (hosted_copy_letter.py, written to the hosted contract on the standard library), as its own
+    program, which takes `--port` and reads `ENVIRONMENT_API_KEY` as the SDK's server does."""
+    if "tandem_taskapp" not in script.read_text(encoding="utf-8"):
+        return [sys.executable, str(script), "--port", str(port)]
+    return [sys.executable, "-m", "gateway.cli", "taskapp", "serve", str(script), "--port", str(port)]
+
+
 @contextlib.contextmanager
 def _task_app(script: Path, key: str) -> Iterator[str]:
     port = _free_port()
     env = {**os.environ, "ENVIRONMENT_API_KEY": key}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "taskapp", "serve", str(script), "--port", str(port)],
+        _serve_command(script, port),
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -225,6 +234,15 @@ async def _embedded(
     org = target.name.split("/")[1] if target.name else "local"
     app_id = target.name.rsplit("/", 1)[-1] if target.name else "app"
     key = secrets.token_hex(16)
+    if target.base_url:
+        # The app already runs with its own key. Here no vault holds `secret_name` (a job submitted through
+        # the gateway registers the app with that secret instead), so the key comes from the environment.
+        key = os.environ.get("ENVIRONMENT_API_KEY", "").strip()
+        if not key:
+            raise RuntimeError(
+                "task_app.base_url: set ENVIRONMENT_API_KEY to the app's key for a run on this machine "
+                "(a job submitted through the gateway opens task_app.secret_name instead)"
+            )
     url = target.base_url or stack.enter_context(_task_app(_example_script(target.name), key))
     settings = await stack.enter_async_context(mesh_process(output_dir / "mesh", mesh_key))
     algorithm = job.config.algorithm

@@ -31,7 +31,7 @@ from mesh.interceptors import current_principal
 from mesh.server import Deps, Registration, start_service
 from mesh.settings import Settings
 from trainer import checkpoints
-from trainer.checkpoints import CheckpointInfo, Trigger
+from trainer.checkpoints import TRIGGERS, CheckpointInfo
 from trainer.control import Control, State
 
 pb = trainer_service_pb2
@@ -47,11 +47,6 @@ STATES = {
     State.STOPPING: status_pb2.TrainerStatus.STATE_STOPPING,
     State.STOPPED: status_pb2.TrainerStatus.STATE_STOPPED,
     State.FAILED: status_pb2.TrainerStatus.STATE_FAILED,
-}
-TRIGGERS = {
-    Trigger.INTERVAL: checkpoint_pb2.Checkpoint.TRIGGER_INTERVAL,
-    Trigger.REQUESTED: checkpoint_pb2.Checkpoint.TRIGGER_ON_DEMAND,
-    Trigger.FINAL: checkpoint_pb2.Checkpoint.TRIGGER_FINAL,
 }
 
 

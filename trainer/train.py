@@ -45,7 +45,7 @@ from transformers import PreTrainedModel
 
 from tandem_jobs.config import Job
 from trainer import checkpoints, grpo, scoring
-from trainer.checkpoints import STATE_FILE, CheckpointInfo, Trigger
+from trainer.checkpoints import STATE_FILE, TRIGGERS, CheckpointInfo, Trigger
 from trainer.control import Control
 from trainer.inference.publisher import WeightPublisher
 from trainer.inference.weights import dtype_of
@@ -629,6 +629,9 @@ class Trainer:
         announced.uri = saved.path.as_uri()
         announced.size_bytes = saved.size_bytes
         announced.save_duration.FromNanoseconds(int(seconds * 1e9))
+        if saved.trigger is not None:
+            announced.trigger = TRIGGERS[saved.trigger]
+        announced.resumable = saved.resumable
         try:
             await self.env.events.Publish(
                 events_service_pb2.PublishRequest(job=self.env.job, events=[event]), timeout=30

@@ -28,7 +28,7 @@ from google.protobuf import json_format
 from opentelemetry import propagate, trace
 from tandem.taskapp.v1 import rollout_pb2, task_app_pb2
 
-from tandem_taskapp import schema
+from tandem_taskapp import hosted, schema
 
 Kind = rollout_pb2.RolloutError.Kind
 KeyFetcher = Callable[[str], Awaitable[str]]
@@ -110,6 +110,12 @@ def _error(kind: Any, message: str, *, status: int = 0, retryable: bool = False)
     )
 
 
+def key_headers(key: str) -> dict[str, str]:
+    """The headers that carry an app's key: `X-API-Key`, and `X-API-Keys` (a comma-separated list, here of
+    one) for apps written to the hosted dialect, which may read either. None for an app without a key."""
+    return {"X-API-Key": key, "X-API-Keys": key} if key else {}
+
+
 def encode_json(body: Any) -> bytes:
     """A request body as httpx's `json=` wrote it: compact, UTF-8, NaN refused."""
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
@@ -124,11 +130,17 @@ def spec_json(spec: rollout_pb2.RolloutSpec) -> dict[str, Any]:
     body["env"]["seed"] = int(
         spec.env.seed
     )  # proto3 JSON writes 64-bit integers as strings; apps expect a number
+    # The hosted dialect's names for the same things (tandem_taskapp/hosted.py); other apps ignore them.
+    body["run_id"] = spec.trace_correlation_id
+    if spec.limits.max_seconds:
+        body["safety"] = {"max_time_s": int(spec.limits.max_seconds)}
     return body
 
 
 def parse_result(raw: bytes, correlation_id: str) -> rollout_pb2.RolloutResult:
-    """The app's answer as a result; a contract violation becomes a typed error, never an exception."""
+    """The app's answer as a result; a contract violation becomes a typed error, never an exception. An
+    answer in the hosted dialect (`trajectories[].steps[]` or a `trace`) is first turned into Tandem's
+    shape, so the trainer sees one shape whatever the app speaks."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -137,6 +149,7 @@ def parse_result(raw: bytes, correlation_id: str) -> rollout_pb2.RolloutResult:
         return rollout_pb2.RolloutResult(
             error=_error(Kind.KIND_MALFORMED_RESPONSE, "the answer is not an object")
         )
+    body = hosted.rollout_to_tandem(body)
     echoed = body.get("trace_correlation_id")
     if echoed != correlation_id:
         return rollout_pb2.RolloutResult(
@@ -323,7 +336,7 @@ class RolloutRunner:
         url: str,
         deadline: float,
     ) -> tuple[rollout_pb2.RolloutResult, int]:
-        headers = {"X-API-Key": key} if key else {}
+        headers = key_headers(key)
         headers["X-Trace-Correlation-Id"] = spec.trace_correlation_id
         headers["Content-Type"] = "application/json"
         propagate.inject(headers)  # the app's spans continue this rollout's trace (W3C traceparent)

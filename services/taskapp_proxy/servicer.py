@@ -25,14 +25,16 @@ from tandem.taskapp.v1 import rollout_pb2, task_app_pb2, taskapp_service_pb2, ta
 from tandem.vault.v1 import vault_service_pb2_grpc
 
 from mesh import jobtokens, paging
-from mesh.errors import AlreadyExists, FailedPrecondition, NotFound, R
+from mesh.errors import AlreadyExists, FailedPrecondition, NotFound, R, Unavailable
 from mesh.interceptors import current_principal
 from mesh.secrets import open_secrets
 from mesh.server import Deps, Registration
+from mesh.status import RpcError
 from mesh.store import Database, IntegrityError, open_database
 from services.taskapp_proxy.config import TaskAppProxySettings
-from services.taskapp_proxy.rollouts import Limits, RolloutRunner, http_session
+from services.taskapp_proxy.rollouts import Limits, RolloutRunner, http_session, key_headers
 from services.taskapp_proxy.store import MIGRATIONS
+from tandem_taskapp import hosted
 
 SERVICE_NAME = taskapp_service_pb2.DESCRIPTOR.services_by_name["TaskAppService"].full_name
 pb = taskapp_service_pb2
@@ -192,7 +194,7 @@ class TaskAppServiceServicer(taskapp_service_pb2_grpc.TaskAppServiceServicer):
     async def _check(self, app: task_app_pb2.TaskApp) -> list[task_app_pb2.CheckResult]:
         from tandem_taskapp.check import run_checks  # noqa: PLC0415 - the kit pulls in the HTTP stack
 
-        key = await self._keys.get(app.secret_name) if app.secret_name else ""
+        key = await self._key(app)
         results = await run_checks(app.base_url, key)
         out = []
         for result in results:
@@ -200,22 +202,44 @@ class TaskAppServiceServicer(taskapp_service_pb2_grpc.TaskAppServiceServicer):
             duration.FromNanoseconds(int(result.duration_s * 1e9))
             out.append(
                 task_app_pb2.CheckResult(
-                    check=result.name, passed=result.passed, detail=result.detail, duration=duration
+                    check=result.name,
+                    passed=result.passed,
+                    detail=result.detail,
+                    duration=duration,
+                    violations=result.violations,
                 )
             )
         return out
 
+    async def _key(self, app: task_app_pb2.TaskApp) -> str:
+        """The app's key, opened from the vault; an absent secret is NOT_FOUND / SECRET_NOT_FOUND, any other
+        vault failure UNAVAILABLE / DEPENDENCY_UNAVAILABLE (never INTERNAL)."""
+        if not app.secret_name:
+            return ""
+        try:
+            return await self._keys.get(app.secret_name)
+        except RpcError as error:
+            if error.reason == "SECRET_NOT_FOUND":
+                raise NotFound(
+                    f"{app.secret_name} not found", reason=R.ERROR_REASON_SECRET_NOT_FOUND
+                ) from None
+            raise Unavailable(
+                f"the app's key could not be read: {error.reason or error.code.name}",
+                reason=R.ERROR_REASON_DEPENDENCY_UNAVAILABLE,
+            ) from None
+
     async def _task_info(self, app: task_app_pb2.TaskApp) -> struct_pb2.Struct | None:
-        key = await self._keys.get(app.secret_name) if app.secret_name else ""
+        key = await self._key(app)
         try:
             async with asyncio.timeout(TASK_INFO_TIMEOUT_S):
                 async with self._http.get(
-                    app.base_url.rstrip("/") + "/task_info", params={"seed": 0}, headers={"X-API-Key": key}
+                    app.base_url.rstrip("/") + "/task_info", params={"seed": 0}, headers=key_headers(key)
                 ) as response:
                     body = json.loads(await response.read())
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
         info = struct_pb2.Struct()
+        body = hosted.task_info_to_tandem(body)  # stored in Tandem's shape, whatever the app's dialect
         if isinstance(body, dict):
             json_format.ParseDict(body, info, ignore_unknown_fields=True)
         return info

@@ -192,3 +192,38 @@ def test_the_cli_checks_an_app_with_the_key_from_stdin() -> None:
     assert "FAIL" not in good.stdout and "rollout_schema" in good.stdout
     assert bad.returncode == 1 and "FAIL" in bad.stdout
     assert KEY not in good.stdout + good.stderr + bad.stdout + bad.stderr
+
+
+@pytest.mark.parametrize("form", ["trajectories", "trace"])
+async def test_a_hosted_contract_app_registers_and_its_answers_reach_tandems_shape(
+    mesh: Mesh, form: str
+) -> None:
+    from tests.taskapp.test_hosted import hosted_app  # noqa: PLC0415 - the app's process, one helper
+
+    def reply(messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
+        found = re.findall(r"\b([A-D])\b", " ".join(str(m.get("content", "")) for m in messages))
+        return found[-1] if found else "?"
+
+    policy = FakePolicyServer(reply)
+    with hosted_app(form, key=KEY) as url, serve_in_thread(policy.app) as policy_url:
+        (channel, stub), registered = await register(mesh, f"hosted-{form}", url)
+        checks = {c.check: c for c in registered.check_results}
+        assert all(c.passed for c in checks.values()), checks
+        assert checks["dialect"].detail.startswith("hosted: ")
+        assert registered.task_app.task_info["dataset"]["splits"][0]["name"] == "train"
+        correlation = f"e2e-hosted-{form}"
+        inference = FakePolicyServer.inference_url(policy_url, correlation)
+        reply_ = await stub.Rollout(
+            pb.RolloutRequest(
+                task_app=f"orgs/acme/taskApps/hosted-{form}", spec=spec(correlation, 5, inference)
+            )
+        )
+        await channel.close()
+    result = reply_.result
+    assert not result.HasField("error"), result.error
+    assert result.trace_correlation_id == correlation
+    assert result.metrics.outcome_reward == 1.0  # the policy copied the letter
+    (turn,) = result.trajectory.turns
+    assert turn.messages[0].role == "user" and "Copy this letter" in turn.messages[0].content
+    assert turn.messages[-1].role == "assistant"
+    assert policy.requests_for(correlation), "the policy call carried the correlation id"

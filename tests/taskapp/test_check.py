@@ -43,6 +43,8 @@ class Flaws:
     wrong_echo: bool = False  # the result names another correlation id
     nan_reward: bool = False  # outcome_reward is NaN
     ignore_max_seconds: bool = False  # waits for the policy however long it takes
+    forget_results: bool = False  # plays a repeated id again (deterministic, so the same answer by luck)
+    two_violations: bool = False  # the answer's reward is a string and its aborted a word
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -106,7 +108,7 @@ def make_app(flaws: Flaws = Flaws(), key: str | None = KEY) -> Starlette:
             return unauthorized(request)
         spec = await request.json()
         cid = spec["trace_correlation_id"]
-        if cid in results:
+        if cid in results and not flaws.forget_results:
             recorded_spec, recorded = results[cid]
             if recorded_spec != spec:
                 return _json({"error": {"code": "REQUEST_ID_REUSED", "message": "id reused"}}, 409)
@@ -136,6 +138,8 @@ def make_app(flaws: Flaws = Flaws(), key: str | None = KEY) -> Starlette:
             "trajectory": {"turns": [{"messages": turn}]},
             "aborted": aborted,
         }
+        if flaws.two_violations:
+            result = {**result, "aborted": "no", "metrics": {"outcome_reward": str(reward)}}
         results[cid] = (spec, result)
         return _json(result)
 
@@ -241,6 +245,11 @@ async def test_compliant_app_passes_every_check() -> None:
             id="nan-reward",
         ),
         pytest.param(
+            Flaws(forget_results=True),
+            {"idempotent_repeat": "the repeat answered a different result: trajectory"},
+            id="plays-repeats-again",
+        ),
+        pytest.param(
             Flaws(ignore_max_seconds=True),
             {"timeout_behaviour": "POST /rollout did not answer within 2.5s"},
             id="hangs",
@@ -254,6 +263,19 @@ async def test_broken_app_fails_exactly_the_relevant_checks(flaws: Flaws, expect
         assert detail in results[name].detail
     # a hanging app costs the deadline, not its hang
     assert results["timeout_behaviour"].duration_s < 3.5
+
+
+async def test_every_schema_violation_is_listed_in_its_row_and_the_table() -> None:
+    results = await check_app(make_app(Flaws(two_violations=True)))
+    row = results["rollout_schema"]
+    assert row.detail.startswith("POST /rollout breaks the taskapp-openapi.yaml (2 violations): ")
+    assert row.violations == (  # the stub's reply is never the answer: reward 0.0
+        "at aborted: 'no' is not of type 'boolean'",
+        "at metrics/outcome_reward: '0.0' is not of type 'number'",
+    )
+    table = format_table(list(results.values()))
+    assert all(f"- {v}" in table for v in row.violations)
+    assert results["dialect"].passed is False  # the answer followed neither dialect
 
 
 async def test_given_policy_url_skips_the_checks_that_need_the_stub() -> None:
@@ -299,9 +321,9 @@ def test_the_rollout_request_the_kit_sends_follows_the_contract() -> None:
     schemas = check._Schemas(check.DEFAULT_OPENAPI_PATH)
     assert schemas.source == "taskapp-openapi.yaml"
     body = check.rollout_request("tandem-check-abc-rollout", "http://127.0.0.1:1/traces/x/v1")
-    assert check._schema_errors(schemas.validator("post", "/rollout", request=True), body) is None
+    assert check._schema_errors(schemas.validator("post", "/rollout", request=True), body) == []
     bad = {**body, "trace_correlation_id": "has spaces"}
-    assert check._schema_errors(schemas.validator("post", "/rollout", request=True), bad) is not None
+    assert check._schema_errors(schemas.validator("post", "/rollout", request=True), bad) != []
 
 
 def test_builtin_schemas_apply_without_the_openapi_document(tmp_path: Any) -> None:
@@ -313,8 +335,9 @@ def test_builtin_schemas_apply_without_the_openapi_document(tmp_path: Any) -> No
         "trajectory": {},
         "aborted": False,
     }
-    assert check._schema_errors(schemas.validator("post", "/rollout"), result) is None
-    assert check._schema_errors(schemas.validator("post", "/rollout"), {"metrics": {}}) is not None
+    assert check._schema_errors(schemas.validator("post", "/rollout"), result) == []
+    violations = check._schema_errors(schemas.validator("post", "/rollout"), {"metrics": {}})
+    assert len(violations) == 4, violations  # every one, not only the first
 
 
 def test_format_table_aligns_columns() -> None:

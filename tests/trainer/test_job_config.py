@@ -138,3 +138,25 @@ def test_the_inference_engine_is_torch_unless_the_job_asks_for_vllm(tmp_path: Pa
     with pytest.raises(InvalidArgument) as info:
         load_job(write(tmp_path, GOOD + '\n[inference]\nengine = "tensorrt"\n'))
     assert "inference.engine" in [v.field for v in info.value.violations]
+
+
+def test_an_unknown_key_is_named_as_the_file_spells_it_with_the_valid_keys(tmp_path: Path) -> None:
+    text = GOOD.replace("steps = 50", "steps = 50\nprompts_per_stepz = 4").replace(
+        "max_tokens = 32", 'topP = "high"'
+    )
+    with pytest.raises(InvalidArgument) as info:
+        load_job(write(tmp_path, text))
+    by_field = {v.field: v.description for v in info.value.violations}
+    assert set(by_field) == {"algorithm.prompts_per_stepz", "sampling.topP"}, by_field
+    unknown = by_field["algorithm.prompts_per_stepz"]
+    assert unknown.startswith("is not a key of [algorithm]; the valid keys are ")
+    assert "prompts_per_step" in unknown and "group_size" in unknown and "promptsPerStep" not in unknown
+    assert by_field["sampling.topP"] == "must be a number, not a string"  # a camelCase key still reads
+    for words in (info.value.message, *by_field.values()):
+        assert "Message type" not in words and "TrainerConfig" not in words  # no protobuf parser text
+    with pytest.raises(InvalidArgument) as info:
+        load_job(write(tmp_path, "learning_rate = 1\n" + GOOD))
+    assert [v.field for v in info.value.violations] == ["learning_rate"]
+    assert info.value.violations[0].description.startswith(
+        "is not a key of the top level; the valid keys are "
+    )

@@ -306,7 +306,7 @@ def test_inline_trainer_config_errors_name_the_config_field() -> None:
     garbled = group("- name: rl\n  online_rl:\n    config: 'steps = = 1'\n")
     assert yaml_fields(garbled) == ["tasks[0].online_rl.config"]
     unknown = group("- name: rl\n  online_rl:\n    config: 'no_such_key = 1'\n")
-    assert yaml_fields(unknown) == ["tasks[0].online_rl.config"]
+    assert yaml_fields(unknown) == ["tasks[0].online_rl.config.no_such_key"]  # the key, as the file spells it
 
 
 def test_config_file_is_read_beside_the_job_file(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from tandem.common.v1 import types_pb2 as _types_pb2
 from tandem.scheduler.v1 import job_pb2 as _job_pb2
+from tandem.trainer.v1 import checkpoint_pb2 as _checkpoint_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -392,6 +393,8 @@ class CheckpointSaved(_message.Message):
     URI_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     SAVE_DURATION_FIELD_NUMBER: _builtins.int
+    TRIGGER_FIELD_NUMBER: _builtins.int
+    RESUMABLE_FIELD_NUMBER: _builtins.int
     checkpoint: _builtins.str
     """Required. The checkpoint, `orgs/{org}/jobs/{job}/checkpoints/{checkpoint}`."""
     step: _builtins.int
@@ -402,6 +405,10 @@ class CheckpointSaved(_message.Message):
     """Optional. Where it is stored (a path or URI), at most 1024 characters."""
     size_bytes: _builtins.int
     """Optional. Its size in bytes."""
+    trigger: _checkpoint_pb2.Checkpoint.Trigger.ValueType
+    """Optional. Why it was saved; unset for checkpoints announced before events said why."""
+    resumable: _builtins.bool
+    """Optional. True when optimizer, scheduler and RNG state were saved too, so the job can resume from it."""
     @_builtins.property
     def save_duration(self) -> _duration_pb2.Duration:
         """Optional. How long writing it took."""
@@ -415,10 +422,12 @@ class CheckpointSaved(_message.Message):
         uri: _builtins.str = ...,
         size_bytes: _builtins.int = ...,
         save_duration: _duration_pb2.Duration | None = ...,
+        trigger: _checkpoint_pb2.Checkpoint.Trigger.ValueType = ...,
+        resumable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["save_duration", b"save_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "save_duration", b"save_duration", "size_bytes", b"size_bytes", "step", b"step", "uri", b"uri", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "resumable", b"resumable", "save_duration", b"save_duration", "size_bytes", b"size_bytes", "step", b"step", "trigger", b"trigger", "uri", b"uri", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

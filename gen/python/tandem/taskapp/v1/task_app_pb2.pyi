@@ -204,6 +204,7 @@ class CheckResult(_message.Message):
     PASSED_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
     DURATION_FIELD_NUMBER: _builtins.int
+    VIOLATIONS_FIELD_NUMBER: _builtins.int
     check: _builtins.str
     """Output only. The stable check name, as the conformance kit (`tandem taskapp check`) reports it:
     `health` (`GET /health` answers 200 and reveals no key material), `auth_missing_key` and `auth_wrong_key`
@@ -212,8 +213,9 @@ class CheckResult(_message.Message):
     the same answer), `rollout_schema` (a rollout against the kit's stub policy returns a result that
     validates and has a finite reward), `correlation_id_echo`, `correlation_id_propagated` (the policy saw
     the correlation id), `timeout_behaviour` (a rollout past `limits.max_seconds` comes back aborted or
-    failed, not hung) and `idempotent_repeat`. New checks may be added; clients display unknown names as
-    they are.
+    failed, not hung), `idempotent_repeat` (a repeated id answers the recorded result, probed with a policy
+    whose replies are random) and `dialect` (`tandem`, or `hosted: ...` with where the app answered in the
+    hosted online-RL contract's shapes). New checks may be added; clients display unknown names as they are.
     """
     passed: _builtins.bool
     """Output only. Whether the check passed."""
@@ -225,6 +227,12 @@ class CheckResult(_message.Message):
     def duration(self) -> _duration_pb2.Duration:
         """Output only. How long the check took."""
 
+    @_builtins.property
+    def violations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Output only. Every schema violation the check found, each `at <path>: <message>` (the detail holds
+        their count); empty when the check passed or failed for another reason.
+        """
+
     def __init__(
         self,
         *,
@@ -232,10 +240,11 @@ class CheckResult(_message.Message):
         passed: _builtins.bool = ...,
         detail: _builtins.str = ...,
         duration: _duration_pb2.Duration | None = ...,
+        violations: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["check", b"check", "detail", b"detail", "duration", b"duration", "passed", b"passed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["check", b"check", "detail", b"detail", "duration", b"duration", "passed", b"passed", "violations", b"violations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
