@@ -40,6 +40,16 @@ def wrapped(script: str, plan: str, env: dict[str, str] | None = None) -> subpro
     )
 
 
+def cached_mount_plan(s3: S3Server, url: str, folder: Path) -> str:
+    """One MOUNT_CACHED bucket at `folder`, synced every 0.2 s, with the task's key."""
+    return bucket_plan(
+        [BucketMount(url, str(folder), mode="mount_cached")],
+        credentials=CREDENTIALS,
+        endpoint_url=s3.endpoint,
+        sync_interval_s=0.2,
+    )
+
+
 def secrets(s3: S3Server) -> dict[str, str]:
     return {"AWS_ACCESS_KEY_ID": s3.key_id, "AWS_SECRET_ACCESS_KEY": s3.secret}
 
@@ -76,12 +86,7 @@ def test_mount_uploads_new_and_changed_files_while_running_and_at_the_end(
     store.pipe_file("ckpt/run/kept.txt", b"as it was")
     store.pipe_file("ckpt/run/changed.txt", b"old")
     folder = tmp_path / "ckpt"
-    plan = bucket_plan(
-        [BucketMount("s3://ckpt/run", str(folder), mode="mount_cached")],
-        credentials=CREDENTIALS,
-        endpoint_url=s3_server.endpoint,
-        sync_interval_s=0.2,
-    )
+    plan = cached_mount_plan(s3_server, "s3://ckpt/run", folder)
     # The task waits until its first file is in the bucket: the periodic upload put it there, not the last.
     probe = (
         f"{sys.executable} -c \"import s3fs,sys; fs=s3fs.S3FileSystem(key='{s3_server.key_id}', "
@@ -144,12 +149,7 @@ def test_mount_copies_down_what_others_write_while_running_and_keeps_its_own_fil
     store.mkdir("shared")
     store.pipe_file("shared/run/mine.txt", b"the bucket's")
     folder = tmp_path / "shared"
-    plan = bucket_plan(
-        [BucketMount("s3://shared/run", str(folder), mode="mount_cached")],
-        credentials=CREDENTIALS,
-        endpoint_url=s3_server.endpoint,
-        sync_interval_s=0.2,
-    )
+    plan = cached_mount_plan(s3_server, "s3://shared/run", folder)
     # Another writer's object appears after the task started: the task waits until it is in its folder.
     script = (
         f"echo local > {folder}/mine.txt\n"
