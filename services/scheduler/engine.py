@@ -31,7 +31,7 @@ import shlex
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ from services.scheduler.backends.base import (
 from services.scheduler.backends.task_buckets import BUCKETS_ENV, CREDENTIAL_ENVS, bucket_plan
 from services.scheduler.expand import SETUP_FAILED_EXIT
 from services.scheduler.lifecycle import FailureClass, JobState, TaskState
-from services.scheduler.spec import resources_of
+from services.scheduler.spec import resource_choices, resources_of
 from services.scheduler.store import AttemptRow, FailureInfo, JobRecord, JobRow, JobStore, TaskRow
 
 log = logging.getLogger("tandem.scheduler")
@@ -92,6 +92,18 @@ def task_resources(task: TaskSpec) -> Resources:
     return resources_of(task)
 
 
+def placed_resources(task: TaskSpec, slots: Sequence[NodeAssignment]) -> Resources:
+    """What one node of the task holds as placed: the accelerator alternative the slots took (their GPU
+    count and type), else the task's first choice."""
+    choices = resource_choices(task)
+    if slots:
+        first = slots[0]
+        for choice in choices:
+            if choice.gpus == len(first.gpu_indices) and choice.gpu_type == first.gpu_type:
+                return choice
+    return choices[0]
+
+
 def preemptible(spec: JobSpec) -> bool:
     """SkyPilot's `use_spot` on any task places the whole group as preemptible: a group is admitted, and
     (with group-scope recovery) preempted and restarted, as one."""
@@ -102,8 +114,17 @@ def demands_of(spec: JobSpec) -> tuple[lc.Demand, ...]:
     demands = []
     for task in spec.tasks:
         res = task_resources(task)
+        alternatives = tuple((r.gpus, r.gpu_type) for r in resource_choices(task)[1:])
         demands.append(
-            lc.Demand(task.name, max(task.num_nodes, 1), res.gpus, res.cpus, res.memory_gib, res.gpu_type)
+            lc.Demand(
+                task.name,
+                max(task.num_nodes, 1),
+                res.gpus,
+                res.cpus,
+                res.memory_gib,
+                res.gpu_type,
+                alternatives,
+            )
         )
     return tuple(demands)
 
@@ -470,7 +491,9 @@ class Engine:
         if handle is None:
             task = next(t for t in live.spec.tasks if t.name == attempt.task)
             slots = [
-                NodeAssignment(n["rank"], n["node"], n["address"], tuple(n["gpu_indices"]))
+                NodeAssignment(
+                    n["rank"], n["node"], n["address"], tuple(n["gpu_indices"]), n.get("gpu_type", "")
+                )
                 for n in attempt.nodes
             ]
             await self._launch(live, task, attempt, slots)
@@ -485,7 +508,13 @@ class Engine:
         now = time.time()
         if observed.nodes and not attempt.nodes:
             attempt.nodes = [
-                {"rank": n.rank, "node": n.node, "address": n.address, "gpu_indices": list(n.gpu_indices)}
+                {
+                    "rank": n.rank,
+                    "node": n.node,
+                    "address": n.address,
+                    "gpu_indices": list(n.gpu_indices),
+                    "gpu_type": n.gpu_type,
+                }
                 for n in observed.nodes
             ]
         if observed.phase is Phase.QUEUED:
@@ -823,7 +852,9 @@ class Engine:
             previous = record.current(task.task)
             slots = (
                 [
-                    NodeAssignment(n["rank"], n["node"], n["address"], tuple(n["gpu_indices"]))
+                    NodeAssignment(
+                        n["rank"], n["node"], n["address"], tuple(n["gpu_indices"]), n.get("gpu_type", "")
+                    )
                     for n in previous.nodes
                 ]
                 if previous
@@ -835,6 +866,18 @@ class Engine:
             await self._set_job(record, JobState.STARTING)
 
     # ---- admission --------------------------------------------------------------------------------
+
+    def _asked_of_backend(
+        self, backend: str, placed: Resources, slots: Sequence[NodeAssignment]
+    ) -> Resources:
+        """What the backend is asked for: the choice placed, its GPU type as the placed nodes report it (a
+        Slurm gres type, a Kubernetes label value: what those match exactly), the spec's name when the
+        nodes' models differ or are unknown."""
+        models = {n.name: n.gpu_type for n in self.inventories.get(backend, [])}
+        reported = {models.get(s.node, "") for s in slots}
+        if placed.gpu_type and len(reported) == 1 and (model := reported.pop()):
+            return replace(placed, gpu_type=model)
+        return placed
 
     def _free_nodes(self, backend: str) -> list[lc.NodeFree]:
         """The backend's nodes less what this scheduler's live attempts hold there (a backend that already
@@ -916,7 +959,13 @@ class Engine:
             placement: lc.Placement = {}
             for attempt in self._live_attempts(live.record):
                 placement[attempt.task] = tuple(
-                    lc.Slot(n["rank"], n["node"], n.get("address", ""), tuple(n.get("gpu_indices", [])))
+                    lc.Slot(
+                        n["rank"],
+                        n["node"],
+                        n.get("address", ""),
+                        tuple(n.get("gpu_indices", [])),
+                        n.get("gpu_type", ""),
+                    )
                     for n in attempt.nodes
                 )
             if placement:
@@ -987,7 +1036,8 @@ class Engine:
             if serial and task.state is TaskState.SUCCEEDED:
                 continue  # a pipeline restarted at a later task keeps what already succeeded
             slots = [
-                NodeAssignment(s.rank, s.node, s.address, s.gpu_indices) for s in placement.get(task.task, ())
+                NodeAssignment(s.rank, s.node, s.address, s.gpu_indices, s.gpu_type)
+                for s in placement.get(task.task, ())
             ]
             previous = task.state
             attempt = self._next_attempt(record, task, slots, restart)
@@ -1025,7 +1075,13 @@ class Engine:
             record.job.backend,
             create_time=time.time(),
             nodes=[
-                {"rank": s.rank, "node": s.node, "address": s.address, "gpu_indices": list(s.gpu_indices)}
+                {
+                    "rank": s.rank,
+                    "node": s.node,
+                    "address": s.address,
+                    "gpu_indices": list(s.gpu_indices),
+                    "gpu_type": s.gpu_type,
+                }
                 for s in slots
             ],
         )
@@ -1201,7 +1257,8 @@ class Engine:
             mount_env = expand.mount_env(mounts)
             output = Path(expand.output_dir_for(spec_task, str(task_dir / "output")))
         resume = newest_checkpoint(output) if spec_task.kind == TaskSpec.KIND_ONLINE_RL else None
-        gpus = len(slots[0].gpu_indices) if slots and slots[0].gpu_indices else task_resources(spec_task).gpus
+        placed = placed_resources(spec_task, slots)
+        gpus = len(slots[0].gpu_indices) if slots and slots[0].gpu_indices else placed.gpus
         names = [t.name for t in spec.tasks]
         env = expand.task_env(
             spec_task,
@@ -1216,6 +1273,10 @@ class Engine:
             backend=attempt.backend,
         )
         env.update(mount_env)
+        if placed.gpus and placed.gpu_type:
+            env["TANDEM_GPU_TYPE"] = (
+                placed.gpu_type
+            )  # the accelerator alternative placed, as the spec names it
         # One trace follows a rollout from the trainer on: its spans go to the mesh's collector, or to a file
         # beside the task's logs when there is none.
         if os.environ.get("TANDEM_OTLP_ENDPOINT"):
@@ -1268,7 +1329,7 @@ class Engine:
             command=command,
             env=env,
             num_nodes=max(spec_task.num_nodes, 1),
-            resources=task_resources(spec_task),
+            resources=self._asked_of_backend(attempt.backend, placed, slots),
             nodes=tuple(slots),
             log_dir=log_dir,
             workdir=task_dir,

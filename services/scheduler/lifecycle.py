@@ -18,7 +18,9 @@ Tasks mirror it with STOPPED added: an AUXILIARY task stopped after the primarie
 from __future__ import annotations
 
 import enum
+import itertools
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -223,6 +225,8 @@ def job_state_for_tasks(states: Iterable[TaskState]) -> JobState:
 # ---- queue order ------------------------------------------------------------------------------------
 
 AGING_S_PER_POINT = 30.0  # a waiting job gains one priority point per 30 s, so nothing starves
+# The most combinations of GPU alternatives one placement tries (a pass stays short for any group).
+MAX_CHOICE_COMBINATIONS = 256
 
 
 def effective_priority(
@@ -244,6 +248,30 @@ class Demand:
     cpus: float = 0.0
     memory_gib: float = 0.0
     gpu_type: str = ""
+    # SkyPilot's accelerator alternatives after the first (`gpus`, `gpu_type`), in order of preference:
+    # (count, type) each. Placement takes the first choice the free nodes satisfy.
+    alternatives: tuple[tuple[int, str], ...] = ()
+
+    def choices(self) -> list[Demand]:
+        """This demand, then one per alternative (its GPUs and type, the same CPUs and memory)."""
+        return [self] + [
+            Demand(self.task, self.num_nodes, gpus, self.cpus, self.memory_gib, gpu_type)
+            for gpus, gpu_type in self.alternatives
+        ]
+
+
+def gpu_type_matches(wanted: str, node_type: str) -> bool:
+    """True when a node's GPU model is the requested one, SkyPilot's meaning of an accelerator name:
+    case-insensitive, and the request's words appear in order in the node's (`H100` matches
+    `NVIDIA-H100-80GB-HBM3`; `H100-80GB` matches it too; `H10` does not). An empty request matches any."""
+    if not wanted:
+        return True
+    want, have = _words(wanted), _words(node_type)
+    return any(have[i : i + len(want)] == want for i in range(len(have) - len(want) + 1))
+
+
+def _words(text: str) -> list[str]:
+    return [w for w in re.split(r"[^a-z0-9]+", text.lower()) if w]
 
 
 @dataclass(frozen=True)
@@ -290,7 +318,7 @@ class NodeFree:
             and len(self.gpu_indices) >= demand.gpus
             and self.cpus + 1e-9 >= demand.cpus
             and self.memory_gib + 1e-9 >= demand.memory_gib
-            and (not demand.gpu_type or demand.gpu_type.lower() == self.gpu_type.lower())
+            and (not demand.gpus or gpu_type_matches(demand.gpu_type, self.gpu_type))
         )
 
     def copy(self) -> NodeFree:
@@ -313,6 +341,7 @@ class Slot:
     node: str
     address: str
     gpu_indices: tuple[int, ...]
+    gpu_type: str = ""  # the GPU type of the accelerator choice placed ("" when the task named none)
 
 
 Placement = dict[str, tuple[Slot, ...]]  # task -> its slots by rank
@@ -321,8 +350,20 @@ Placement = dict[str, tuple[Slot, ...]]  # task -> its slots by rank
 def place_group(demands: Sequence[Demand], nodes: Sequence[NodeFree]) -> Placement | None:
     """Place every task of a group at once or not at all. Each task takes `num_nodes` distinct nodes
     (tasks may share nodes); the biggest demands go first, each on the nodes that fit it most tightly
-    (fewest GPUs left over), which leaves whole nodes free for later gangs. `nodes` is left unchanged;
-    None when the group does not fit now."""
+    (fewest GPUs left over), which leaves whole nodes free for later gangs. Tasks with GPU alternatives
+    take the first choices, in their order, with which the whole group fits: the combinations are tried
+    from every task's first choice on, the group's earlier tasks changing last, at most
+    `MAX_CHOICE_COMBINATIONS` of them (the slots say what was taken: their GPU count and `gpu_type`).
+    `nodes` is left unchanged; None when the group does not fit now."""
+    choices = [d.choices() for d in demands]
+    for chosen in itertools.islice(itertools.product(*choices), MAX_CHOICE_COMBINATIONS):
+        placement = _place_chosen(chosen, nodes)
+        if placement is not None:
+            return placement
+    return None
+
+
+def _place_chosen(demands: Sequence[Demand], nodes: Sequence[NodeFree]) -> Placement | None:
     free = {n.name: n.copy() for n in nodes}
     placement: Placement = {}
     order = sorted(
@@ -340,7 +381,7 @@ def place_group(demands: Sequence[Demand], nodes: Sequence[NodeFree]) -> Placeme
             node.gpu_indices = [i for i in node.gpu_indices if i not in taken]
             node.cpus -= demand.cpus
             node.memory_gib -= demand.memory_gib
-            slots.append(Slot(rank, node.name, node.address, taken))
+            slots.append(Slot(rank, node.name, node.address, taken, demand.gpu_type))
         placement[demand.task] = tuple(slots)
     return placement
 

@@ -20,6 +20,7 @@ module loads no torch), so the trainer and the scheduler share one set of config
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import json
 import math
@@ -39,6 +40,7 @@ from tandem.trainer.v1 import config_pb2
 from mesh.errors import FailedPrecondition, FieldViolation, InvalidArgument, R
 from mesh.validation import violations
 from services.scheduler.backends.base import NodeInventory, Resources
+from services.scheduler.lifecycle import gpu_type_matches
 from tandem_jobs.config import Job, parse_job
 from tandem_jobs.placement import GB, Memory, ReferencePlacement, plan
 
@@ -215,10 +217,13 @@ def check_fits(spec: JobSpec, nodes: Sequence[NodeInventory]) -> None:
         return
     found: list[FieldViolation] = []
     for index, task in enumerate(spec.tasks):
-        found.extend(_fits(task, f"tasks[{index}]", nodes))
+        # A task with GPU alternatives fits when one of them does; the first choice's reasons otherwise.
+        tried = [_fits(task, f"tasks[{index}]", nodes, want) for want in resource_choices(task)]
+        if all(tried):
+            found.extend(tried[0])
     if not found:
         total = sum(n.gpus for n in nodes)
-        asked = sum(resources_of(t).gpus * max(t.num_nodes, 1) for t in spec.tasks)
+        asked = sum(min(r.gpus for r in resource_choices(t)) * max(t.num_nodes, 1) for t in spec.tasks)
         if asked > total:
             found.append(
                 FieldViolation(
@@ -246,6 +251,17 @@ def resources_of(task: TaskSpec) -> Resources:
     )
 
 
+def resource_choices(task: TaskSpec) -> list[Resources]:
+    """`resources_of(task)`, then one per GPU alternative in order (its GPUs and type; the same CPUs,
+    memory and disk): what placement tries, first to last."""
+    first = resources_of(task)
+    choices = [first]
+    for alternative in task.resources.gpu_alternatives:
+        count, gpu_type = parse_gpus(alternative)
+        choices.append(dataclasses.replace(first, gpus=count, gpu_type=gpu_type))
+    return choices
+
+
 def parse_gpus(text: str) -> tuple[int, str]:
     """`"H100:8"` -> (8, "H100"); `"8"` -> (8, ""); `""` -> (0, ""). ValueError for anything else."""
     text = text.strip()
@@ -260,15 +276,6 @@ def parse_gpus(text: str) -> tuple[int, str]:
     if not 1 <= count <= MAX_GPUS_PER_NODE:
         raise ValueError(f"the count must be 1 to {MAX_GPUS_PER_NODE} per node, not {count}")
     return count, gpu_type
-
-
-def gpu_type_matches(wanted: str, node_type: str) -> bool:
-    """True when a node's GPU model is the requested one: case-insensitive, and the request's words appear
-    in order in the node's (`H100` matches `NVIDIA-H100-80GB-HBM3`; `H100-80GB` matches it too)."""
-    if not wanted:
-        return True
-    want, have = _words(wanted), _words(node_type)
-    return any(have[i : i + len(want)] == want for i in range(len(have) - len(want) + 1))
 
 
 def secret_env_name(binding: js.SecretBinding) -> str:
@@ -648,8 +655,7 @@ def _placement(task: TaskSpec, at: str) -> list[FieldViolation]:
     return []
 
 
-def _fits(task: TaskSpec, at: str, nodes: Sequence[NodeInventory]) -> list[FieldViolation]:
-    want = resources_of(task)
+def _fits(task: TaskSpec, at: str, nodes: Sequence[NodeInventory], want: Resources) -> list[FieldViolation]:
     typed = [n for n in nodes if gpu_type_matches(want.gpu_type, n.gpu_type)] if want.gpus else list(nodes)
     if not typed:
         kinds = sorted({n.gpu_type for n in nodes if n.gpu_type}) or ["none"]
@@ -700,10 +706,6 @@ def _node_fits(want: Resources, node: NodeInventory) -> bool:
         and (not want.cpus or node.cpus <= 0 or node.cpus >= want.cpus)
         and (not want.memory_gib or node.memory_gib <= 0 or node.memory_gib >= want.memory_gib)
     )
-
-
-def _words(text: str) -> list[str]:
-    return [w for w in re.split(r"[^a-z0-9]+", text.lower()) if w]
 
 
 def _duration(value: duration_pb2.Duration, at: str, *, low: float, high: float) -> list[FieldViolation]:

@@ -80,6 +80,7 @@ class NodeAssignment:
     node: str = ""
     address: str = ""
     gpu_indices: tuple[int, ...] = ()
+    gpu_type: str = ""  # the GPU type of the accelerator alternative placed ("" when the task named none)
 
 
 # The per-node variables every backend sets: the node's rank, and the task's node addresses (one a line).

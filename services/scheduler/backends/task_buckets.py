@@ -160,6 +160,28 @@ def push(store: Any, mount: BucketMount, before: Snapshot) -> Snapshot:
     return now
 
 
+def fetch_new(store: Any, mount: BucketMount, seen: Snapshot) -> Snapshot:
+    """Copy down the objects under the mount's URL that its folder does not have yet (another task wrote
+    them since); `seen` with them added, so they are not uploaded back. Files already there are left as
+    they are: the task's own writes win."""
+    folder = Path(mount.folder)
+    root = _root(mount.url)
+    added = dict(seen)
+    store.invalidate_cache(root)  # the listing, not one remembered from the last look
+    for key in store.find(root):
+        relative = key[len(root) :].lstrip("/")
+        target = folder / relative
+        if not relative or target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.tandem-part")
+        store.get_file(key, str(partial))
+        partial.replace(target)  # whole, or not there: a reader never sees half a file
+        stat = target.stat()
+        added[relative] = (stat.st_size, stat.st_mtime_ns)
+    return added
+
+
 def main(argv: Sequence[str]) -> int:
     if not argv:
         print("usage: python -m services.scheduler.backends.task_buckets COMMAND [ARG...]", file=sys.stderr)
@@ -188,6 +210,10 @@ def main(argv: Sequence[str]) -> int:
                     seen[mount.folder] = push(store, mount, seen[mount.folder])
                 except Exception as exc:  # a failed periodic upload is retried next time
                     print(f"[tandem] upload to {mount.url} failed, retrying: {exc}", file=sys.stderr)
+                try:
+                    seen[mount.folder] = fetch_new(store, mount, seen[mount.folder])
+                except Exception as exc:  # and so is a failed look for what others wrote
+                    print(f"[tandem] reading {mount.url} failed, retrying: {exc}", file=sys.stderr)
     failed = False
     for mount in uploading:
         for tries in range(3):

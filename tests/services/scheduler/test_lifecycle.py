@@ -28,6 +28,7 @@ from services.scheduler.lifecycle import (
     classify_exit,
     decide_restart,
     effective_priority,
+    gpu_type_matches,
     group_verdict,
     place_group,
     queue_order,
@@ -133,6 +134,43 @@ def test_gang_placement_is_all_or_nothing_on_distinct_nodes() -> None:
     assert place_group([Demand("many", 3, 0)], nodes) is None  # 3 distinct nodes needed
     assert place_group([Demand("a", 1, 4), Demand("b", 1, 4)], nodes) is None  # both want n1
     assert nodes[0].gpu_indices == [0, 1, 2, 3]  # the input is untouched
+
+
+def test_a_gpu_type_matches_the_nodes_model_by_words_in_placement_as_in_the_check() -> None:
+    # Nodes report the full model (nvidia-smi, GPU feature discovery); a spec names it as SkyPilot does.
+    nodes = [NodeFree("h", "", list(range(8)), 64, 512, "NVIDIA-H100-80GB-HBM3")]
+    placement = place_group([Demand("train", 1, 8, gpu_type="H100")], nodes)
+    assert placement is not None and placement["train"][0].gpu_type == "H100"
+    assert place_group([Demand("train", 1, 8, gpu_type="h100-80gb")], nodes) is not None
+    assert place_group([Demand("train", 1, 8, gpu_type="H10")], nodes) is None
+    assert place_group([Demand("train", 1, 8, gpu_type="A100")], nodes) is None
+    assert place_group([Demand("cpu", 1, 0, gpu_type="")], nodes) is not None
+    assert gpu_type_matches("H100", "NVIDIA-H100-80GB-HBM3") and not gpu_type_matches("H100", "A100")
+
+
+def test_gpu_alternatives_take_the_first_choice_the_free_nodes_satisfy() -> None:
+    nodes = [
+        NodeFree("a", "", [0, 1, 2, 3], 32, 256, "NVIDIA-A100-SXM4-80GB"),
+        NodeFree("l", "", [0, 1], 32, 256, "NVIDIA-L4"),
+    ]
+    # H100 first: no node has it, so A100:4 (the second) is taken, before L4:2 (the third).
+    want = Demand("train", 1, 8, 8, 16, "H100", ((4, "A100"), (2, "L4")))
+    placement = place_group([want], nodes)
+    assert placement is not None
+    (slot,) = placement["train"]
+    assert (slot.node, slot.gpu_indices, slot.gpu_type) == ("a", (0, 1, 2, 3), "A100")
+    # Two nodes wanted: only one node of each type, so no choice fits.
+    assert place_group([Demand("train", 2, 8, 0, 0, "H100", ((4, "A100"), (2, "L4")))], nodes) is None
+    # With the A100s taken by another task of the group, the same task falls to its L4 choice.
+    group = [Demand("first", 1, 4, gpu_type="A100"), want]
+    both = place_group(group, nodes)
+    assert both is not None and both["train"][0].gpu_type == "L4" and both["train"][0].node == "l"
+    # The first choice wins when it fits, even when a later one would fit more tightly.
+    roomy = [NodeFree("big", "", list(range(8)), 64, 512, "H100"), *nodes]
+    first = place_group([want], roomy)
+    assert (
+        first is not None and first["train"][0].gpu_type == "H100" and len(first["train"][0].gpu_indices) == 8
+    )
 
 
 def test_admission_takes_whole_groups_and_stops_at_the_first_that_waits() -> None:

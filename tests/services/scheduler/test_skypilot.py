@@ -451,6 +451,7 @@ for path, envs in json.loads(sys.argv[1]).items():
             "ordered": isinstance(task.resources, list),
             "cpus": [r.cpus for r in resources],
             "memory": [r.memory for r in resources],
+            "images": sorted({str(v) for r in resources if r.image_id for v in r.image_id.values()}),
         })
     primary = getattr(dag, "primary_tasks", None)
     execution = dag.execution.value if dag.execution is not None else None
@@ -484,8 +485,16 @@ def test_skypilot_and_tandem_read_the_same_files_alike(tmp_path: Path) -> None:
         path = tmp_path / name
         path.write_text(textwrap.dedent(text))
         paths[path] = envs
-    for example in ("sky-torchrun.yaml", "sky-two-node.yaml"):  # the examples SkyPilot users would write
-        paths[ROOT / "examples" / "jobs" / example] = {"MASTER_PORT": "29500"}
+    examples = {  # the examples SkyPilot users would write, with the values `--env` gives them
+        "sky-torchrun.yaml": {"MASTER_PORT": "29500"},
+        "sky-two-node.yaml": {"MASTER_PORT": "29500"},
+        "sky-bucket-dataset.yaml": {},
+        "sky-train-eval-group.yaml": {},
+        "sky-rl-group.yaml": {"ROLLOUT_PORT": "8100"},
+        "sky-docker-image.yaml": {},
+    }
+    for example, example_envs in examples.items():
+        paths[ROOT / "examples" / "jobs" / example] = example_envs
     theirs = skypilot(paths)
     for path, envs in paths.items():
         sky, spec = theirs[str(path)], S.load_yaml(path, envs=envs)
@@ -515,6 +524,9 @@ def test_skypilot_and_tandem_read_the_same_files_alike(tmp_path: Path) -> None:
                 assert sorted(map(str, ours)) == sorted(map(str, want["accelerators"])), where
             assert {amount(c) for c in want["cpus"]} == {task.resources.cpus}, where
             assert {amount(m) for m in want["memory"]} == {task.resources.memory_gib}, where
+            assert want["images"] == ([f"docker:{task.resources.image}"] if task.resources.image else []), (
+                where
+            )
 
 
 SCHEMA = """

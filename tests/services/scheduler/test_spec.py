@@ -557,3 +557,22 @@ def test_importing_the_spec_loads_no_ml_stack() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == ""
+
+
+def test_a_task_with_gpu_alternatives_fits_when_one_of_them_does() -> None:
+    # No node has A100s, the H100 nodes satisfy the second choice: the task fits.
+    either = S.parse_yaml("name: a\nresources:\n  accelerators: [A100:8, H100:8]\nrun: x\n")
+    assert list(either.tasks[0].resources.gpu_alternatives) == ["H100:8"]
+    S.check_fits(either, H100_NODES)
+    # None does: the first choice's reason is given.
+    neither = S.parse_yaml("name: a\nresources:\n  accelerators: [A100:8, L4:1]\nrun: x\n")
+    with pytest.raises(FailedPrecondition) as caught:
+        S.check_fits(neither, H100_NODES)
+    assert [v.field for v in caught.value.violations] == ["tasks[0].resources.gpus"]
+    assert "no node has A100 GPUs" in caught.value.violations[0].description
+    # The group's total counts each task's smallest choice: 2 x H100:8 and one task of [H100:8, H100:1].
+    group_of_two = group(
+        "- name: a\n  run: x\n  num_nodes: 2\n  resources: {gpus: 'H100:7'}\n"
+        "- name: b\n  run: x\n  resources: {accelerators: ['H100:8', 'H100:1']}\n"
+    )
+    S.check_fits(S.parse_yaml(group_of_two), H100_NODES)

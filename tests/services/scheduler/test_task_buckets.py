@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,16 @@ def wrapped(script: str, plan: str, env: dict[str, str] | None = None) -> subpro
         text=True,
         timeout=60,
         check=False,
+    )
+
+
+def cached_mount_plan(s3: S3Server, url: str, folder: Path) -> str:
+    """One MOUNT_CACHED bucket at `folder`, synced every 0.2 s, with the task's key."""
+    return bucket_plan(
+        [BucketMount(url, str(folder), mode="mount_cached")],
+        credentials=CREDENTIALS,
+        endpoint_url=s3.endpoint,
+        sync_interval_s=0.2,
     )
 
 
@@ -75,12 +86,7 @@ def test_mount_uploads_new_and_changed_files_while_running_and_at_the_end(
     store.pipe_file("ckpt/run/kept.txt", b"as it was")
     store.pipe_file("ckpt/run/changed.txt", b"old")
     folder = tmp_path / "ckpt"
-    plan = bucket_plan(
-        [BucketMount("s3://ckpt/run", str(folder), mode="mount_cached")],
-        credentials=CREDENTIALS,
-        endpoint_url=s3_server.endpoint,
-        sync_interval_s=0.2,
-    )
+    plan = cached_mount_plan(s3_server, "s3://ckpt/run", folder)
     # The task waits until its first file is in the bucket: the periodic upload put it there, not the last.
     probe = (
         f"{sys.executable} -c \"import s3fs,sys; fs=s3fs.S3FileSystem(key='{s3_server.key_id}', "
@@ -134,3 +140,40 @@ def test_a_malformed_plan_is_refused() -> None:
         read_plan(bucket_plan([BucketMount("gs://b", "/tmp/x")]))
     done = wrapped("echo ran", "not json")
     assert done.returncode == PRECHECK_EXIT and "ran" not in done.stdout
+
+
+def test_mount_copies_down_what_others_write_while_running_and_keeps_its_own_files(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    store = s3_server.store()
+    store.mkdir("shared")
+    store.pipe_file("shared/run/mine.txt", b"the bucket's")
+    folder = tmp_path / "shared"
+    plan = cached_mount_plan(s3_server, "s3://shared/run", folder)
+    # Another writer's object appears after the task started: the task waits until it is in its folder.
+    script = (
+        f"echo local > {folder}/mine.txt\n"
+        f"until [ -f {folder}/later/step-2.json ]; do sleep 0.1; done\n"
+        f"cat {folder}/later/step-2.json\n"
+    )
+    task = subprocess.Popen(
+        [sys.executable, "-m", "services.scheduler.backends.task_buckets", "bash", "-c", script],
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+            **secrets(s3_server),
+            BUCKETS_ENV: plan,
+            "PYTHONPATH": os.pathsep.join(sys.path),
+        },
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    while not (folder / "mine.txt").exists() or (folder / "mine.txt").read_text() != "local\n":
+        assert task.poll() is None
+        time.sleep(0.05)
+    store.pipe_file("shared/run/later/step-2.json", b'{"step": 2}')
+    out, _ = task.communicate(timeout=60)
+    assert task.returncode == 0
+    assert out == '{"step": 2}'
+    assert store.cat_file("shared/run/mine.txt") == b"local\n"  # the task's own write, not replaced
+    assert not list(folder.rglob(".*tandem-part"))
