@@ -174,6 +174,8 @@ async def test_every_help_example_runs_as_written_against_a_live_mesh(tmp_path: 
     (home / "examples" / "jobs").mkdir(parents=True)
     shutil.copy(ROOT / "examples" / "taskapps" / "single_turn.py", home / "examples" / "taskapps")
     shutil.copy(ROOT / "examples" / "taskapps" / "single_turn.py", home / "my_app.py")
+    for job_file in (ROOT / "examples" / "jobs").glob("*.yaml"):  # the SkyPilot files `tandem launch` names
+        shutil.copy(job_file, home / "examples" / "jobs")
     config = (
         short_demo(tmp_path / "model")
         .replace('name = "orgs/demo/taskApps/single-turn"', 'name = "orgs/acme/taskApps/single-turn"')
