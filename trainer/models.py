@@ -121,7 +121,7 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
+    trainer = trainers.BpeTrainer(  # type: ignore[no-untyped-call,unused-ignore]  # typed from tokenizers 0.23.3 on
         vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
