@@ -28,6 +28,7 @@ runs on is ever used. The command's own environment is left as it was.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -129,7 +130,8 @@ def pull(store: Any, mount: BucketMount) -> Snapshot:
     root = _root(mount.url)
     bucket = root.split("/", 1)[0]
     if mount.create and not store.exists(bucket):
-        store.mkdir(bucket)
+        with contextlib.suppress(FileExistsError):  # another task of the group made it a moment ago
+            store.mkdir(bucket)
     for key in store.find(root):
         relative = key[len(root) :].lstrip("/")
         if not relative:  # the URL names one object: it lands in the folder under its own name

@@ -17,6 +17,7 @@ from services.scheduler.backends.task_buckets import (
     PRECHECK_EXIT,
     BucketMount,
     bucket_plan,
+    pull,
     read_plan,
 )
 from tests.support.s3 import S3Server, s3_server
@@ -116,6 +117,20 @@ def test_a_named_bucket_is_created_when_missing(s3_server: S3Server, tmp_path: P
     done = wrapped(f"echo hi > {folder}/hello.txt", plan, secrets(s3_server))
     assert done.returncode == 0, done.stderr
     assert s3_server.store().cat_file("fresh-bucket/hello.txt") == b"hi\n"
+
+
+def test_tasks_creating_one_bucket_at_once_all_start(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group's tasks share a named bucket: each finds it missing and creates it; the one that loses the race
+    finds it made, not a failure (S3 answers BucketAlreadyOwnedByYou)."""
+    store = s3_server.store()
+    mounts = [BucketMount("s3://shared-bucket", str(tmp_path / f"t{i}"), create=True) for i in range(2)]
+    missing = store.exists  # both tasks look before either creates: the race, made certain
+    monkeypatch.setattr(store, "exists", lambda path: False if path == "shared-bucket" else missing(path))
+    for mount in mounts:
+        pull(store, mount)
+    assert missing("shared-bucket")
 
 
 def test_credentials_come_only_from_the_tasks_secrets(s3_server: S3Server, tmp_path: Path) -> None:
