@@ -136,14 +136,17 @@ def command(
     binds: list[str] = ["--dev-bind", "/", "/"]
     made: set[Path] = set()
 
-    def bind(path: Path, under: Sequence[Path], option: str) -> None:
-        """`path` bound back inside the tmpfs over the first of `under` holding it, the folders between made
-        enterable (bubblewrap would make them for root alone)."""
+    def enterable(path: Path, under: Sequence[Path]) -> None:
+        """The folders between the first of `under` holding `path` and it, made enterable inside that tmpfs
+        (bubblewrap would make them for root alone)."""
         top = next(r for r in under if _inside(path, [r]))
         for folder in reversed(path.parents):
             if folder.is_relative_to(top) and folder != top and folder not in made:
                 made.add(folder)
                 binds.extend(["--perms", "0711", "--dir", str(folder)])
+
+    def bind(path: Path, under: Sequence[Path], option: str) -> None:
+        enterable(path, under)
         binds.extend([option, str(path), str(path)])
 
     # Folders others may not enter above the runtime or the hidden folders (a home; pytest's temporary root,
@@ -157,11 +160,7 @@ def command(
     bound_runtime = [r for r in runtime if _inside(r, opened)]
     for folder in hidden:
         if _inside(folder, opened) and not _inside(folder, bound_runtime):  # its mount point: enterable too
-            top = next(r for r in opened if _inside(folder, [r]))
-            for step in reversed(folder.parents):
-                if step.is_relative_to(top) and step != top and step not in made:
-                    made.add(step)
-                    binds.extend(["--perms", "0711", "--dir", str(step)])
+            enterable(folder, opened)
         binds += ["--perms", "0711", "--tmpfs", str(folder)]
     bound = {p.resolve(): False for p in own}
     for path, read_only in mounts:
