@@ -682,7 +682,10 @@ def _async(command: Callable[[argparse.Namespace], Awaitable[int]]) -> Callable[
 def _cmd_demo(args: argparse.Namespace) -> int:
     from gateway.demo import run_demo  # noqa: PLC0415
 
-    return asyncio.run(run_demo(args))
+    try:
+        return asyncio.run(run_demo(args))
+    except asyncio.CancelledError:  # SIGTERM, which the demo takes as it takes Ctrl-C
+        return EXIT_INTERRUPTED
 
 
 # ---- the parser -------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import re
 import secrets
+import signal
 import socket
 import sys
 import time
@@ -60,10 +61,14 @@ def unsupported(what: str, error: RpcError) -> None:
 
 @contextlib.asynccontextmanager
 async def local_mesh(settings: Settings) -> AsyncIterator[dict[str, str]]:
-    """Every service in this event loop; yields their addresses."""
+    """Every service in this event loop; yields their addresses. The caller owns SIGINT and SIGTERM: Ctrl-C
+    cancels the demo, which cancels its job, and the mesh stops only once the demo has left this block (were
+    the mesh to take the signal itself, it would drain under a demo still waiting on it)."""
     ready: asyncio.Future[list[RunningService]] = asyncio.get_running_loop().create_future()
     stop = asyncio.Event()
-    task = asyncio.create_task(serve(MESH_SERVICES, settings, on_ready=ready.set_result, stop_event=stop))
+    task = asyncio.create_task(
+        serve(MESH_SERVICES, settings, on_ready=ready.set_result, stop_event=stop, handle_signals=False)
+    )
     waiting: list[asyncio.Future[Any]] = [task, ready]
     await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     if task.done():
@@ -155,6 +160,10 @@ async def run_demo(args: argparse.Namespace) -> int:
         state_dir=state_dir, ports=Ports(gateway=0, vault=0, scheduler=0, taskapp_proxy=0, events=0)
     )
     configure_logging(settings.log_level, settings.log_format, stream=(state_dir / "tandem.log").open("a"))
+    main = asyncio.current_task()
+    if main is not None:  # SIGTERM ends the demo as Ctrl-C does: its job cancelled, then the mesh stopped
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
 
     say(f"1. Starting the Tandem mesh in this process (state and logs in {state_dir}) ...")
     async with local_mesh(settings) as addresses:

@@ -9,8 +9,7 @@ that its checkpoints exist within a test's time: 41 tiny steps, one every 20 and
 
 What counts as running:
 - a command that serves until stopped (`tandem up`, `tandem demo`, `tandem taskapp serve`) is running
-  after a while and has printed no error, and stops on Ctrl-C (`tandem demo` does not yet:
-  `test_demo_stops_on_ctrl_c` is marked xfail until it does);
+  after a while and has printed no error, and stops on Ctrl-C;
 - any other command exits 0, or, where an earlier example already did what it does, answers that cleanly
   (`error: ALREADY_EXISTS` for what was created, `error: JOB_STATE_CONFLICT` for cancelling a job that
   has ended: the examples' job is watched to its end first);
@@ -135,20 +134,35 @@ async def interrupt(process: asyncio.subprocess.Process, folder: Path, within_s:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True, reason="tandem demo does not stop within 120 s of Ctrl-C (found by the run below)"
-)
-async def test_demo_stops_on_ctrl_c(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+async def test_demo_stops_on_ctrl_c(tmp_path: Path, signum: signal.Signals) -> None:
+    """Interrupted while it trains, `tandem demo` cancels its job, waits for the job's processes to end,
+    stops its mesh and exits 130; nothing it started is left running."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env.update({f"TANDEM_PORTS__{service.upper()}": "0" for service in PORTED})
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "gen" / "python")])
-    with (tmp_path / "demo.log").open("wb") as log:
+    log_path = tmp_path / "demo.log"
+    with log_path.open("wb") as log:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gateway.cli", "demo", cwd=tmp_path, env=env, stdout=log, stderr=log
         )
-        await asyncio.sleep(SERVER_GRACE_S)
-        assert process.returncode is None, (tmp_path / "demo.log").read_text()
-        assert await interrupt(process, tmp_path)
+        try:
+            async with asyncio.timeout(240):
+                while "job RUNNING" not in log_path.read_text():
+                    assert process.returncode is None, log_path.read_text()
+                    await asyncio.sleep(0.5)
+            process.send_signal(signum)
+            async with asyncio.timeout(120):
+                code = await process.wait()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    text = log_path.read_text()
+    assert code == 130, text
+    assert "interrupted; cancelling orgs/demo/jobs/demo" in text
+    assert "Traceback" not in text and "error:" not in text, text
+    assert _stray(tmp_path) == []
 
 
 def _is_server(words: list[str]) -> bool:
