@@ -14,8 +14,10 @@ S3 endpoint and the names of the credential variables that came from the vault. 
 2. The command runs as a child; SIGTERM and SIGINT are passed on to it.
 3. For MOUNT and MOUNT_CACHED buckets that are not read-only, files that are new or changed since the copy
    down (size or modification time) are uploaded every `sync_interval_s` while the command runs and once more
-   when it ends. Deleted files are not deleted from the bucket. An upload that fails at the end turns a
-   successful exit into 1, with the reason on stderr.
+   when it ends, and files the task deletes are deleted from the bucket. At each interval the folder also
+   takes what others did to the bucket: objects new there are copied down, and a file whose object was
+   deleted is deleted, unless the task changed it since (the task's own writes win). An upload that fails
+   at the end turns a successful exit into 1, with the reason on stderr.
 
 There is no FUSE on the nodes here, so nothing streams: that is the difference from SkyPilot's MOUNT, whose
 reads fetch objects on demand and whose writes reach the bucket on close (see SPEC.md).
@@ -152,32 +154,47 @@ def snapshot(folder: Path) -> Snapshot:
 
 
 def push(store: Any, mount: BucketMount, before: Snapshot) -> Snapshot:
-    """Upload the files that are new or changed since `before`; the snapshot they were uploaded from."""
+    """Upload the files that are new or changed since `before` and delete the objects of the files gone since;
+    the snapshot this was done from. On an error nothing is remembered: the next push tries it all again."""
     folder = Path(mount.folder)
     now = snapshot(folder)
     root = _root(mount.url)
     for relative, seen in sorted(now.items()):
         if before.get(relative) != seen:
             store.put_file(str(folder / relative), f"{root}/{relative}")
+    for relative in sorted(before.keys() - now.keys()):
+        with contextlib.suppress(FileNotFoundError):  # someone else deleted it too
+            store.rm_file(f"{root}/{relative}")
     return now
 
 
 def fetch_new(store: Any, mount: BucketMount, seen: Snapshot) -> Snapshot:
-    """Copy down the objects under the mount's URL that its folder does not have yet (another task wrote
-    them since); `seen` with them added, so they are not uploaded back. Files already there are left as
-    they are: the task's own writes win."""
+    """Bring what others did to the bucket since `seen` into the mount's folder: objects it does not have
+    yet are copied down, and files whose objects are gone are deleted where the task has not changed them
+    since. `seen` is updated to match, so neither is uploaded or deleted back. Files the task wrote, or
+    deleted without a push since, are left as they are: the task's own writes win."""
     folder = Path(mount.folder)
     root = _root(mount.url)
     added = dict(seen)
     store.invalidate_cache(root)  # the listing, not one remembered from the last look
-    for key in store.find(root):
-        relative = key[len(root) :].lstrip("/")
+    listed = {key[len(root) :].lstrip("/") for key in store.find(root)}
+    if "" in listed:  # the URL names one object, copied down at the start: nothing more comes of it
+        return added
+    for relative in sorted(seen.keys() - listed):
         target = folder / relative
-        if not relative or target.exists():
+        with contextlib.suppress(FileNotFoundError):
+            stat = target.stat()
+            if (stat.st_size, stat.st_mtime_ns) != seen[relative]:
+                continue  # changed by the task since: its write wins, and the next push uploads it
+            target.unlink()
+        del added[relative]
+    for relative in sorted(listed):
+        target = folder / relative
+        if relative in seen or target.exists():
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.tandem-part")
-        store.get_file(key, str(partial))
+        store.get_file(f"{root}/{relative}", str(partial))
         partial.replace(target)  # whole, or not there: a reader never sees half a file
         stat = target.stat()
         added[relative] = (stat.st_size, stat.st_mtime_ns)

@@ -17,7 +17,9 @@ from services.scheduler.backends.task_buckets import (
     PRECHECK_EXIT,
     BucketMount,
     bucket_plan,
+    fetch_new,
     pull,
+    push,
     read_plan,
 )
 from tests.support.s3 import S3Server, s3_server
@@ -192,3 +194,62 @@ def test_mount_copies_down_what_others_write_while_running_and_keeps_its_own_fil
     assert out == '{"step": 2}'
     assert store.cat_file("shared/run/mine.txt") == b"local\n"  # the task's own write, not replaced
     assert not list(folder.rglob(".*tandem-part"))
+
+
+def test_mount_deletes_both_ways(s3_server: S3Server, tmp_path: Path) -> None:
+    """A file the task deletes is deleted from the bucket; an object someone else deletes while the task runs
+    is deleted from its folder."""
+    store = s3_server.store()
+    store.mkdir("sync")
+    for name in ("dropped-here.txt", "dropped-there.txt", "kept.txt"):
+        store.pipe_file(f"sync/run/{name}", b"first")
+    folder = tmp_path / "sync"
+    plan = cached_mount_plan(s3_server, "s3://sync/run", folder)
+    # The task deletes a file, says so, and waits until the other writer's deletion reached its folder.
+    script = (
+        f"rm {folder}/dropped-here.txt && touch {tmp_path}/ready\n"
+        f"until [ ! -e {folder}/dropped-there.txt ]; do sleep 0.1; done\n"
+        f"ls {folder}\n"
+    )
+    task = subprocess.Popen(
+        [sys.executable, "-m", "services.scheduler.backends.task_buckets", "bash", "-c", script],
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+            **secrets(s3_server),
+            BUCKETS_ENV: plan,
+            "PYTHONPATH": os.pathsep.join(sys.path),
+        },
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    while not (tmp_path / "ready").exists():
+        assert task.poll() is None
+        time.sleep(0.05)
+    store.rm_file("sync/run/dropped-there.txt")
+    out, _ = task.communicate(timeout=60)
+    assert task.returncode == 0
+    assert out.split() == ["kept.txt"]
+    store.invalidate_cache()
+    assert store.ls("sync/run", detail=False) == ["sync/run/kept.txt"]
+
+
+def test_a_file_the_task_changed_outlives_its_objects_deletion(s3_server: S3Server, tmp_path: Path) -> None:
+    """Deleted in the bucket after the task rewrote it but before that was uploaded: the task's write wins,
+    and the next upload puts it back; a file the task deleted is not copied down again before its push."""
+    store = s3_server.store()
+    store.mkdir("race")
+    store.pipe_file("race/run/rewritten.txt", b"first")
+    store.pipe_file("race/run/deleted-here.txt", b"first")
+    mount = BucketMount("s3://race/run", str(tmp_path / "race"), mode="mount")
+    seen = pull(store, mount)
+    (tmp_path / "race" / "rewritten.txt").write_text("second")
+    (tmp_path / "race" / "deleted-here.txt").unlink()
+    store.rm_file("race/run/rewritten.txt")
+    seen = fetch_new(store, mount, seen)
+    assert (tmp_path / "race" / "rewritten.txt").read_text() == "second"
+    assert not (tmp_path / "race" / "deleted-here.txt").exists()
+    push(store, mount, seen)
+    store.invalidate_cache()
+    assert store.ls("race/run", detail=False) == ["race/run/rewritten.txt"]
+    assert store.cat_file("race/run/rewritten.txt") == b"second"
