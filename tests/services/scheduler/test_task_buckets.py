@@ -43,6 +43,22 @@ def wrapped(script: str, plan: str, env: dict[str, str] | None = None) -> subpro
     )
 
 
+def started(script: str, plan: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """The wrapper around `script`, running, its stdout piped: for a test that acts while the task runs."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.scheduler.backends.task_buckets", "bash", "-c", script],
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+            **env,
+            BUCKETS_ENV: plan,
+            "PYTHONPATH": os.pathsep.join(sys.path),
+        },
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
 def cached_mount_plan(s3: S3Server, url: str, folder: Path) -> str:
     """One MOUNT_CACHED bucket at `folder`, synced every 0.2 s, with the task's key."""
     return bucket_plan(
@@ -173,18 +189,7 @@ def test_mount_copies_down_what_others_write_while_running_and_keeps_its_own_fil
         f"until [ -f {folder}/later/step-2.json ]; do sleep 0.1; done\n"
         f"cat {folder}/later/step-2.json\n"
     )
-    task = subprocess.Popen(
-        [sys.executable, "-m", "services.scheduler.backends.task_buckets", "bash", "-c", script],
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
-            **secrets(s3_server),
-            BUCKETS_ENV: plan,
-            "PYTHONPATH": os.pathsep.join(sys.path),
-        },
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    task = started(script, plan, secrets(s3_server))
     while not (folder / "mine.txt").exists() or (folder / "mine.txt").read_text() != "local\n":
         assert task.poll() is None
         time.sleep(0.05)
@@ -211,18 +216,7 @@ def test_mount_deletes_both_ways(s3_server: S3Server, tmp_path: Path) -> None:
         f"until [ ! -e {folder}/dropped-there.txt ]; do sleep 0.1; done\n"
         f"ls {folder}\n"
     )
-    task = subprocess.Popen(
-        [sys.executable, "-m", "services.scheduler.backends.task_buckets", "bash", "-c", script],
-        env={
-            **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
-            **secrets(s3_server),
-            BUCKETS_ENV: plan,
-            "PYTHONPATH": os.pathsep.join(sys.path),
-        },
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    task = started(script, plan, secrets(s3_server))
     while not (tmp_path / "ready").exists():
         assert task.poll() is None
         time.sleep(0.05)
