@@ -92,7 +92,8 @@ def test_log_probs_from_the_hidden_states_in_chunks_equal_the_full_logits(
         want[row] = grpo.token_logprobs(picked[row : row + 1], batch.targets[row : row + 1], temperature)[0]
     trained = batch.mask
     assert int(trained.sum()) == 16
-    torch.testing.assert_close(scores.logprobs[trained], want[trained], rtol=0, atol=1e-6)
+    # Chunks take other matrix blockings: measured 2.5e-7 apart relative (2 float32 ulps) on one machine's CPU.
+    torch.testing.assert_close(scores.logprobs[trained], want[trained], rtol=1e-6, atol=1e-6)
     assert bool((scores.logprobs[~trained] == 0).all())
     entropies = [
         grpo.entropy(picked[row : row + 1], trained[row : row + 1], t) * int(trained[row].sum())
