@@ -54,6 +54,7 @@ DEFAULT_READINESS_TIMEOUT_S = 600.0
 MAX_ENV_VALUE_BYTES = 32 * 1024
 MAX_GPUS_PER_NODE = 1024
 MAX_GPU_ALTERNATIVES = 8
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000  # SkyPilot's range; higher is admitted first, 0 the default
 # Set by the scheduler on every node; a spec may not set them itself (TANDEM_* is reserved as a whole).
 RESERVED_ENVS = frozenset(
     {
@@ -771,6 +772,8 @@ _TASK_KEYS = (
     "run",
     "online_rl",
     "service",
+    "volumes",
+    "managed_secrets",
 )
 _RESOURCE_KEYS = (
     "gpus",
@@ -783,6 +786,12 @@ _RESOURCE_KEYS = (
     "ports",
     "use_spot",
     "image_id",
+    "any_of",
+    "ordered",
+    "job_recovery",
+    "priority",
+    "priority_class",
+    "ephemeral_storage",
 )
 
 # SkyPilot's keys (its task and resources schema) that Tandem does not take, each with the reason; SPEC.md has
@@ -797,12 +806,10 @@ _SKY_TASK_KEYS = {
     "accelerators": "belongs under `resources:` (`resources: {accelerators: A100:8}`)",
     "event_callback": f"{_NOT_YET}: a task's progress is reported as job events, not through a callback",
     "pool": "SkyPilot's worker pools have no counterpart here",
-    "managed_secrets": f"{_NOT_YET}: name vault secrets in `secrets`",
     "inputs": "is a data-size hint for SkyPilot's cloud optimizer, which has no counterpart here",
     "outputs": "is a data-size hint for SkyPilot's cloud optimizer, which has no counterpart here",
     "config": "overrides SkyPilot's own configuration; the backend's settings are the job's `slurm:` or `kubernetes:`",
-    "volumes": f"{_NOT_YET}: mount a volume the deployment defines with `file_mounts: {{/path: {{volume: name}}}}`",
-    "volume_mounts": f"{_NOT_YET}: mount a volume with `file_mounts: {{/path: {{volume: name}}}}`",
+    "volume_mounts": "is SkyPilot's own resolved form of `volumes`, which it writes itself; write `volumes`",
     "api_server_access": "there is no SkyPilot API server here; a task reaches the mesh with its job token",
     "file_mounts_mapping": "is SkyPilot's internal bookkeeping",
     "_metadata": "is SkyPilot's internal bookkeeping",
@@ -815,17 +822,15 @@ _SKY_RESOURCE_KEYS = {
     "max_hourly_cost": "there are no prices here",
     "accelerator_args": "configures Google Cloud TPUs; Tandem places NVIDIA GPUs",
     "autostop": "nodes are not kept as clusters here: a task's nodes are released when it ends",
-    "job_recovery": f"{_NOT_YET}: write the job's `recovery:` (max_restarts_on_errors, recover_on_exit_codes)",
-    "ephemeral_storage": f"{_NOT_YET}: the nodes' disks are the deployment's",
-    "disk_tier": f"{_NOT_YET}: the nodes' disks are the deployment's",
-    "local_disk": f"{_NOT_YET}: the nodes' disks are the deployment's",
-    "network_tier": f"{_NOT_YET}: the nodes' network is the deployment's",
+    "disk_tier": "chooses a cloud's disk product; the nodes here have the disks the deployment gave them "
+    "(ask for space with disk_size)",
+    "local_disk": "chooses a cloud instance's local NVMe or SSD; the nodes here have the disks the deployment "
+    "gave them (ask for space with disk_size)",
+    "network_tier": "chooses a cloud's network product (its GPUDirect or InfiniBand offer); the nodes here have "
+    "the network the deployment gave them",
     "labels": f"{_NOT_YET}: Kubernetes pods take the job's `kubernetes.node_selector`, not labels",
-    "priority": f"{_NOT_YET} per task: set the job's `priority` (0..1000)",
-    "priority_class": f"{_NOT_YET} per task: set the job's `kubernetes.priority_class_name`",
-    "any_of": f"{_NOT_YET}: for GPU alternatives write `accelerators: [A100:8, H100:8]`",
-    "ordered": f"{_NOT_YET}: for GPU alternatives in order write `accelerators: [A100:8, H100:8]`",
-    "volumes": f"{_NOT_YET}: mount a volume with the task's `file_mounts: {{/path: {{volume: name}}}}`",
+    "volumes": "attaches a public cloud's disks to its instances (SkyPilot's older form); mount the "
+    "deployment's volumes with the task's `volumes: {/path: name}`",
     "_no_missing_accel_warnings": "is SkyPilot's internal setting",
     "_docker_login_config": "is SkyPilot's internal setting",
     "_is_image_managed": "is SkyPilot's internal setting",
@@ -850,8 +855,18 @@ _SKY_SERVICE_KEYS = dict.fromkeys(
     ),
     _SKYSERVE,
 )
+# SkyPilot's recovery strategies (its registry's names); each means "relaunch on the cluster" here.
+_STRATEGIES = ("EAGER_NEXT_REGION", "FAILOVER")
+_SKY_VOLUME_KEYS = {
+    "size": "asks SkyPilot to create a volume for the task; the volumes here are the deployment's, named by "
+    "`name` (for scratch space ask for disk_size)",
+    "sub_path": f"{_NOT_YET}: a volume is mounted whole; mount it and use the folder inside it",
+}
+# The task keys SkyPilot fills the task's envs into (`$NAME` and `${NAME}`, for the names the task has).
+_FILLED = frozenset({"file_mounts", "workdir", "volumes"})
+_ENV_REFERENCE = re.compile(r"\$\{?\b([a-zA-Z_][a-zA-Z0-9_]*)\b\}?")
 _BUCKET_SCHEMES = f"{_NOT_YET}: only S3 buckets (s3://, or an S3-compatible store through AWS_ENDPOINT_URL)"
-_ENV_IN_MOUNT = f"{_NOT_YET}: SkyPilot fills envs into mount paths ($VAR); Tandem takes a path as written"
+_ENV_IN_MOUNT = "names a variable that is none of the task's envs; SkyPilot fills only those into mount paths"
 _SKY_MOUNT_KEYS = {
     "config": f"{_NOT_YET}: SkyPilot's mount tuning (rclone or goofys settings); buckets are copied here",
     "type": f"{_NOT_YET}: SkyPilot's volume mount type; use `{{volume: name}}`",
@@ -912,6 +927,8 @@ class _Reader:
         self.delays: dict[str, duration_pb2.Duration] = {}  # its `termination_delay`, by task ("default")
         self.named: set[int] = set()  # the tasks whose file gives a name
         self.unset_envs: dict[int, list[str]] = {}  # per task, the variables declared without a value
+        # SkyPilot's per-task `job_recovery`, `priority` and `priority_class`: the job's here, by their path
+        self.job_values: dict[str, list[tuple[str, Any]]] = {}
         self.backends: list[
             tuple[str, js.Backend.ValueType]
         ] = []  # the backends `cloud:` / `infra:` name, with their path
@@ -1087,6 +1104,7 @@ class _Reader:
                     )
                     for at, _ in self.backends
                 )
+        self.job_values_of_tasks(spec)
 
     def guard(self, step: Any) -> None:
         with contextlib.suppress(_Stop):
@@ -1188,7 +1206,11 @@ class _Reader:
             self.guard(lambda: self.envs(task, doc["envs"], f"{at}.envs"))
         if "secrets" in doc:
             self.guard(lambda: self.secrets(task, doc["secrets"], f"{at}.secrets"))
-        self.files(task, doc, at)
+        if "managed_secrets" in doc:
+            self.guard(lambda: self.managed_secrets(task, doc["managed_secrets"], f"{at}.managed_secrets"))
+        # SkyPilot fills the task's envs (with the values given at submission) into its mounts and workdir.
+        values = {**task.envs, **self.given_envs}
+        self.files(task, {k: _fill_envs(v, values) if k in _FILLED else v for k, v in doc.items()}, at)
         for key in ("setup", "run"):
             if key in doc:
                 self.guard(lambda k=key: setattr(task, k, self.text(doc[k], f"{at}.{k}")))
@@ -1203,6 +1225,75 @@ class _Reader:
             self.guard(lambda: self.mounts(task, doc["file_mounts"], f"{at}.file_mounts"))
         if "workdir" in doc:
             self.guard(lambda: self.workdir(task, doc["workdir"], f"{at}.workdir"))
+        if "volumes" in doc:
+            self.guard(lambda: self.volumes(task, doc["volumes"], f"{at}.volumes"))
+
+    def volumes(self, task: TaskSpec, value: Any, at: str) -> None:
+        """SkyPilot's task `volumes`: `{/path: NAME}` or `{/path: {name: NAME}}` mounts a volume the deployment
+        defines (a `file_mounts: {/path: {volume: NAME}}`); `{host_path: /src}` binds a folder of the node."""
+        doc = self.table(value, at, None)
+        for path, value_of_path in doc.items():
+            where = f"{at}[{_key(path)}]"
+            proto = f"file_mounts[{len(task.file_mounts)}]"
+            item = value_of_path
+            if isinstance(item, dict):
+                item = self.table(item, where, ("name", "host_path", "read_only"), _SKY_VOLUME_KEYS)
+                if ("name" in item) == ("host_path" in item):
+                    self.found.append(FieldViolation(where, "set exactly one of name and host_path"))
+                    continue
+            elif not isinstance(item, str):
+                self.found.append(FieldViolation(where, f"must be a volume's name, not {_type(item)}"))
+                continue
+            mount = task.file_mounts.add()
+            mount.path = str(path)
+            self.aliases[f"{at.rsplit('.', 1)[0]}.{proto}"] = where
+            if not mount.path.startswith("/"):
+                self.found.append(FieldViolation(where, "the path inside the task must be absolute"))
+            if isinstance(item, str):
+                mount.volume = item
+                continue
+            if "name" in item:
+                self.guard(
+                    lambda m=mount, i=item, w=where: setattr(m, "volume", self.text(i["name"], f"{w}.name"))
+                )
+            else:
+                self.guard(
+                    lambda m=mount, i=item, w=where: setattr(
+                        m, "local_path", self.text(i["host_path"], f"{w}.host_path")
+                    )
+                )
+                if not mount.local_path.startswith("/"):
+                    self.found.append(
+                        FieldViolation(f"{where}.host_path", "the node's path must be absolute")
+                    )
+            if "read_only" in item:
+                self.guard(
+                    lambda m=mount, i=item, w=where: setattr(
+                        m, "read_only", self.boolean(i["read_only"], f"{w}.read_only")
+                    )
+                )
+
+    def managed_secrets(self, task: TaskSpec, value: Any, at: str) -> None:
+        """SkyPilot's `managed_secrets: [NAME, ...]`: each a vault secret in the variable NAME, as the
+        `secrets:NAME` references of `secrets` are."""
+        if not isinstance(value, list):
+            self.fail(at, "must be a list of secret names")
+        for index, item in enumerate(value):
+            where = f"{at}[{index}]"
+            if isinstance(item, dict):
+                self.found.append(
+                    FieldViolation(
+                        where,
+                        f"{_NOT_YET}: a secret written to a file (mount_path); secrets reach a task as "
+                        "variables: read it from the variable",
+                    )
+                )
+                continue
+            if not isinstance(item, str):
+                self.found.append(FieldViolation(where, f"must be a secret's name, not {_type(item)}"))
+                continue
+            self.aliases[f"{at.rsplit('.', 1)[0]}.secrets[{len(task.secrets)}]"] = where
+            self.name_secret(task.secrets.add(), item.removeprefix("secrets:"), where)
 
     def kind(self, doc: dict[str, Any], at: str) -> Any:
         """The explicit `kind`, else the one the options block implies (SkyPilot tasks have no kind)."""
@@ -1217,6 +1308,10 @@ class _Reader:
             return
         doc = self.table(value, at, _RESOURCE_KEYS, _SKY_RESOURCE_KEYS)
         resources.SetInParent()
+        self.lift_keys(doc, at)
+        if "any_of" in doc or "ordered" in doc:
+            self.alternatives(resources, doc, at)
+            return
         if "gpus" in doc and "accelerators" in doc:
             self.found.append(FieldViolation(f"{at}.accelerators", "set one of gpus and accelerators"))
         if "gpus" in doc:
@@ -1241,6 +1336,155 @@ class _Reader:
             if key in doc:
                 self.guard(lambda k=key: self.cloud(doc[k], f"{at}.{k}", infra=k == "infra"))
         self.placement_keys(resources, doc, at)
+
+    def lift_keys(self, doc: dict[str, Any], at: str) -> None:
+        """Takes out of a resources table what is not a node's request: `job_recovery`, `priority` and
+        `priority_class` (the job's here), and renames SkyPilot's older `ephemeral_storage` to `disk_size`."""
+        for key in ("job_recovery", "priority", "priority_class"):
+            if key in doc:
+                self.guard(lambda k=key: self.job_value(k, doc.pop(k), f"{at}.{k}"))
+        if "ephemeral_storage" in doc:
+            if "disk_size" in doc:
+                self.found.append(
+                    FieldViolation(f"{at}.ephemeral_storage", "set one of disk_size and ephemeral_storage")
+                )
+            doc["disk_size"] = doc.pop("ephemeral_storage")
+            self.aliases[f"{at}.disk_gib"] = f"{at}.ephemeral_storage"
+
+    def alternatives(self, resources: types_pb2.Resources, doc: dict[str, Any], at: str) -> None:
+        """SkyPilot's `any_of` / `ordered`: a list of resource tables, each over the keys beside it. Here the
+        alternatives are GPU requests (the rest of a request is one), tried in the order written, the first
+        the cluster can satisfy placed, as `accelerators: [A100:8, H100:8]` is. SkyPilot's `any_of` picks the
+        cheapest; there are no prices here, so it is read in order too."""
+        if "any_of" in doc and "ordered" in doc:
+            self.fail(f"{at}.ordered", "set one of any_of and ordered")
+        key = "any_of" if "any_of" in doc else "ordered"
+        items = doc[key]
+        base = {k: v for k, v in doc.items() if k != key}
+        if not isinstance(items, list) or not items:
+            self.fail(f"{at}.{key}", "must be a list of resource tables")
+        choices: list[types_pb2.Resources] = []
+        places: list[tuple[str, ...]] = []
+        for index, item in enumerate(items):
+            where = f"{at}.{key}[{index}]"
+            if not isinstance(item, dict):
+                self.fail(where, f"must be a table of resources, not {_type(item)}")
+            nested = item.keys() & {"any_of", "ordered"}
+            if nested:
+                self.fail(f"{where}.{min(nested)}", "alternatives do not nest")
+            choice = types_pb2.Resources()
+            self.resources(choice, {**base, **item}, where)
+            choices.append(choice)
+            places.append(tuple(str({**base, **item}.get(k, "")) for k in ("cloud", "infra")))
+        first = choices[0]
+        for index, choice in enumerate(choices):
+            where = f"{at}.{key}[{index}]"
+            if places[index] != places[0]:
+                self.found.append(
+                    FieldViolation(
+                        where,
+                        f"differs from {key}[0] in where it runs (cloud, infra); a job runs on one backend",
+                    )
+                )
+            if not choice.gpus:
+                self.found.append(
+                    FieldViolation(where, "names no accelerators; each alternative is a GPU request")
+                )
+            rest, rest_first = types_pb2.Resources(), types_pb2.Resources()
+            rest.CopyFrom(choice)
+            rest_first.CopyFrom(first)
+            for r in (rest, rest_first):
+                r.ClearField("gpus")
+                r.ClearField("gpu_alternatives")
+            if rest != rest_first:
+                differ = sorted(
+                    f.name
+                    for f in types_pb2.Resources.DESCRIPTOR.fields
+                    if getattr(rest, f.name) != getattr(rest_first, f.name)
+                )
+                self.found.append(
+                    FieldViolation(
+                        where,
+                        f"differs from {key}[0] in {', '.join(differ)}; alternatives here differ in their "
+                        "accelerators only (one request for the rest)",
+                    )
+                )
+        resources.CopyFrom(first)
+        requests = list(dict.fromkeys(g for c in choices for g in (c.gpus, *c.gpu_alternatives) if g))
+        del resources.gpu_alternatives[:]
+        resources.gpu_alternatives.extend(requests[1:])
+        self.aliases[f"{at}.gpus"] = f"{at}.{key}[0].accelerators"
+        self.aliases[f"{at}.gpu_alternatives"] = f"{at}.{key}"
+
+    def job_value(self, key: str, value: Any, at: str) -> None:
+        """A task's `job_recovery`, `priority` or `priority_class`: SkyPilot's per task, the job's here
+        (`finish` checks that the tasks agree)."""
+        if key == "job_recovery":
+            parsed: Any = self.job_recovery(value, at)
+        elif key == "priority":
+            parsed = self.integer(value, at, MIN_PRIORITY, MAX_PRIORITY)
+        else:
+            parsed = self.text(value, at)
+        self.job_values.setdefault(key, []).append((at, parsed))
+
+    def job_recovery(self, value: Any, at: str) -> js.RecoveryPolicy:
+        """SkyPilot's `job_recovery`: a strategy name or `{strategy, max_restarts_on_errors,
+        recover_on_exit_codes}`. A strategy chooses where a recovered job goes among clouds and regions; here
+        it comes back on the same cluster, so every strategy means the same."""
+        policy = js.RecoveryPolicy()
+        doc = (
+            {"strategy": value}
+            if isinstance(value, str)
+            else self.table(value, at, ("strategy", "max_restarts_on_errors", "recover_on_exit_codes"))
+        )
+        strategy = doc.get("strategy")
+        if strategy is not None and self.text(strategy, f"{at}.strategy").upper() not in _STRATEGIES:
+            self.fail(f"{at}.strategy", f"must be one of {', '.join(_STRATEGIES)}, not {strategy!r}")
+        if "max_restarts_on_errors" in doc:
+            policy.max_restarts_on_errors = self.integer(
+                doc["max_restarts_on_errors"], f"{at}.max_restarts_on_errors", 0, 2**32 - 1
+            )
+        if "recover_on_exit_codes" in doc:
+            codes = doc["recover_on_exit_codes"]
+            for index, code in enumerate(codes if isinstance(codes, list) else [codes]):
+                where = f"{at}.recover_on_exit_codes" + (f"[{index}]" if isinstance(codes, list) else "")
+                policy.recover_on_exit_codes.append(self.integer(code, where, 0, 255))
+        return policy
+
+    def job_values_of_tasks(self, spec: JobSpec) -> None:
+        """The tasks' `job_recovery`, `priority` and `priority_class` become the job's, where they agree with
+        each other and with the job's own keys."""
+        targets: dict[str, tuple[str, Any]] = {
+            "job_recovery": ("recovery", spec.recovery if spec.HasField("recovery") else None),
+            "priority": ("priority", spec.priority or None),
+            "priority_class": ("kubernetes.priority_class_name", spec.kubernetes.priority_class_name or None),
+        }
+        for key, found in self.job_values.items():
+            job_key, mine = targets[key]
+            (first_at, first), *rest = found
+            for at, other in rest:
+                if other != first:
+                    self.found.append(
+                        FieldViolation(
+                            at, f"differs from {first_at}; Tandem's {job_key} is one for the whole job"
+                        )
+                    )
+            if key == "priority_class" and spec.backend != js.BACKEND_KUBERNETES:
+                self.found.append(
+                    FieldViolation(
+                        first_at, "is a Kubernetes PriorityClass; it takes `infra: k8s` (the job's backend)"
+                    )
+                )
+                continue
+            if mine is not None and mine != first:
+                self.found.append(FieldViolation(first_at, f"disagrees with the job's `{job_key}`"))
+                continue
+            if key == "job_recovery":
+                spec.recovery.CopyFrom(first)
+            elif key == "priority":
+                spec.priority = first
+            else:
+                spec.kubernetes.priority_class_name = first
 
     def placement_keys(self, resources: types_pb2.Resources, doc: dict[str, Any], at: str) -> None:
         """SkyPilot's `disk_size`, `ports`, `use_spot` and `image_id` (SPEC.md says what each backend does)."""
@@ -1520,7 +1764,7 @@ class _Reader:
         text = self.text(value, at)
         self.aliases[f"{at}.path"] = at
         if "$" in text:
-            self.fail(at, f"{_NOT_YET}: SkyPilot fills envs into workdir ($VAR); Tandem takes it as written")
+            self.fail(at, "names a variable that is none of the task's envs; SkyPilot fills only those in")
         folder = Path(text).expanduser()
         if not folder.is_absolute():
             if self.base_dir is None:
@@ -1683,6 +1927,18 @@ class _Reader:
         if match is None or match[2].lower() not in _MEMORY_UNITS:
             self.fail(at, f"{value!r} is not an amount of memory such as 64Gi, 32GB or 512Mi")
         return float(match[1]) * _MEMORY_UNITS[match[2].lower()]
+
+
+def _fill_envs(value: Any, envs: Mapping[str, str]) -> Any:
+    """SkyPilot's substitution: each `$NAME` / `${NAME}` in the strings (keys too) of a YAML value becomes the
+    task's env NAME; a name the task does not have stays as written."""
+    if isinstance(value, str):
+        return _ENV_REFERENCE.sub(lambda m: envs.get(m.group(1), m.group(0)), value)
+    if isinstance(value, dict):
+        return {_fill_envs(k, envs): _fill_envs(v, envs) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill_envs(item, envs) for item in value]
+    return value
 
 
 def _key(key: object) -> str:

@@ -105,7 +105,7 @@ class LaunchSpec:
     nodes: Sequence[NodeAssignment] = ()  # set by the engine when it placed the attempt itself
     log_dir: Path = Path()  # where the attempt's logs go (one file per node rank)
     workdir: Path | None = None
-    priority: int = 0  # 0..1000, higher first; backends map it (Slurm nice/QoS, Kubernetes PriorityClass)
+    priority: int = 0  # -1000..1000, higher first; backends map it (Slurm nice/QoS, Kubernetes PriorityClass)
     time_limit_s: float = 0.0  # 0 = none
     requeue_on_failure: bool = False  # the backend may requeue by itself (Slurm --requeue)
     secret_env: Mapping[str, str] = field(default_factory=dict)  # env name -> vault secret name; injected

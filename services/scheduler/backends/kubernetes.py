@@ -101,11 +101,11 @@ SCRATCH = "/tmp"  # noqa: S108 - an emptyDir of the pod's own, not the host's /t
 @dataclass(frozen=True)
 class PriorityBand:
     name: str
-    lowest: int  # the smallest spec priority (0..1000) in the band
+    lowest: int  # the smallest spec priority (-1000..1000) in the band
     value: int  # the PriorityClass value
 
 
-# Spec priority (0..1000) -> PriorityClass. Every band has preemptionPolicy Never: priority orders the
+# Spec priority (-1000..1000; below 0 is low) -> PriorityClass. Every band has preemptionPolicy Never: priority orders the
 # kube-scheduler's queue (higher first) but never evicts a running pod, as the contract promises for v1.
 PRIORITY_BANDS: tuple[PriorityBand, ...] = (
     PriorityBand("tandem-critical", 750, 4000),

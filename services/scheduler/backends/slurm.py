@@ -130,7 +130,7 @@ export TANDEM_NODE_IPS="${tandem_ips%$'\n'}" SKYPILOT_NODE_IPS="${tandem_ips%$'\
 
 
 CONTAINER_RUNTIMES = ("pyxis", "apptainer")
-PREEMPTIBLE_NICE = 1001  # added for use_spot: after every attempt that is not preemptible (nice 0..1000)
+PREEMPTIBLE_NICE = 2001  # added for use_spot: after every attempt that is not preemptible (nice 0..2000)
 
 
 def enroot_image(image: str) -> str:
@@ -143,8 +143,8 @@ def enroot_image(image: str) -> str:
 
 
 def nice_for(priority: int) -> int:
-    """Tandem's priority 0..1000 (higher first) as Slurm's nice (higher last): 1000 - priority."""
-    return 1000 - max(0, min(1000, priority))
+    """Tandem's priority -1000..1000 (higher first) as Slurm's nice (higher last): 1000 - priority, 0..2000."""
+    return 1000 - max(-1000, min(1000, priority))
 
 
 def _time_limit(seconds: float) -> str:

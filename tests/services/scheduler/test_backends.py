@@ -422,7 +422,7 @@ def test_slurm_state_mapping() -> None:
     assert observe({"JobState": "NODE_FAIL"}).phase is Phase.LOST
     preempted = observe({"JobState": "PREEMPTED"})
     assert preempted.phase is Phase.LOST and preempted.preempted
-    assert [nice_for(p) for p in (0, 500, 1000, 5000)] == [1000, 500, 0, 0]
+    assert [nice_for(p) for p in (-5000, -1000, 0, 500, 1000, 5000)] == [2000, 2000, 1000, 500, 0, 0]
 
 
 def test_slurm_submission_arguments(tmp_path: Path) -> None:

@@ -84,7 +84,7 @@ def test_disk_and_spot_reach_sbatch(tmp_path: Path) -> None:
     assert "--tmp=1536M" in usual and "--nice=1000" in usual and "--no-requeue" in usual
     assert "--qos=normal" in usual
     spot = backend.sbatch_args(spec(tmp_path, preemptible=True, priority=1000))
-    assert "--nice=1001" in spot and "--requeue" in spot and "--qos=scavenger" in spot
+    assert "--nice=2001" in spot and "--requeue" in spot and "--qos=scavenger" in spot
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import os
 import subprocess
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tandem.scheduler.v1 import job_spec_pb2 as js
@@ -31,6 +32,22 @@ def refusals(text: str, base_dir: Path | None = None) -> dict[str, str]:
     return {v.field: v.description for v in caught.value.violations}
 
 
+def skypilot_reads(script: str, path: Path) -> dict[str, Any]:
+    """What SkyPilot's own loader makes of the file at `path`, as the script prints it (JSON, last line)."""
+    done = subprocess.run(
+        [str(SKY_PYTHON), "-c", script, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+        cwd=path.parent,
+        env={**os.environ, "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "HOME": str(path.parent)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 def test_a_workdir_folder_is_read_from_the_current_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -44,7 +61,7 @@ def test_a_workdir_folder_is_read_from_the_current_directory(
     found = refusals("workdir: missing\nrun: x\n", tmp_path)
     assert "is not a folder" in found["workdir"]
     assert "only from a job file on disk" in refusals("workdir: code\nrun: x\n")["workdir"]
-    assert "$VAR" in refusals("workdir: /src/$USER\nrun: x\n")["workdir"]
+    assert "none of the task's envs" in refusals("workdir: /src/$USER\nrun: x\n")["workdir"]
 
 
 def test_a_git_workdir_is_a_url_and_a_ref() -> None:
@@ -206,17 +223,7 @@ def test_skypilot_reads_these_keys_as_tandem_does(tmp_path: Path, monkeypatch: p
             """
         )
     )
-    done = subprocess.run(
-        [str(SKY_PYTHON), "-c", ORACLE, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-        cwd=tmp_path,
-        env={**os.environ, "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "HOME": str(tmp_path)},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    sky = json.loads(done.stdout.strip().splitlines()[-1])
+    sky = skypilot_reads(ORACLE, path)
     monkeypatch.chdir(tmp_path)
     task = S.load_yaml(path).tasks[0]
     assert task.workdir.path == str((tmp_path / sky["workdir"]).resolve())
@@ -233,3 +240,259 @@ def test_skypilot_reads_these_keys_as_tandem_does(tmp_path: Path, monkeypatch: p
     assert list(resources.ports) == sky["ports"]
     assert resources.disk_gib == sky["disk_size"] and resources.preemptible == sky["use_spot"]
     assert {f"docker:{resources.image}"} == set(sky["image_id"].values())
+
+
+# -- any_of / ordered, job_recovery, priority, volumes, managed_secrets, envs in paths ------------------------
+
+
+@pytest.mark.parametrize("key", ["any_of", "ordered"])
+def test_resource_alternatives_are_gpu_requests_in_the_order_written(key: str) -> None:
+    task = parse(
+        f"""\
+        run: x
+        resources:
+          cpus: 8+
+          memory: 64
+          {key}:
+            - accelerators: H100:8
+            - accelerators: [A100-80GB:8, A100:8]
+            - {{accelerators: H100:8, cpus: 8}}
+        """
+    ).tasks[0]
+    assert task.resources.gpus == "H100:8"
+    assert list(task.resources.gpu_alternatives) == ["A100-80GB:8", "A100:8"]
+    assert (task.resources.cpus, task.resources.memory_gib) == (8.0, 64.0)
+    want = [S.Resources(gpus=8, gpu_type=t, cpus=8.0, memory_gib=64.0) for t in ("H100", "A100-80GB", "A100")]
+    assert S.resource_choices(task) == want
+
+
+@pytest.mark.parametrize(
+    ("resources", "field", "words"),
+    [
+        (
+            "{any_of: [{accelerators: A100:8}], ordered: [{accelerators: A100:8}]}",
+            "resources.ordered",
+            "one of",
+        ),
+        ("{any_of: []}", "resources.any_of", "list of resource tables"),
+        ("{any_of: [A100:8]}", "resources.any_of[0]", "table of resources"),
+        ("{any_of: [{cpus: 4}]}", "resources.any_of[0]", "names no accelerators"),
+        ("{any_of: [{any_of: [{accelerators: A100:8}]}]}", "resources.any_of[0].any_of", "do not nest"),
+        (
+            "{any_of: [{accelerators: A100:8}, {accelerators: H100:8, infra: k8s}]}",
+            "resources.any_of[1]",
+            "differs from any_of[0] in",
+        ),
+        (
+            "{ordered: [{accelerators: A100:8, instance_type: p4d}]}",
+            "resources.ordered[0].instance_type",
+            "cloud",
+        ),
+    ],
+)
+def test_resource_alternatives_that_cannot_mean_anything_say_why(
+    resources: str, field: str, words: str
+) -> None:
+    found = refusals(f"run: x\nresources: {resources}\n")
+    assert field in found, found
+    assert words in found[field], found[field]
+
+
+def test_job_recovery_priority_and_priority_class_are_the_jobs() -> None:
+    spec = parse(
+        """\
+        run: x
+        resources:
+          infra: k8s
+          job_recovery: {strategy: FAILOVER, max_restarts_on_errors: 3, recover_on_exit_codes: 33}
+          priority: -200
+          priority_class: research-low
+        """
+    )
+    assert spec.recovery.max_restarts_on_errors == 3 and list(spec.recovery.recover_on_exit_codes) == [33]
+    assert spec.priority == -200 and spec.kubernetes.priority_class_name == "research-low"
+    S.check_spec(spec)
+    just_a_strategy = parse("run: x\nresources: {job_recovery: eager_next_region}\n")
+    assert just_a_strategy.HasField("recovery")  # preemptions recovered, no restarts on errors: SkyPilot's
+    assert just_a_strategy.recovery.max_restarts_on_errors == 0
+    codes = parse("run: x\nresources: {job_recovery: {recover_on_exit_codes: [33, 34]}}\n").recovery
+    assert list(codes.recover_on_exit_codes) == [33, 34]
+    group = parse(
+        """\
+        name: g
+        ---
+        name: a
+        run: x
+        resources: {job_recovery: {max_restarts_on_errors: 2}}
+        ---
+        name: b
+        run: x
+        resources: {job_recovery: {max_restarts_on_errors: 2}}
+        """
+    )
+    assert group.recovery.max_restarts_on_errors == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "words"),
+    [
+        ("resources: {job_recovery: SOMEWHERE}", "resources.job_recovery.strategy", "EAGER_NEXT_REGION"),
+        ("resources: {job_recovery: {retries: 3}}", "resources.job_recovery.retries", "not a known key"),
+        (
+            "resources: {job_recovery: {recover_on_exit_codes: [300]}}",
+            "resources.job_recovery",
+            "out of range",
+        ),
+        ("resources: {priority: 1001}", "resources.priority", "out of range"),
+        (
+            "recovery: {max_restarts_on_errors: 1}\nresources: {job_recovery: {max_restarts_on_errors: 2}}",
+            "resources.job_recovery",
+            "disagrees with the job's `recovery`",
+        ),
+        ("priority: 5\nresources: {priority: 7}", "resources.priority", "disagrees"),
+        ("resources: {priority_class: low}", "resources.priority_class", "infra: k8s"),
+    ],
+)
+def test_job_keys_under_resources_that_cannot_hold_say_why(text: str, field: str, words: str) -> None:
+    found = refusals(f"run: x\n{text}\n")
+    assert any(f.startswith(field) and words in d for f, d in found.items()), found
+
+
+def test_tasks_of_a_group_must_agree_on_the_jobs_recovery() -> None:
+    found = refusals(
+        """\
+        name: g
+        ---
+        name: a
+        run: x
+        resources: {job_recovery: {max_restarts_on_errors: 1}}
+        ---
+        name: b
+        run: x
+        resources: {priority: 10, job_recovery: {max_restarts_on_errors: 2}}
+        """
+    )
+    assert "differs from tasks[0].resources.job_recovery" in found["tasks[1].resources.job_recovery"]
+
+
+def test_volumes_mount_the_deployments_volumes_and_node_folders() -> None:
+    task = parse(
+        """\
+        run: x
+        volumes:
+          /ckpt: shared-ckpt
+          /data: {name: datasets, read_only: true}
+          /scratch: {host_path: /mnt/nvme}
+        """
+    ).tasks[0]
+    mounts = {m.path: m for m in task.file_mounts}
+    assert mounts["/ckpt"].volume == "shared-ckpt" and not mounts["/ckpt"].read_only
+    assert mounts["/data"].volume == "datasets" and mounts["/data"].read_only
+    assert mounts["/scratch"].local_path == "/mnt/nvme"
+    found = refusals(
+        "run: x\nvolumes: {data: v, /x: {name: a, host_path: /b}, /y: 3, /z: {name: a, sub_path: b}}\n"
+    )
+    assert "absolute" in found['volumes["data"]']
+    assert "exactly one of name and host_path" in found['volumes["/x"]']
+    assert "a volume's name" in found['volumes["/y"]']
+    assert "mounted whole" in found['volumes["/z"].sub_path']
+
+
+def test_managed_secrets_are_vault_secrets_in_their_variables() -> None:
+    task = parse("run: x\nmanaged_secrets: [HF_TOKEN, 'secrets:WANDB_API_KEY']\n").tasks[0]
+    assert [(b.secret, S.secret_env_name(b)) for b in task.secrets] == [
+        ("hf-token", "HF_TOKEN"),
+        ("wandb-api-key", "WANDB_API_KEY"),
+    ]
+    found = refusals("run: x\nmanaged_secrets: [{HF_TOKEN: {mount_path: /run/hf}}, 3]\n")
+    assert "variables" in found["managed_secrets[0]"] and "secret's name" in found["managed_secrets[1]"]
+
+
+def test_the_tasks_envs_fill_its_mount_paths_and_workdir(tmp_path: Path) -> None:
+    (tmp_path / "code-7b").mkdir()
+    (tmp_path / "code-70b").mkdir()
+    text = f"""\
+        envs: {{SIZE: "7", CKPT: null}}
+        workdir: {tmp_path}/code-${{SIZE}}b
+        file_mounts:
+          /model/llama-${{SIZE}}b: s3://weights/llama-$SIZE-b
+          /out: {{name: $CKPT, store: s3}}
+        volumes:
+          /vol-$SIZE: vol-${{SIZE}}
+        run: echo $SIZE
+        """
+    spec = S.parse_yaml(textwrap.dedent(text), base_dir=tmp_path, envs={"CKPT": "run-42"})
+    task = spec.tasks[0]
+    assert task.workdir.path == str(tmp_path / "code-7b")
+    mounts = {m.path: m for m in task.file_mounts}
+    assert mounts["/model/llama-7b"].bucket.url == "s3://weights/llama-7-b"
+    assert mounts["/out"].bucket.url == "s3://run-42"
+    assert mounts["/vol-7"].volume == "vol-7"
+    assert task.run == "echo $SIZE"  # the command is the shell's to expand
+    given = S.parse_yaml(textwrap.dedent(text), base_dir=tmp_path, envs={"CKPT": "ckpt", "SIZE": "70"})
+    assert "/model/llama-70b" in {m.path for m in given.tasks[0].file_mounts}
+
+
+def test_ephemeral_storage_is_skypilots_older_disk_size() -> None:
+    assert parse("run: x\nresources: {ephemeral_storage: 100}\n").tasks[0].resources.disk_gib == 100
+    found = refusals("run: x\nresources: {ephemeral_storage: 100, disk_size: 50}\n")
+    assert "one of disk_size and ephemeral_storage" in found["resources.ephemeral_storage"]
+
+
+ORACLE_MORE = """
+import json, sys
+import sky
+task = sky.Task.from_yaml(sys.argv[1])
+resources = list(task.resources)
+print(json.dumps({
+    "accelerators": [sorted(r.accelerators.items()) for r in resources],
+    "cpus": sorted({str(r.cpus) for r in resources}),
+    "job_recovery": [r.job_recovery for r in resources],
+    "priority": sorted({r.priority for r in resources}),
+    "file_mounts": task.file_mounts,
+    "volumes": task.volumes,
+    "secrets": sorted(ref.name for ref in task.managed_secret_refs),
+}))
+"""
+
+
+@needs_skypilot
+def test_skypilot_reads_alternatives_recovery_volumes_and_filled_paths_as_tandem_does(tmp_path: Path) -> None:
+    path = tmp_path / "task.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            envs: {SIZE: "7"}
+            resources:
+              cpus: 8+
+              ordered:
+                - accelerators: H100:8
+                - accelerators: A100:8
+              job_recovery: {strategy: FAILOVER, max_restarts_on_errors: 3, recover_on_exit_codes: 33}
+              priority: -200
+            file_mounts:
+              /model/llama-${SIZE}b: /weights/llama-$SIZE-b
+            volumes:
+              /ckpt: shared-ckpt
+            managed_secrets: [HF_TOKEN]
+            run: python train.py
+            """
+        )
+    )
+    sky = skypilot_reads(ORACLE_MORE, path)
+    spec = S.load_yaml(path)
+    task = spec.tasks[0]
+    ours = [task.resources.gpus, *task.resources.gpu_alternatives]
+    assert ours == [f"{name}:{count}" for ((name, count),) in sky["accelerators"]]
+    assert sky["cpus"] == [f"{task.resources.cpus:g}+"]
+    (recovery,) = {json.dumps(r, sort_keys=True) for r in sky["job_recovery"]}
+    want = json.loads(recovery)
+    assert spec.recovery.max_restarts_on_errors == want["max_restarts_on_errors"]
+    assert list(spec.recovery.recover_on_exit_codes) == [want["recover_on_exit_codes"]]
+    assert sky["priority"] == [spec.priority]
+    mounts = {m.path: m for m in task.file_mounts}
+    for where, source in sky["file_mounts"].items():
+        assert mounts[where].local_path == source
+    for where, volume in sky["volumes"].items():
+        assert mounts[where].volume == volume
+    assert sky["secrets"] == [S.secret_env_name(b) for b in task.secrets]

@@ -393,7 +393,7 @@ def test_yaml_and_proto_refuse_the_same_field(
 def test_proto_rules_the_interceptor_also_checks_are_in_check_spec() -> None:
     assert "tasks" in proto_fields({})  # required
     assert "tasks[0].kind" in proto_fields({"tasks": [{"name": "main", "run": "x"}]})  # KIND_UNSPECIFIED
-    assert "priority" in proto_fields({"priority": -1, "tasks": [TASK]})
+    assert "priority" in proto_fields({"priority": -1001, "tasks": [TASK]})
 
 
 def test_proto_only_shapes() -> None:

@@ -957,7 +957,9 @@ class CreateRlJobRequest(_message.Message):
     backend: _job_spec_pb2.Backend.ValueType
     """Optional. Where to run; the default is the scheduler's default backend."""
     priority: _builtins.int
-    """Optional. 0 to 1000, default 0; higher is admitted first among the organization's pending jobs."""
+    """Optional. -1000 to 1000 (SkyPilot's range), default 0; higher is admitted first among the
+    organization's pending jobs.
+    """
     request_id: _builtins.str
     """Optional. A client-chosen id that makes retries safe. Up to 64 of `[A-Za-z0-9_-]`; a UUID works."""
     validate_only: _builtins.bool

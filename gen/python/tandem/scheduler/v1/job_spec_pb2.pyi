@@ -109,8 +109,8 @@ class JobSpec(_message.Message):
     execution: Global___JobSpec.Execution.ValueType
     """Optional. How the tasks run together; the default is PARALLEL."""
     priority: _builtins.int
-    """Optional. 0 to 1000, default 0. Among an organization's pending jobs, higher priorities are
-    admitted first and ties go to the older job. Priority never preempts a running job in v1.
+    """Optional. -1000 to 1000 (SkyPilot's range), default 0. Among an organization's pending jobs, higher
+    priorities are admitted first and ties go to the older job. Priority never preempts a running job in v1.
     """
     backend: Global___Backend.ValueType
     """Optional. Where to run; the default is the scheduler's configured default backend. Fails at
