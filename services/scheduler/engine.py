@@ -1341,6 +1341,7 @@ class Engine:
             ports=tuple(spec_task.resources.ports),
             preemptible=preemptible(spec),
             image=spec_task.resources.image,
+            labels=dict(spec_task.resources.labels),
         )
 
     def wrapped(

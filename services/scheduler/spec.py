@@ -54,6 +54,10 @@ DEFAULT_READINESS_TIMEOUT_S = 600.0
 MAX_ENV_VALUE_BYTES = 32 * 1024
 MAX_GPUS_PER_NODE = 1024
 MAX_GPU_ALTERNATIVES = 8
+MAX_POD_LABELS = 16
+RESERVED_LABEL_PREFIXES = frozenset(
+    {"tandem.dev", "app.kubernetes.io"}
+)  # the Kubernetes backend's own labels
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000  # SkyPilot's range; higher is admitted first, 0 the default
 # Set by the scheduler on every node; a spec may not set them itself (TANDEM_* is reserved as a whole).
 RESERVED_ENVS = frozenset(
@@ -364,6 +368,17 @@ def _job_rules(spec: JobSpec) -> list[FieldViolation]:
                 )
             )
         apps.setdefault(app, index)
+    found.extend(_backend_rules(spec))
+    if spec.HasField("max_duration"):
+        found.extend(_duration(spec.max_duration, "max_duration", low=0.001, high=math.inf))
+    if spec.HasField("recovery"):
+        found.extend(_recovery(spec.recovery))
+    return found
+
+
+def _backend_rules(spec: JobSpec) -> list[FieldViolation]:
+    """The `slurm` / `kubernetes` blocks and pod labels: for the job's backend, in Kubernetes' syntax."""
+    found: list[FieldViolation] = []
     options = spec.WhichOneof("backend_options")
     wanted = {"slurm": js.BACKEND_SLURM, "kubernetes": js.BACKEND_KUBERNETES}
     if options is not None and spec.backend != wanted[options]:
@@ -381,10 +396,28 @@ def _job_rules(spec: JobSpec) -> list[FieldViolation]:
                         f"kubernetes.node_selector[{_key(key)}]", f"{value!r} is not a label value"
                     )
                 )
-    if spec.HasField("max_duration"):
-        found.extend(_duration(spec.max_duration, "max_duration", low=0.001, high=math.inf))
-    if spec.HasField("recovery"):
-        found.extend(_recovery(spec.recovery))
+    for index, task in enumerate(spec.tasks):
+        found.extend(_pod_labels(task.resources.labels, f"tasks[{index}].resources.labels", spec.backend))
+    return found
+
+
+def _pod_labels(labels: Mapping[str, str], at: str, backend: int) -> list[FieldViolation]:
+    """SkyPilot's `labels`: the task's pods' labels, so only on Kubernetes, never over Tandem's own."""
+    if not labels:
+        return []
+    if backend != js.BACKEND_KUBERNETES:
+        return [FieldViolation(at, "are Kubernetes pod labels; they take `infra: k8s` (the job's backend)")]
+    found: list[FieldViolation] = []
+    if len(labels) > MAX_POD_LABELS:
+        found.append(FieldViolation(at, f"at most {MAX_POD_LABELS} labels"))
+    for key, value in sorted(labels.items()):
+        where = f"{at}[{_key(key)}]"
+        if not _LABEL_KEY.fullmatch(key):
+            found.append(FieldViolation(where, "is not a Kubernetes label key"))
+        elif key.split("/", 1)[0] in RESERVED_LABEL_PREFIXES and "/" in key:
+            found.append(FieldViolation(where, "is under a prefix Tandem's own labels use"))
+        elif not _LABEL_VALUE.fullmatch(value):
+            found.append(FieldViolation(where, f"{value!r} is not a label value"))
     return found
 
 
@@ -792,6 +825,7 @@ _RESOURCE_KEYS = (
     "priority",
     "priority_class",
     "ephemeral_storage",
+    "labels",
 )
 
 # SkyPilot's keys (its task and resources schema) that Tandem does not take, each with the reason; SPEC.md has
@@ -804,7 +838,9 @@ _SKY_JOB_KEYS = {
 }
 _SKY_TASK_KEYS = {
     "accelerators": "belongs under `resources:` (`resources: {accelerators: A100:8}`)",
-    "event_callback": f"{_NOT_YET}: a task's progress is reported as job events, not through a callback",
+    "event_callback": "runs a command on SkyPilot's jobs controller at each status change; Tandem's scheduler "
+    "serves many organizations and runs no command outside a task: follow the job's events "
+    "(`tandem logs`, the events stream)",
     "pool": "SkyPilot's worker pools have no counterpart here",
     "inputs": "is a data-size hint for SkyPilot's cloud optimizer, which has no counterpart here",
     "outputs": "is a data-size hint for SkyPilot's cloud optimizer, which has no counterpart here",
@@ -828,7 +864,6 @@ _SKY_RESOURCE_KEYS = {
     "gave them (ask for space with disk_size)",
     "network_tier": "chooses a cloud's network product (its GPUDirect or InfiniBand offer); the nodes here have "
     "the network the deployment gave them",
-    "labels": f"{_NOT_YET}: Kubernetes pods take the job's `kubernetes.node_selector`, not labels",
     "volumes": "attaches a public cloud's disks to its instances (SkyPilot's older form); mount the "
     "deployment's volumes with the task's `volumes: {/path: name}`",
     "_no_missing_accel_warnings": "is SkyPilot's internal setting",
@@ -1503,6 +1538,10 @@ class _Reader:
         if "image_id" in doc:
             self.aliases[f"{at}.image"] = f"{at}.image_id"
             self.guard(lambda: self.image(resources, doc["image_id"], f"{at}.image_id"))
+        if "labels" in doc:
+            labels = self.table(doc["labels"], f"{at}.labels", None)
+            for key, item in labels.items():
+                resources.labels[str(key)] = self.scalar_text(item, f"{at}.labels[{_key(key)}]")
 
     def ports(self, resources: types_pb2.Resources, value: Any, at: str) -> None:
         """SkyPilot's forms: a port (`8080` or `"8080"`), a range (`"10000-10010"`) or a list of those."""

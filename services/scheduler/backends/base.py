@@ -116,6 +116,7 @@ class LaunchSpec:
     ports: Sequence[str] = ()  # TCP ports the task listens on, each "PORT" or "FIRST-LAST" (SkyPilot's ports)
     preemptible: bool = False  # SkyPilot's use_spot: placed below every attempt that is not, may be preempted
     image: str = ""  # the container image to run in (SkyPilot's image_id docker:IMAGE); "" = the default
+    labels: Mapping[str, str] = field(default_factory=dict)  # SkyPilot's labels: Kubernetes pod labels
 
 
 class Phase(enum.Enum):

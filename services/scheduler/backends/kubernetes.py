@@ -105,8 +105,9 @@ class PriorityBand:
     value: int  # the PriorityClass value
 
 
-# Spec priority (-1000..1000; below 0 is low) -> PriorityClass. Every band has preemptionPolicy Never: priority orders the
-# kube-scheduler's queue (higher first) but never evicts a running pod, as the contract promises for v1.
+# Spec priority (-1000..1000; below 0 is low) -> PriorityClass. Every band has preemptionPolicy Never:
+# priority orders the kube-scheduler's queue (higher first) but never evicts a running pod, as the contract
+# promises for v1.
 PRIORITY_BANDS: tuple[PriorityBand, ...] = (
     PriorityBand("tandem-critical", 750, 4000),
     PriorityBand("tandem-high", 500, 3000),
@@ -328,7 +329,11 @@ class KubernetesBackend:
             "completions": nodes,
             "parallelism": nodes,
             "backoffLimit": 0,
-            "template": {"metadata": {"labels": labels, "annotations": dict(annotations)}, "spec": pod_spec},
+            "template": {
+                # the task's own labels (SkyPilot's `labels`) never override Tandem's, which `find` reads
+                "metadata": {"labels": {**spec.labels, **labels}, "annotations": dict(annotations)},
+                "spec": pod_spec,
+            },
         }
         if spec.time_limit_s > 0:
             job_spec["activeDeadlineSeconds"] = max(1, round(spec.time_limit_s))

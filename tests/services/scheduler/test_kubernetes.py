@@ -357,6 +357,20 @@ async def test_a_jobs_own_namespace_node_selector_and_priority_class_win(
     assert not [k for k in kube_api.objects if k[1] == "kube-system"]
 
 
+async def test_a_tasks_labels_are_on_its_pods_under_tandems_own(
+    backend: KubernetesBackend, kube_api: FakeKubeApi, tmp_path: Path
+) -> None:
+    task = spec(tmp_path, labels={"team": "post-training", "tandem.dev/job": "forged"})
+    validate(backend.job_object(task))
+    handle = await backend.launch(task)
+    job = kube_api.job(NS, handle["job"])
+    pod_labels = job["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels["team"] == "post-training"
+    assert pod_labels["tandem.dev/job"] == job["metadata"]["labels"]["tandem.dev/job"] != "forged"
+    assert "team" not in job["metadata"]["labels"]  # SkyPilot's labels are the pods'
+    assert await backend.find(task.key) == handle
+
+
 async def test_a_scheduler_that_died_after_creating_the_job_gets_its_service_on_relaunch(
     backend: KubernetesBackend,
     kube_api: FakeKubeApi,

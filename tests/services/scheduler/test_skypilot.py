@@ -268,7 +268,11 @@ def test_a_secrets_value_in_the_file_is_refused() -> None:
         ("run: x\nfile_mounts: {/data: 'gs://bucket/data'}\n", 'file_mounts["/data"]', "only S3"),
         ("run: x\nfile_mounts: {/data: {name: b, store: gcs}}\n", 'file_mounts["/data"].store', "only S3"),
         ("run: x\nfile_mounts: {/data: /shared/$USER}\n", 'file_mounts["/data"]', "none of the task's envs"),
-        ("run: x\nfile_mounts: {'/out/${RUN}': {volume: v}}\n", 'file_mounts["/out/${RUN}"]', "none of the task's"),
+        (
+            "run: x\nfile_mounts: {'/out/${RUN}': {volume: v}}\n",
+            'file_mounts["/out/${RUN}"]',
+            "none of the task's",
+        ),
         ("run: x\nprimary_tasks: [task]\n", "primary_tasks", "one-task file"),
     ],
 )

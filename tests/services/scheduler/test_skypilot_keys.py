@@ -496,3 +496,14 @@ def test_skypilot_reads_alternatives_recovery_volumes_and_filled_paths_as_tandem
     for where, volume in sky["volumes"].items():
         assert mounts[where].volume == volume
     assert sky["secrets"] == [S.secret_env_name(b) for b in task.secrets]
+
+
+def test_labels_are_the_pods_on_kubernetes_only() -> None:
+    spec = parse("run: x\nresources: {infra: k8s, labels: {team: rl, example.com/cost-center: 42}}\n")
+    assert dict(spec.tasks[0].resources.labels) == {"team": "rl", "example.com/cost-center": "42"}
+    S.check_spec(spec)
+    assert "infra: k8s" in refusals("run: x\nresources: {labels: {team: rl}}\n")["resources.labels"]
+    found = refusals("run: x\nresources: {infra: k8s, labels: {tandem.dev/job: x, 'a b': c, ok: 'not ok'}}\n")
+    assert "Tandem's own labels" in found['resources.labels["tandem.dev/job"]']
+    assert "not a Kubernetes label key" in found['resources.labels["a b"]']
+    assert "not a label value" in found['resources.labels["ok"]']

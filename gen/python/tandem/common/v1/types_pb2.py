@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/common/v1/types.proto\x12\x10tandem.common.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"f\n\rPolicyVersion\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x30\n\x0cpublish_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"N\n\nPageCursor\x12\x19\n\x11query_fingerprint\x18\x01 \x01(\t\x12\x10\n\x08last_key\x18\x02 \x01(\t\x12\x13\n\x0blast_number\x18\x03 \x01(\x03\"\x9a\x01\n\tResources\x12\x0c\n\x04gpus\x18\x01 \x01(\t\x12\x0c\n\x04\x63pus\x18\x02 \x01(\x01\x12\x12\n\nmemory_gib\x18\x03 \x01(\x01\x12\x18\n\x10gpu_alternatives\x18\x04 \x03(\t\x12\x10\n\x08\x64isk_gib\x18\x05 \x01(\x01\x12\r\n\x05ports\x18\x06 \x03(\t\x12\x13\n\x0bpreemptible\x18\x07 \x01(\x08\x12\r\n\x05image\x18\x08 \x01(\t*c\n\x05Level\x12\x15\n\x11LEVEL_UNSPECIFIED\x10\x00\x12\x0f\n\x0bLEVEL_DEBUG\x10\x01\x12\x0e\n\nLEVEL_INFO\x10\x02\x12\x11\n\rLEVEL_WARNING\x10\x03\x12\x0f\n\x0bLEVEL_ERROR\x10\x04\x42)Z\'tandem/gen/go/tandem/common/v1;commonv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctandem/common/v1/types.proto\x12\x10tandem.common.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"f\n\rPolicyVersion\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x30\n\x0cpublish_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"N\n\nPageCursor\x12\x19\n\x11query_fingerprint\x18\x01 \x01(\t\x12\x10\n\x08last_key\x18\x02 \x01(\t\x12\x13\n\x0blast_number\x18\x03 \x01(\x03\"\x82\x02\n\tResources\x12\x0c\n\x04gpus\x18\x01 \x01(\t\x12\x0c\n\x04\x63pus\x18\x02 \x01(\x01\x12\x12\n\nmemory_gib\x18\x03 \x01(\x01\x12\x18\n\x10gpu_alternatives\x18\x04 \x03(\t\x12\x10\n\x08\x64isk_gib\x18\x05 \x01(\x01\x12\r\n\x05ports\x18\x06 \x03(\t\x12\x13\n\x0bpreemptible\x18\x07 \x01(\x08\x12\r\n\x05image\x18\x08 \x01(\t\x12\x37\n\x06labels\x18\t \x03(\x0b\x32\'.tandem.common.v1.Resources.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*c\n\x05Level\x12\x15\n\x11LEVEL_UNSPECIFIED\x10\x00\x12\x0f\n\x0bLEVEL_DEBUG\x10\x01\x12\x0e\n\nLEVEL_INFO\x10\x02\x12\x11\n\rLEVEL_WARNING\x10\x03\x12\x0f\n\x0bLEVEL_ERROR\x10\x04\x42)Z\'tandem/gen/go/tandem/common/v1;commonv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,16 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.common.v1.types_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z\'tandem/gen/go/tandem/common/v1;commonv1'
-  _globals['_LEVEL']._serialized_start=424
-  _globals['_LEVEL']._serialized_end=523
+  _globals['_RESOURCES_LABELSENTRY']._loaded_options = None
+  _globals['_RESOURCES_LABELSENTRY']._serialized_options = b'8\001'
+  _globals['_LEVEL']._serialized_start=528
+  _globals['_LEVEL']._serialized_end=627
   _globals['_POLICYVERSION']._serialized_start=83
   _globals['_POLICYVERSION']._serialized_end=185
   _globals['_PAGECURSOR']._serialized_start=187
   _globals['_PAGECURSOR']._serialized_end=265
   _globals['_RESOURCES']._serialized_start=268
-  _globals['_RESOURCES']._serialized_end=422
+  _globals['_RESOURCES']._serialized_end=526
+  _globals['_RESOURCES_LABELSENTRY']._serialized_start=481
+  _globals['_RESOURCES_LABELSENTRY']._serialized_end=526
 # @@protoc_insertion_point(module_scope)

@@ -131,6 +131,26 @@ class Resources(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     GPUS_FIELD_NUMBER: _builtins.int
     CPUS_FIELD_NUMBER: _builtins.int
     MEMORY_GIB_FIELD_NUMBER: _builtins.int
@@ -139,6 +159,7 @@ class Resources(_message.Message):
     PORTS_FIELD_NUMBER: _builtins.int
     PREEMPTIBLE_FIELD_NUMBER: _builtins.int
     IMAGE_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
     gpus: _builtins.str
     """GPU request as `TYPE:COUNT` (`H100:8`), `COUNT` (`8`) or empty for none."""
     cpus: _builtins.float
@@ -170,6 +191,13 @@ class Resources(_message.Message):
         see SPEC.md for what each backend does with them.
         """
 
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Optional. SkyPilot's `labels`: labels on the task's Kubernetes pods, at most 16, each key and value in
+        Kubernetes' label syntax, none under `tandem.dev/` or `app.kubernetes.io/`. Only for a job on the
+        Kubernetes backend (CreateJob checks, INVALID_JOB_SPEC).
+        """
+
     def __init__(
         self,
         *,
@@ -181,10 +209,11 @@ class Resources(_message.Message):
         ports: _abc.Iterable[_builtins.str] | None = ...,
         preemptible: _builtins.bool = ...,
         image: _builtins.str = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpus", b"cpus", "disk_gib", b"disk_gib", "gpu_alternatives", b"gpu_alternatives", "gpus", b"gpus", "image", b"image", "memory_gib", b"memory_gib", "ports", b"ports", "preemptible", b"preemptible"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpus", b"cpus", "disk_gib", b"disk_gib", "gpu_alternatives", b"gpu_alternatives", "gpus", b"gpus", "image", b"image", "labels", b"labels", "memory_gib", b"memory_gib", "ports", b"ports", "preemptible", b"preemptible"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
