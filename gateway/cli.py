@@ -472,15 +472,16 @@ def launch_envs(pairs: list[str], environ: Mapping[str, str]) -> dict[str, str]:
     return envs
 
 
-def launch_spec(args: argparse.Namespace) -> Any:
-    """The job file as a checked JobSpec, with the command line's overrides applied to every task."""
+def launch_spec(args: argparse.Namespace, uploads: list[Any] | None = None) -> Any:
+    """The job file as a checked JobSpec, with the command line's overrides applied to every task; `uploads`
+    takes the buckets the file fills from local folders (`spec.BucketUpload`), refused without it."""
     from tandem.scheduler.v1 import job_spec_pb2  # noqa: PLC0415
 
     from mesh.errors import InvalidArgument  # noqa: PLC0415
     from services.scheduler import spec as job_spec  # noqa: PLC0415
 
     try:
-        spec = job_spec.load_yaml(Path(args.file), envs=launch_envs(args.env, os.environ))
+        spec = job_spec.load_yaml(Path(args.file), envs=launch_envs(args.env, os.environ), uploads=uploads)
     except InvalidArgument as error:
         raise UsageError(str(error)) from None
     for task in spec.tasks:
@@ -516,10 +517,15 @@ def launch_spec(args: argparse.Namespace) -> Any:
 async def _launch(args: argparse.Namespace) -> int:
     from gateway.progress import job_state  # noqa: PLC0415
 
-    spec = launch_spec(args)
+    uploads: list[Any] = []
+    spec = launch_spec(args, uploads)
     if args.dryrun:
         _print_json(_dict(spec))
+        for plan in uploads:
+            print(f"would upload {', '.join(plan.sources)} to {plan.url}", file=sys.stderr)
         return 0
+    for plan in uploads:  # before the job exists, so its tasks find the bucket filled (as `sky launch`)
+        await asyncio.to_thread(_upload, plan, args.json)
     async with _client(args) as client:
         job = await client.create_job(spec=spec, job_id=args.job_id)
     if args.json:
@@ -528,6 +534,19 @@ async def _launch(args: argparse.Namespace) -> int:
         print(f"created {job.name} ({job_state(job.state)})")
         print(f"follow it with: tandem logs {job.name} --follow")
     return 0
+
+
+def _upload(plan: Any, quiet: bool) -> None:
+    from services.scheduler import bucket_uploads  # noqa: PLC0415
+
+    try:
+        done = bucket_uploads.upload(bucket_uploads.open_client_store(plan), plan)
+    except Exception as error:  # the store's own errors (botocore, s3fs) are many; each is the user's to see
+        raise CliError(f"cannot upload {', '.join(plan.sources)} to {plan.url}: {error}") from None
+    if not quiet:
+        print(
+            f"uploaded {done.uploaded} files to {plan.url} ({done.unchanged} already there)", file=sys.stderr
+        )
 
 
 async def _watch(client: AsyncClient, args: argparse.Namespace, job: str) -> int:

@@ -137,25 +137,50 @@ def _invalid(found: list[FieldViolation], what: str = "invalid job spec") -> Inv
 # -- the public API -----------------------------------------------------------------------------------------
 
 
-def load_yaml(path: Path, *, envs: Mapping[str, str] | None = None) -> JobSpec:
+@dataclasses.dataclass(frozen=True)
+class BucketUpload:
+    """Local files SkyPilot uploads into a bucket at launch (`/data: {name: NAME, source: ./data}`): the
+    submitting client's to do, before the job is created (`services.scheduler.bucket_uploads`)."""
+
+    url: str  # s3://NAME
+    sources: tuple[str, ...]  # absolute local paths
+    listed: bool = (
+        False  # `source` was a list: each lands under its own name, else a folder's files at the root
+    )
+    endpoint_url: str = ""  # the task's AWS_ENDPOINT_URL(_S3), so the upload goes where the task reads
+    region: str = ""  # the task's AWS_REGION / AWS_DEFAULT_REGION
+
+
+def load_yaml(
+    path: Path, *, envs: Mapping[str, str] | None = None, uploads: list[BucketUpload] | None = None
+) -> JobSpec:
     """Parse the job file at `path`; an online_rl task's `config_file` is read relative to its folder.
-    `envs` are the values given at submission (SkyPilot's `--env`), see `parse_yaml`."""
+    `envs` are the values given at submission (SkyPilot's `--env`), see `parse_yaml`; `uploads`, when given,
+    takes the local folders the file uploads into buckets (refused without it)."""
     try:
         text = path.read_text()
     except OSError as exc:
         raise InvalidArgument(
             f"cannot read the job file {path.name}: {exc.strerror}", reason=R.ERROR_REASON_INVALID_JOB_SPEC
         ) from None
-    return parse_yaml(text, base_dir=path.parent, envs=envs)
+    return parse_yaml(text, base_dir=path.parent, envs=envs, uploads=uploads)
 
 
-def parse_yaml(text: str, *, base_dir: Path | None = None, envs: Mapping[str, str] | None = None) -> JobSpec:
+def parse_yaml(
+    text: str,
+    *,
+    base_dir: Path | None = None,
+    envs: Mapping[str, str] | None = None,
+    uploads: list[BucketUpload] | None = None,
+) -> JobSpec:
     """A YAML job group -> a checked JobSpec; InvalidArgument / INVALID_JOB_SPEC naming every bad key.
 
     `base_dir` is where `online_rl.config_file` paths are read from (the job file's folder); without it a
     `config_file` is refused, so a server never reads files a spec names. `envs` are environment values given
     at submission, as SkyPilot's `--env NAME=VALUE`: each is set in every task, over the file's own value, and
-    a variable the file declares without a value (`NAME: null`) must be among them."""
+    a variable the file declares without a value (`NAME: null`) must be among them. `uploads` takes the
+    buckets the file fills from local folders (SkyPilot's `{name, source: ./folder}`), which the submitting
+    client uploads; without it they are refused, so a server never reads a folder a spec names."""
     try:
         documents = [d for d in yaml.load_all(text, Loader=_StrictLoader) if d is not None]
     except yaml.YAMLError as exc:
@@ -165,7 +190,7 @@ def parse_yaml(text: str, *, base_dir: Path | None = None, envs: Mapping[str, st
         raise _invalid(
             [FieldViolation("(yaml)", f"{where}{problem}")], "the job file is not valid YAML"
         ) from None
-    reader = _Reader(base_dir, envs or {})
+    reader = _Reader(base_dir, envs or {}, uploads)
     spec = reader.job(documents)
     if reader.found:
         raise _invalid([FieldViolation(reader.shown(v.field), v.description) for v in reader.found])
@@ -952,9 +977,13 @@ class _Reader:
     """Builds a JobSpec from YAML documents, recording each problem with its YAML path and, for keys
     renamed on the way, which proto path stands for which YAML path (`aliases`)."""
 
-    def __init__(self, base_dir: Path | None, envs: Mapping[str, str]) -> None:
+    def __init__(
+        self, base_dir: Path | None, envs: Mapping[str, str], uploads: list[BucketUpload] | None = None
+    ) -> None:
         self.base_dir = base_dir
         self.given_envs = envs
+        self.uploads = uploads
+        self.task_envs: Mapping[str, str] = {}  # the task being read's envs, with the values given
         self.found: list[FieldViolation] = []
         self.aliases: dict[str, str] = {"display_name": "name"}
         self.single = False  # a file that is one SkyPilot task: its keys are at the top, not under tasks[0]
@@ -1245,6 +1274,7 @@ class _Reader:
             self.guard(lambda: self.managed_secrets(task, doc["managed_secrets"], f"{at}.managed_secrets"))
         # SkyPilot fills the task's envs (with the values given at submission) into its mounts and workdir.
         values = {**task.envs, **self.given_envs}
+        self.task_envs = values
         self.files(task, {k: _fill_envs(v, values) if k in _FILLED else v for k, v in doc.items()}, at)
         for key in ("setup", "run"):
             if key in doc:
@@ -1723,10 +1753,6 @@ class _Reader:
             _SKY_MOUNT_KEYS,
         )
         source = doc.get("source")
-        if isinstance(source, list):
-            self.fail(
-                f"{at}.source", f"{_NOT_YET}: a list of local folders uploaded to a bucket; upload them first"
-            )
         if doc.keys() & {"name", "store", "mode", "persistent"} or (
             isinstance(source, str) and "://" in source
         ):
@@ -1759,16 +1785,16 @@ class _Reader:
             name = self.text(doc["name"], f"{at}.name")
             if source is not None and "://" in str(source):
                 self.fail(f"{at}.name", "a bucket is named by either `name` or a `source` URI, not both")
-            if source is not None:
-                self.fail(
-                    f"{at}.source",
-                    f"{_NOT_YET}: uploading a local folder into the bucket `{name}`; upload it first and "
-                    f"mount `source: s3://{name}`",
-                )
             self.bucket_url(mount, f"s3://{name}", f"{at}.name")
             mount.bucket.create = True
+            if source is not None:
+                self.upload(mount.bucket.url, source, f"{at}.source")
         elif source is None:
             self.fail(at, "a bucket needs `source: s3://...` or `name`")
+        elif isinstance(source, list):
+            self.fail(
+                f"{at}.name", "is required with a list of local sources: the bucket they are uploaded to"
+            )
         else:
             self.bucket_url(mount, self.text(source, f"{at}.source"), f"{at}.source")
         if "mode" in doc:
@@ -1777,6 +1803,40 @@ class _Reader:
             self.fail(
                 f"{at}.persistent", f"{_NOT_YET}: deleting a bucket when the job ends; buckets are kept"
             )
+
+    def upload(self, url: str, source: Any, at: str) -> None:
+        """SkyPilot's local `source` of a named bucket: uploaded into it at launch, by the submitting client
+        (a folder's files at the bucket's root; each of a list under its own name), then mounted."""
+        if self.uploads is None:
+            self.fail(
+                at,
+                "is a local folder, uploaded into the bucket by the client that submits the job: submit the "
+                "file with `tandem launch`, which uploads it first",
+            )
+        items = source if isinstance(source, list) else [source]
+        if not items:
+            self.fail(at, "names no local folder")
+        paths: list[str] = []
+        for index, item in enumerate(items):
+            where = f"{at}[{index}]" if isinstance(source, list) else at
+            text = self.text(item, where)
+            if "://" in text:
+                self.fail(where, "a bucket is filled from local folders only; copy between buckets first")
+            path = Path(text).expanduser()
+            path = path if path.is_absolute() else Path.cwd() / path  # as `sky launch` reads it
+            if not path.exists():
+                self.fail(where, f"{text!r} is not a local file or folder")
+            paths.append(posixpath.normpath(str(path)))
+        envs = self.task_envs
+        self.uploads.append(
+            BucketUpload(
+                url=url,
+                sources=tuple(paths),
+                listed=isinstance(source, list),
+                endpoint_url=envs.get("AWS_ENDPOINT_URL_S3") or envs.get("AWS_ENDPOINT_URL", ""),
+                region=envs.get("AWS_REGION") or envs.get("AWS_DEFAULT_REGION", ""),
+            )
+        )
 
     def bucket_url(self, mount: js.FileMount, url: str, at: str) -> None:
         scheme, _, rest = url.partition("://")
