@@ -928,8 +928,29 @@ _ENV_REFERENCE = re.compile(r"\$\{?\b([a-zA-Z_][a-zA-Z0-9_]*)\b\}?")
 _BUCKET_SCHEMES = f"{_NOT_YET}: only S3 buckets (s3://, or an S3-compatible store through AWS_ENDPOINT_URL)"
 _ENV_IN_MOUNT = "names a variable that is none of the task's envs; SkyPilot fills only those into mount paths"
 _SKY_MOUNT_KEYS = {
-    "config": f"{_NOT_YET}: SkyPilot's mount tuning (rclone or goofys settings); buckets are copied here",
-    "type": f"{_NOT_YET}: SkyPilot's volume mount type; use `{{volume: name}}`",
+    "_is_sky_managed": "is SkyPilot's internal bookkeeping",
+    "_bucket_sub_path": "is SkyPilot's internal bookkeeping",
+    "_force_delete": "is SkyPilot's internal bookkeeping",
+}
+_RCLONE = (
+    "tunes rclone's cache, which Tandem does not run: a MOUNT_CACHED bucket is copied whole to the node and "
+    "synced every interval (SPEC.md, Buckets)"
+)
+_SKY_MOUNT_CONFIG_KEYS = {
+    **dict.fromkeys(
+        ("disk_size", "disk_tier", "storage_type", "attach_mode"),
+        "sizes a cloud volume (SkyPilot's `store: volume`); the volumes here are the deployment's",
+    ),
+}
+_HF_MOUNT = {
+    "hf_mount_args": "passes flags to hf-mount, for Hugging Face stores, which Tandem does not mount"
+}
+# SkyPilot's MOUNT_CACHED presets (`type`): their read-only part is honoured; the rest tunes rclone.
+_MOUNT_TYPES = {
+    "model_checkpoint_ro": True,
+    "model_checkpoint_rw": False,
+    "dataset_ro": True,
+    "dataset_rw": False,
 }
 _MODES = {
     "mount": js.Bucket.MODE_MOUNT,
@@ -1749,11 +1770,15 @@ class _Reader:
         doc = self.table(
             value,
             at,
-            ("volume", "source", "read_only", "name", "store", "mode", "persistent"),
+            ("volume", "source", "read_only", "name", "store", "mode", "persistent", "type", "config"),
             _SKY_MOUNT_KEYS,
         )
         source = doc.get("source")
-        if doc.keys() & {"name", "store", "mode", "persistent"} or (
+        if isinstance(source, list) and "name" not in doc:
+            self.fail(
+                f"{at}.name", "is required with a list of local sources: the bucket they are uploaded to"
+            )
+        if doc.keys() & {"name", "store", "mode", "persistent", "type", "config"} or (
             isinstance(source, str) and "://" in source
         ):
             self.aliases[f"{proto}.bucket"] = at
@@ -1799,10 +1824,42 @@ class _Reader:
             self.bucket_url(mount, self.text(source, f"{at}.source"), f"{at}.source")
         if "mode" in doc:
             mount.bucket.mode = self.choice(doc["mode"], f"{at}.mode", _MODES)
+        if "type" in doc or "config" in doc:
+            self.guard(lambda: self.mount_tuning(mount, doc, at))
         if "persistent" in doc and not self.boolean(doc["persistent"], f"{at}.persistent"):
             self.fail(
                 f"{at}.persistent", f"{_NOT_YET}: deleting a bucket when the job ends; buckets are kept"
             )
+
+    def mount_tuning(self, mount: js.FileMount, doc: dict[str, Any], at: str) -> None:
+        """SkyPilot's `type` (MOUNT_CACHED presets) and `config` (`mount` / `mount_cached` settings): what is
+        read-only is honoured; the rest tunes rclone's cache or a cloud volume, which have no counterpart here.
+        Each only with its mode, as SkyPilot checks."""
+        mode = mount.bucket.mode or js.Bucket.MODE_MOUNT
+        if "type" in doc:
+            if mode != js.Bucket.MODE_MOUNT_CACHED:
+                self.fail(f"{at}.type", "can only be given with mode MOUNT_CACHED (SkyPilot's rule)")
+            if self.choice(doc["type"], f"{at}.type", _MOUNT_TYPES):
+                mount.read_only = True
+        if "config" not in doc:
+            return
+        config = self.table(doc["config"], f"{at}.config", ("mount", "mount_cached"), _SKY_MOUNT_CONFIG_KEYS)
+        for key, wanted in (("mount", js.Bucket.MODE_MOUNT), ("mount_cached", js.Bucket.MODE_MOUNT_CACHED)):
+            if key not in config:
+                continue
+            where = f"{at}.config.{key}"
+            if mode != wanted:
+                self.fail(where, f"can only be given with mode {key.upper()} (SkyPilot's rule)")
+            settings = (
+                self.table(config[key], where, ("read_only",), _HF_MOUNT)
+                if key == "mount"
+                else self.table(config[key], where, None)
+            )
+            if key == "mount_cached":
+                for name in [n for n in settings if n != "read_only"]:
+                    self.found.append(FieldViolation(f"{where}.{name}", _RCLONE))
+            if "read_only" in settings and self.boolean(settings["read_only"], f"{where}.read_only"):
+                mount.read_only = True
 
     def upload(self, url: str, source: Any, at: str) -> None:
         """SkyPilot's local `source` of a named bucket: uploaded into it at launch, by the submitting client

@@ -111,12 +111,16 @@ def test_buckets_in_every_skypilot_form(value: str, url: str, mode: int, create:
     [
         ("gs://bucket/data", "", "only S3"),
         ("{name: bkt, store: gcs}", ".store", "only S3"),
-        ("{name: bkt, source: /local/dir}", ".source", "upload it first"),
+        ("{name: bkt, source: /local/dir}", ".source", "tandem launch"),
         ("{name: bkt, source: 's3://c'}", ".name", "not both"),
-        ("{source: [/a, /b]}", ".source", "list of local folders"),
+        ("{source: [/a, /b]}", ".name", "is required with a list of local sources"),
         ("{name: bkt, persistent: false}", ".persistent", "deleting a bucket"),
         ("{source: 's3://bkt', mode: STREAM}", ".mode", "must be one of mount, copy, mount_cached"),
-        ("{source: 's3://bkt', config: {mount_cached: {}}}", ".config", "copied here"),
+        (
+            "{source: 's3://bkt', config: {mount_cached: {}}}",
+            ".config.mount_cached",
+            "with mode MOUNT_CACHED",
+        ),
         ("{mode: COPY}", "", "needs `source: s3://...` or `name`"),
         ("{volume: v, name: bkt}", ".volume", "not taken with a bucket"),
         ("{source: 's3://B_ad'}", ".source", "not an S3 bucket name"),
@@ -507,3 +511,41 @@ def test_labels_are_the_pods_on_kubernetes_only() -> None:
     assert "Tandem's own labels" in found['resources.labels["tandem.dev/job"]']
     assert "not a Kubernetes label key" in found['resources.labels["a b"]']
     assert "not a label value" in found['resources.labels["ok"]']
+
+
+@pytest.mark.parametrize(
+    ("extra", "read_only"),
+    [
+        ("mode: MOUNT_CACHED, type: MODEL_CHECKPOINT_RO", True),
+        ("mode: MOUNT_CACHED, type: dataset_rw", False),
+        ("mode: MOUNT_CACHED, config: {mount_cached: {read_only: true}}", True),
+        ("config: {mount: {read_only: true}}", True),  # MOUNT is the default mode
+    ],
+)
+def test_a_buckets_type_and_config_give_its_read_only_part(extra: str, read_only: bool) -> None:
+    (mount,) = (
+        parse(f"run: x\nfile_mounts: {{/ckpt: {{source: s3://ckpts/run, {extra}}}}}\n").tasks[0].file_mounts
+    )
+    assert mount.bucket.url == "s3://ckpts/run" and mount.read_only is read_only
+
+
+@pytest.mark.parametrize(
+    ("extra", "field", "words"),
+    [
+        ("type: DATASET_RO", ".type", "only be given with mode MOUNT_CACHED"),
+        ("mode: MOUNT_CACHED, type: LOGS", ".type", "must be one of"),
+        ("mode: COPY, config: {mount: {read_only: true}}", ".config.mount", "with mode MOUNT"),
+        (
+            "mode: MOUNT_CACHED, config: {mount_cached: {transfers: 8}}",
+            ".config.mount_cached.transfers",
+            "rclone",
+        ),
+        ("config: {disk_size: 100}", ".config.disk_size", "cloud volume"),
+        ("config: {mount: {hf_mount_args: [-x]}}", ".config.mount.hf_mount_args", "Hugging Face"),
+    ],
+)
+def test_bucket_tuning_that_cannot_mean_anything_says_why(extra: str, field: str, words: str) -> None:
+    found = refusals(f"run: x\nfile_mounts: {{/ckpt: {{source: s3://ckpts/run, {extra}}}}}\n")
+    key = f'file_mounts["/ckpt"]{field}'
+    assert key in found, found
+    assert words in found[key], found[key]
