@@ -1367,6 +1367,7 @@ class Engine:
                 image=image,
                 env_names=[*env, *secret_env],
                 folders=[source for _path, source, _read_only in mounts],
+                python=python,
             )
         if on_host and spec_task.resources.ports:  # a pod has ports of its own; a process shares the node's
             command = expand.port_check(spec_task, python=python) + command

@@ -591,6 +591,7 @@ def make_backends(config: SchedulerSettings, work_dir: Path, hide: Sequence[Path
                 hide=hide,
                 one_organization=run_as == "mesh" and local.run_as == "auto",
                 container_runtimes=local.container_runtimes,
+                image_pull_timeout_s=local.image_pull_timeout_s,
             )
         elif name == "slurm":
             from services.scheduler.backends.slurm import SlurmBackend  # noqa: PLC0415

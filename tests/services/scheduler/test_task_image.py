@@ -1,0 +1,275 @@
+"""A task's image on the local backend (services/scheduler/backends/task_image.py): pulled within the
+scheduler's bound before the task runs, logged in to a private registry with the task's vault secrets
+(SkyPilot's SKYPILOT_DOCKER_USERNAME / _PASSWORD / _SERVER) through a private auth file, and a pull that fails
+or hangs a PRECHECK failure naming the image, the bound and what the runtime said. With a real podman
+(Debian's `podman`) where one works here: a registry that refuses connections, one that accepts them and
+never answers, and a job whose registry login comes from the vault; those tests skip without podman."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from tandem.scheduler.v1 import job_pb2
+
+from services.scheduler import expand
+from services.scheduler.backends import task_image
+from services.scheduler.backends.task_image import Login, login_command, pull_command, reference
+from services.scheduler.spec import load_yaml
+from tests.services.scheduler.test_scheduler import TERMINAL, Clients, log_text, put_secret, wait_for
+from tests.services.scheduler.test_skypilot_files import submit
+from tests.support.mesh import mesh_settings, running_mesh
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[3]
+State = job_pb2.Job.State
+PASSWORD = "hunter2-registry-password"
+
+
+def podman() -> str | None:
+    path = shutil.which("podman")
+    if path is None:
+        return None
+    try:
+        done = subprocess.run([path, "info"], capture_output=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return path if done.returncode == 0 else None
+
+
+PODMAN = podman()
+needs_podman = pytest.mark.skipif(PODMAN is None, reason="no working podman here (apt-get install podman)")
+
+
+@contextlib.contextmanager
+def silent_registry() -> Iterator[int]:
+    """A TCP port that accepts connections and never answers: a registry that hangs."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError, OSError):
+                held.append(server.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield int(server.getsockname()[1])
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        server.close()
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])  # closed again: connections are refused
+
+
+def run_helper(image: str, env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`task_image` as the local backend's rank runs it, with this checkout on the path."""
+    return subprocess.run(
+        [sys.executable, "-m", "services.scheduler.backends.task_image", image, "--rm", "--", "true"],
+        env={"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join(sys.path), **env},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_references_are_written_out_as_docker_reads_them() -> None:
+    assert reference("ubuntu:22.04") == "docker.io/library/ubuntu:22.04"
+    assert reference("pytorch/pytorch:2.3.1") == "docker.io/pytorch/pytorch:2.3.1"
+    assert reference("nvcr.io/nvidia/pytorch:24.01-py3") == "nvcr.io/nvidia/pytorch:24.01-py3"
+    assert reference("localhost:5000/team/img:1") == "localhost:5000/team/img:1"
+    assert reference("localhost/img") == "localhost/img"
+    login = Login("alice", PASSWORD, "registry.acme.dev")
+    # SkyPilot's DockerLoginConfig.format_image: the server in front, unless it is there.
+    assert reference("team/trainer:1", login) == "registry.acme.dev/team/trainer:1"
+    assert reference("registry.acme.dev/team/trainer:1", login) == "registry.acme.dev/team/trainer:1"
+    assert PASSWORD not in repr(login)
+
+
+def test_a_login_needs_all_three_variables() -> None:
+    given = {"SKYPILOT_DOCKER_USERNAME": "alice", "SKYPILOT_DOCKER_PASSWORD": PASSWORD}
+    assert task_image.login_from(given) is None
+    given["SKYPILOT_DOCKER_SERVER"] = "registry.acme.dev"
+    assert task_image.login_from(given) == Login("alice", PASSWORD, "registry.acme.dev")
+
+
+def test_the_login_goes_to_a_private_auth_file_and_the_password_through_stdin(tmp_path: Path) -> None:
+    login = Login("alice", PASSWORD, "registry.acme.dev")
+    auth = tmp_path / "private" / "auth.json"
+    argv, extra = login_command("/usr/bin/podman", login, auth)
+    assert argv == [
+        "/usr/bin/podman",
+        *("login", "--username", "alice", "--password-stdin", "--authfile", str(auth)),
+        "registry.acme.dev",
+    ]
+    assert extra == {}
+    assert pull_command("/usr/bin/podman", "registry.acme.dev/t:1", auth)[0] == [
+        *("/usr/bin/podman", "pull", "--authfile", str(auth)),
+        "registry.acme.dev/t:1",
+    ]
+    argv, extra = login_command("/usr/bin/docker", login, auth)
+    assert argv == [
+        *("/usr/bin/docker", "login", "--username", "alice", "--password-stdin"),
+        "registry.acme.dev",
+    ]
+    assert extra == {"DOCKER_CONFIG": str(auth.parent)}  # docker's config.json there, not ~/.docker
+    assert pull_command("/usr/bin/docker", "registry.acme.dev/t:1", auth) == (
+        ["/usr/bin/docker", "pull", "registry.acme.dev/t:1"],
+        {"DOCKER_CONFIG": str(auth.parent)},
+    )
+    assert pull_command("/usr/bin/docker", "registry.acme.dev/t:1", None) == (
+        ["/usr/bin/docker", "pull", "registry.acme.dev/t:1"],
+        {},
+    )
+    assert not any(PASSWORD in word for word in argv)
+
+
+def test_a_missing_runtime_is_a_precheck_exit(tmp_path: Path) -> None:
+    done = run_helper("ubuntu:22.04", {}, tmp_path)
+    assert done.returncode == task_image.PRECHECK_EXIT == expand.SETUP_FAILED_EXIT
+    assert "TANDEM_CONTAINER_RUNTIME is not set" in done.stderr
+
+
+@needs_podman
+def test_a_registry_that_refuses_is_a_precheck_exit_naming_the_image(tmp_path: Path) -> None:
+    assert PODMAN is not None
+    image = f"127.0.0.1:{closed_port()}/none:latest"
+    env = {task_image.RUNTIME_ENV: PODMAN, task_image.PULL_TIMEOUT_ENV: "60"}
+    done = run_helper(image, env, tmp_path)
+    assert done.returncode == task_image.PRECHECK_EXIT, done.stderr
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("[tandem]")]
+    assert line.startswith(f"[tandem] the image {image} could not be pulled in 60 s (exit 125): ")
+    assert "connection refused" in line
+
+
+@needs_podman
+def test_a_registry_that_hangs_is_stopped_at_the_bound(tmp_path: Path) -> None:
+    assert PODMAN is not None
+    with silent_registry() as port:
+        image = f"127.0.0.1:{port}/team/trainer:1"
+        env = {task_image.RUNTIME_ENV: PODMAN, task_image.PULL_TIMEOUT_ENV: "2"}
+        done = run_helper(image, env, tmp_path)
+    assert done.returncode == task_image.PRECHECK_EXIT, done.stderr
+    assert f"[tandem] the image {image} could not be pulled in 2 s (the pull was stopped)" in done.stderr
+
+
+@needs_podman
+def test_a_login_that_fails_says_so_and_leaves_no_auth_file(tmp_path: Path) -> None:
+    assert PODMAN is not None
+    server = f"127.0.0.1:{closed_port()}"
+    private = tmp_path / "attempt"
+    private.mkdir(mode=0o700)
+    env = {
+        task_image.RUNTIME_ENV: PODMAN,
+        task_image.PULL_TIMEOUT_ENV: "60",
+        task_image.ATTEMPT_DIR_ENV: str(private),
+        "SKYPILOT_DOCKER_USERNAME": "alice",
+        "SKYPILOT_DOCKER_PASSWORD": PASSWORD,
+        "SKYPILOT_DOCKER_SERVER": server,
+    }
+    done = run_helper("team/trainer:1", env, tmp_path)
+    assert done.returncode == task_image.PRECHECK_EXIT, done.stderr
+    assert (
+        f"the image {server}/team/trainer:1 could not be pulled in 60 s: logging in to {server} as alice "
+        "failed (exit 125)"
+    ) in done.stderr
+    assert PASSWORD not in done.stderr + done.stdout
+    assert list(private.iterdir()) == []  # the auth folder went with the pull
+
+
+# ---- through the scheduler, on the local backend ------------------------------------------------------
+
+
+@pytest.fixture
+async def acme_local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Clients]:
+    from mesh.identity import TokenSigner, load_signing_key  # noqa: PLC0415
+
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__CPUS", "2")
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__CONTAINER_RUNTIMES", '["podman"]')
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__IMAGE_PULL_TIMEOUT_S", "3")
+    async with running_mesh(
+        mesh_settings(tmp_path / "mesh"), services=["events", "vault", "taskapp_proxy", "scheduler"]
+    ) as mesh:
+        signer = TokenSigner(load_signing_key("", mesh.settings.state_dir))
+        clients = Clients(mesh, signer.issue("user", "alice", org="acme", ttl_s=600))
+        yield clients
+        await clients.close()
+
+
+async def failed_before_run(clients: Clients, text: str, folder: Path) -> tuple[job_pb2.Job, str]:
+    path = folder / "task.yaml"
+    path.write_text(textwrap.dedent(text))
+    job = await submit(clients, load_yaml(path))
+    done = await wait_for(clients, job.name, *TERMINAL, within_s=120)
+    logs = await log_text(clients, job.name)
+    assert done.state == State.STATE_FAILED, logs
+    assert done.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK, done.failure
+    assert "ran-the-task" not in logs.replace("echo ran-the-task", "")
+    return done, logs
+
+
+@needs_podman
+async def test_an_image_whose_pull_hangs_fails_the_task_at_the_bound(
+    acme_local: Clients, tmp_path: Path
+) -> None:
+    with silent_registry() as port:
+        image = f"127.0.0.1:{port}/team/trainer:1"
+        text = f"""\
+            envs:
+              PYTHONPATH: {ROOT}
+            resources:
+              image_id: docker:{image}
+            run: echo ran-the-task
+            """
+        done, _ = await failed_before_run(acme_local, text, tmp_path)
+    assert f"the image {image} could not be pulled in 3 s (the pull was stopped)" in done.failure.message
+
+
+@needs_podman
+async def test_the_registry_login_comes_from_the_vault(acme_local: Clients, tmp_path: Path) -> None:
+    server = f"127.0.0.1:{closed_port()}"
+    await put_secret(acme_local, "skypilot-docker-username", b"alice")
+    await put_secret(acme_local, "skypilot-docker-password", PASSWORD.encode())
+    await put_secret(acme_local, "skypilot-docker-server", server.encode())
+    text = f"""\
+        envs:
+          PYTHONPATH: {ROOT}
+        secrets:
+          SKYPILOT_DOCKER_USERNAME: null
+          SKYPILOT_DOCKER_PASSWORD: null
+          SKYPILOT_DOCKER_SERVER: null
+        resources:
+          image_id: docker:team/trainer:1
+        run: echo ran-the-task
+        """
+    done, logs = await failed_before_run(acme_local, text, tmp_path)
+    assert (
+        f"the image {server}/team/trainer:1 could not be pulled in 3 s: logging in to {server} as alice"
+        in (done.failure.message)
+    )
+    assert PASSWORD not in done.failure.message + logs
+    attempts = list((tmp_path / "mesh").rglob(".registry-auth-*"))
+    assert attempts == []  # nothing of the login is left on the machine
