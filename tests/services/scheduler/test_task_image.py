@@ -28,6 +28,7 @@ from services.scheduler.spec import load_yaml
 from tests.services.scheduler.test_scheduler import TERMINAL, Clients, log_text, put_secret, wait_for
 from tests.services.scheduler.test_skypilot_files import submit
 from tests.support.mesh import mesh_settings, running_mesh
+from tests.support.registry import private_registry
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[3]
@@ -198,6 +199,35 @@ def test_a_login_that_fails_says_so_and_leaves_no_auth_file(tmp_path: Path) -> N
     ) in done.stderr
     assert PASSWORD not in done.stderr + done.stdout
     assert list(private.iterdir()) == []  # the auth folder went with the pull
+
+
+@needs_podman
+def test_a_private_registry_is_logged_in_to_and_pulled_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert PODMAN is not None
+    files = {"etc/tandem-image": b"from the private registry\n"}
+    with private_registry(tmp_path, "alice", PASSWORD, files) as registry:
+        monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registry.conf))  # plain HTTP, for the test
+        try:
+            anonymous = pytest.raises(
+                task_image.PullFailed, match="could not be pulled in 60 s \\(exit 125\\)"
+            )
+            with anonymous:
+                task_image.pull(PODMAN, registry.image, timeout_s=60, private_dir=tmp_path)
+            wrong = Login("alice", "not-the-password", registry.host)
+            with pytest.raises(task_image.PullFailed, match=f"logging in to {registry.host} as alice failed"):
+                task_image.pull(PODMAN, registry.image, timeout_s=60, login=wrong, private_dir=tmp_path)
+            assert registry.pulled == []
+            login = Login("alice", PASSWORD, registry.host)
+            assert task_image.pull(PODMAN, registry.image, timeout_s=60, login=login, private_dir=tmp_path)
+            assert len(set(registry.pulled)) == 2  # the config and the layer, with the credentials
+            assert task_image.has_image(PODMAN, registry.image, 30)
+            # An image the runtime has is not pulled again, with or without credentials.
+            assert not task_image.pull(PODMAN, registry.image, timeout_s=60, private_dir=tmp_path)
+            assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".registry-auth-")] == []
+        finally:
+            subprocess.run([PODMAN, "rmi", "-f", registry.image], capture_output=True, check=False)
 
 
 # ---- through the scheduler, on the local backend ------------------------------------------------------
