@@ -27,6 +27,7 @@ in `TANDEM_ATTEMPT_DIR`. Then:
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -71,20 +72,34 @@ def login_from(environ: Mapping[str, str]) -> Login | None:
     return Login(*values) if all(values) else None
 
 
+def with_server(image: str, login: Login | None) -> str:
+    """`image` with `login`'s server in front unless it starts with it (SkyPilot's `format_image`)."""
+    if login is None:
+        return image
+    server = login.server.split("://", 1)[-1].rstrip("/")  # a server given as a URL
+    return image if image.startswith(f"{server}/") else f"{server}/{image}"
+
+
 def reference(image: str, login: Login | None = None) -> str:
-    """The full reference of `image`: `login`'s server in front unless it is there (SkyPilot's
-    `format_image`), and a Docker Hub short name written out (`docker.io/`, `library/` for one word)."""
-    if login is not None:
-        server = login.server.rstrip("/")
-        server = server.split("://", 1)[-1]  # a server given as a URL
-        if not image.startswith(f"{server}/"):
-            image = f"{server}/{image}"
+    """The full reference of `image`: `login`'s server in front unless it is there (`with_server`), and a
+    Docker Hub short name written out (`docker.io/`, `library/` for one word)."""
+    image = with_server(image, login)
     first, slash, _rest = image.partition("/")
     if slash and ("." in first or ":" in first or first == "localhost"):
         return image  # a registry host is named
     if not slash:
         image = f"library/{image}"
     return f"docker.io/{image}"
+
+
+def enroot_credentials(login: Login) -> str:
+    """enroot's `.credentials` (netrc) for `login`: the server's host, and Docker Hub's token and registry
+    hosts where the server is Docker Hub's."""
+    host = login.server.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
+    machines = [host]
+    if host in ("docker.io", "index.docker.io", "registry-1.docker.io"):
+        machines = ["auth.docker.io", "registry-1.docker.io"]
+    return "".join(f"machine {m} login {login.username} password {login.password}\n" for m in machines)
 
 
 def is_podman(runtime: str) -> bool:
@@ -199,7 +214,64 @@ def pull_timeout(environ: Mapping[str, str]) -> float:
     return value if value > 0 else DEFAULT_PULL_TIMEOUT_S
 
 
+def slurm_step(
+    runtime: str, folder: Path, image: str, argv: Sequence[str]
+) -> tuple[list[str], dict[str, str]]:
+    """The Slurm batch shell's srun `argv` and the variables it needs to pull `image` from the private
+    registry of this process's `SKYPILOT_DOCKER_*` (just opened from the vault): for pyxis an enroot
+    `.credentials` file written (0600) into `folder`, the batch job's own 0700 folder, as
+    `ENROOT_CONFIG_PATH`; for Apptainer its `APPTAINER_DOCKER_USERNAME` / `_PASSWORD`. Either way the image
+    argument gets the server in front (SkyPilot's `format_image`). PullFailed without all three variables."""
+    from services.scheduler.backends.slurm import enroot_image  # noqa: PLC0415 - slurm imports this module
+
+    login = login_from(os.environ)
+    if login is None:
+        missing = ", ".join(n for n in LOGIN_ENVS if not os.environ.get(n))
+        raise PullFailed(f"the image {image} could not be pulled: the registry login lacks {missing}")
+    full = with_server(image, login)
+    extra: dict[str, str] = {}
+    if runtime == "pyxis":
+        old, new = f"--container-image={enroot_image(image)}", f"--container-image={enroot_image(full)}"
+        path = folder / ".credentials"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(enroot_credentials(login))
+        extra["ENROOT_CONFIG_PATH"] = str(folder)
+    else:
+        old, new = f"docker://{image}", f"docker://{full}"
+        for prefix in ("APPTAINER", "SINGULARITY"):
+            extra[f"{prefix}_DOCKER_USERNAME"] = login.username
+            extra[f"{prefix}_DOCKER_PASSWORD"] = login.password
+    return [new if arg == old else arg for arg in argv], extra
+
+
+def _slurm_main(argv: Sequence[str]) -> int:
+    """`--slurm RUNTIME --secrets ENV=name,... --folder F --image IMAGE -- srun ...` (the batch shell's)."""
+    from services.scheduler.backends.task_secrets import inject, parse_secrets  # noqa: PLC0415
+
+    split = list(argv).index("--")
+    options = dict(zip(argv[0:split:2], argv[1:split:2], strict=True))
+    command = list(argv[split + 1 :])
+    image = options["--image"]
+    try:
+        asyncio.run(inject(parse_secrets(options["--secrets"])))
+        command, extra = slurm_step(options["--slurm"], Path(options["--folder"]), image, command)
+    except PullFailed as failed:
+        print(f"[tandem] {failed}", file=sys.stderr)
+        return PRECHECK_EXIT
+    except Exception as exc:  # the vault unreachable or the secret gone: no login, no pull
+        print(
+            f"[tandem] the image {image} could not be pulled: opening its registry login failed: {exc}",
+            file=sys.stderr,
+        )
+        return PRECHECK_EXIT
+    os.environ.update(extra)
+    os.execvp(command[0], command)  # noqa: S606 - srun, with the task's step
+
+
 def main(argv: Sequence[str]) -> int:
+    if argv[:1] == ["--slurm"]:
+        return _slurm_main(argv)
     if len(argv) < 3 or "--" not in argv[1:]:
         print(
             "usage: python -m services.scheduler.backends.task_image IMAGE RUN-OPTION... -- COMMAND...",

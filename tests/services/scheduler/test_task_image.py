@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -23,7 +24,10 @@ from tandem.scheduler.v1 import job_pb2
 
 from services.scheduler import expand
 from services.scheduler.backends import task_image
+from services.scheduler.backends.base import LaunchSpec
+from services.scheduler.backends.slurm import SlurmBackend
 from services.scheduler.backends.task_image import Login, login_command, pull_command, reference
+from services.scheduler.backends.task_secrets import format_secrets
 from services.scheduler.spec import load_yaml
 from tests.services.scheduler.test_scheduler import TERMINAL, Clients, log_text, put_secret, wait_for
 from tests.services.scheduler.test_skypilot_files import submit
@@ -303,3 +307,88 @@ async def test_the_registry_login_comes_from_the_vault(acme_local: Clients, tmp_
     assert PASSWORD not in done.failure.message + logs
     attempts = list((tmp_path / "mesh").rglob(".registry-auth-*"))
     assert attempts == []  # nothing of the login is left on the machine
+
+
+# ---- Slurm: the batch shell opens the login for pyxis/enroot or Apptainer ----------------------------
+
+LOGIN_SECRETS = {
+    "SKYPILOT_DOCKER_USERNAME": "orgs/acme/secrets/skypilot-docker-username",
+    "SKYPILOT_DOCKER_PASSWORD": "orgs/acme/secrets/skypilot-docker-password",
+    "SKYPILOT_DOCKER_SERVER": "orgs/acme/secrets/skypilot-docker-server",
+}
+
+
+def slurm_spec(tmp_path: Path, **overrides: object) -> LaunchSpec:
+    values: dict[str, object] = {
+        "key": "orgs-acme-jobs-j1.train.0",
+        "job": "orgs/acme/jobs/j1",
+        "task": "train",
+        "attempt": 0,
+        "command": "echo in-the-image",
+        "env": {"TANDEM_JOB": "orgs/acme/jobs/j1"},
+        "log_dir": tmp_path / "logs",
+        "workdir": tmp_path / "work",
+        "image": "team/trainer:1",
+        "secret_env": {**LOGIN_SECRETS, "HF_TOKEN": "orgs/acme/secrets/hf-token"},
+    }
+    values.update(overrides)
+    return LaunchSpec(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("runtime", ["pyxis", "apptainer"])
+def test_the_slurm_batch_shell_opens_the_registry_login_before_the_step(tmp_path: Path, runtime: str) -> None:
+    script = SlurmBackend(container_runtime=runtime).batch_script(slurm_spec(tmp_path))
+    lines = script.splitlines()
+    [made] = [line for line in lines if line.startswith("tandem_registry=")]
+    assert made == f"tandem_registry=$(mktemp -d {tmp_path / 'work'}/.tandem-registry-XXXXXX) || exit 223"
+    assert """trap 'rm -rf "$tandem_registry"' EXIT""" in lines  # gone when the batch job ends
+    step = script.split("""\ntrap 'rm -rf "$tandem_registry"' EXIT\n""", 1)[1].rsplit("\ncode=$?", 1)[0]
+    words = shlex.split(step.replace('"$tandem_registry"', "FOLDER"))
+    helper = words[: words.index("--")]
+    assert helper[1:] == [
+        *("-m", "services.scheduler.backends.task_image", "--slurm", runtime),
+        *("--secrets", format_secrets(LOGIN_SECRETS), "--folder", "FOLDER", "--image", "team/trainer:1"),
+    ]
+    assert words[words.index("--") + 1] == "srun"  # the names of the secrets only, never a value
+    assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
+    plain = SlurmBackend().batch_script(slurm_spec(tmp_path, secret_env={"HF_TOKEN": "orgs/acme/secrets/x"}))
+    assert "tandem_registry" not in plain and "task_image" not in plain
+    assert "task_image" not in SlurmBackend().batch_script(slurm_spec(tmp_path, image=""))
+
+
+def test_enroot_gets_a_private_credentials_file_and_the_servers_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SKYPILOT_DOCKER_USERNAME", "alice")
+    monkeypatch.setenv("SKYPILOT_DOCKER_PASSWORD", PASSWORD)
+    monkeypatch.setenv("SKYPILOT_DOCKER_SERVER", "registry.acme.dev:5000")
+    folder = tmp_path / "registry"
+    folder.mkdir(mode=0o700)
+    srun = ["srun", "--container-image=team/trainer:1", "--container-workdir=/w", "bash", "-c", "x"]
+    argv, extra = task_image.slurm_step("pyxis", folder, "team/trainer:1", srun)
+    assert argv == ["srun", "--container-image=registry.acme.dev:5000#team/trainer:1", *srun[2:]]
+    assert extra == {"ENROOT_CONFIG_PATH": str(folder)}
+    credentials = folder / ".credentials"
+    assert credentials.read_text() == f"machine registry.acme.dev login alice password {PASSWORD}\n"
+    assert credentials.stat().st_mode & 0o777 == 0o600
+    assert not any(PASSWORD in word for word in argv)
+    hub = Login("alice", PASSWORD, "docker.io")
+    assert task_image.enroot_credentials(hub).split("\n")[:2] == [
+        f"machine auth.docker.io login alice password {PASSWORD}",
+        f"machine registry-1.docker.io login alice password {PASSWORD}",
+    ]
+
+
+def test_apptainer_gets_the_login_in_its_variables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SKYPILOT_DOCKER_USERNAME", "alice")
+    monkeypatch.setenv("SKYPILOT_DOCKER_PASSWORD", PASSWORD)
+    monkeypatch.setenv("SKYPILOT_DOCKER_SERVER", "registry.acme.dev")
+    srun = ["srun", "apptainer", "exec", "--pwd", "/w", "docker://team/trainer:1", "bash"]
+    argv, extra = task_image.slurm_step("apptainer", tmp_path, "team/trainer:1", srun)
+    assert argv == [*srun[:5], "docker://registry.acme.dev/team/trainer:1", "bash"]
+    assert extra["APPTAINER_DOCKER_USERNAME"] == "alice" and extra["APPTAINER_DOCKER_PASSWORD"] == PASSWORD
+    assert extra["SINGULARITY_DOCKER_PASSWORD"] == PASSWORD  # the older name, for singularity
+    assert list(tmp_path.iterdir()) == []  # no file at all
+    monkeypatch.delenv("SKYPILOT_DOCKER_SERVER")
+    with pytest.raises(task_image.PullFailed, match="the registry login lacks SKYPILOT_DOCKER_SERVER"):
+        task_image.slurm_step("apptainer", tmp_path, "team/trainer:1", srun)
