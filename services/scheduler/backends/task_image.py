@@ -35,8 +35,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+
+from services.scheduler.backends.base import RegistryLogin
 
 RUNTIME_ENV = "TANDEM_CONTAINER_RUNTIME"  # the docker or podman CLI (a path), set by the local backend
 PULL_TIMEOUT_ENV = "TANDEM_IMAGE_PULL_TIMEOUT_S"  # the bound of login and pull together, in seconds
@@ -54,16 +55,7 @@ class PullFailed(Exception):
     """The image could not be pulled (or the registry logged in to) within the bound; the message says why."""
 
 
-@dataclass(frozen=True)
-class Login:
-    """A private registry's credentials, from the task's vault secrets."""
-
-    username: str
-    password: str
-    server: str
-
-    def __repr__(self) -> str:  # never the password, whatever prints this
-        return f"Login(username={self.username!r}, server={self.server!r})"
+Login = RegistryLogin  # username, password, server
 
 
 def login_from(environ: Mapping[str, str]) -> Login | None:

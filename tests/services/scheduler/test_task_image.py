@@ -7,7 +7,10 @@ never answers, and a job whose registry login comes from the vault; those tests 
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -20,20 +23,27 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from tandem.scheduler.v1 import job_pb2
+from kubernetes import client as k8s
+from tandem.scheduler.v1 import job_pb2, job_spec_pb2
+from tandem.vault.v1 import vault_service_pb2
 
 from services.scheduler import expand
 from services.scheduler.backends import task_image
 from services.scheduler.backends.base import LaunchSpec
+from services.scheduler.backends.kubernetes import KubernetesBackend, docker_config
 from services.scheduler.backends.slurm import SlurmBackend
 from services.scheduler.backends.task_image import Login, login_command, pull_command, reference
 from services.scheduler.backends.task_secrets import format_secrets
 from services.scheduler.spec import load_yaml
-from tests.services.scheduler.test_scheduler import TERMINAL, Clients, log_text, put_secret, wait_for
+from tests.services.scheduler.test_kubernetes_jobs import acme as kube_acme
+from tests.services.scheduler.test_kubernetes_jobs import cluster
+from tests.services.scheduler.test_scheduler import ORG, TERMINAL, Clients, log_text, put_secret, wait_for
 from tests.services.scheduler.test_skypilot_files import submit
+from tests.support.kube_api import FakeKubeApi, running_kube_api
 from tests.support.mesh import mesh_settings, running_mesh
 from tests.support.registry import private_registry
 
+__all__ = ["cluster", "kube_acme"]  # fixtures
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[3]
 State = job_pb2.Job.State
@@ -392,3 +402,103 @@ def test_apptainer_gets_the_login_in_its_variables(tmp_path: Path, monkeypatch: 
     monkeypatch.delenv("SKYPILOT_DOCKER_SERVER")
     with pytest.raises(task_image.PullFailed, match="the registry login lacks SKYPILOT_DOCKER_SERVER"):
         task_image.slurm_step("apptainer", tmp_path, "team/trainer:1", srun)
+
+
+# ---- Kubernetes: a pull Secret of the attempt's, opened by the engine from the vault ------------------
+
+
+def test_the_pull_secret_is_the_attempts_own_and_goes_with_its_job(tmp_path: Path) -> None:
+    with running_kube_api() as api:
+        backend = KubernetesBackend(
+            namespace="tandem-jobs",
+            image="tandem-trainer:test",
+            image_pull_secrets=["deployment-pull"],
+            configuration=k8s.Configuration(host=api.url),
+            manage_priority_classes=False,
+        )
+        login = Login("alice", PASSWORD, "registry.acme.dev")
+        spec = slurm_spec(tmp_path, registry_login=login, secret_env=LOGIN_SECRETS, workdir=None)
+        handle = asyncio.run(backend.launch(spec))
+        name = handle["job"]
+        secret = api.objects[("secrets", "tandem-jobs", name)]
+        assert secret["type"] == "kubernetes.io/dockerconfigjson"
+        [owner] = secret["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"]) == ("Job", name, handle["uid"])
+        config = json.loads(base64.b64decode(secret["data"][".dockerconfigjson"]))
+        auth = base64.b64encode(f"alice:{PASSWORD}".encode()).decode()
+        assert config == {
+            "auths": {"registry.acme.dev": {"username": "alice", "password": PASSWORD, "auth": auth}}
+        }
+        pod = api.objects[("jobs", "tandem-jobs", name)]["spec"]["template"]["spec"]
+        assert pod["imagePullSecrets"] == [{"name": "deployment-pull"}, {"name": name}]
+        assert pod["containers"][0]["image"] == "registry.acme.dev/team/trainer:1"  # SkyPilot's format_image
+        assert PASSWORD not in json.dumps(pod)  # the pod spec names the Secret, never holds the value
+        assert asyncio.run(backend.launch(spec)) == handle  # a second launch of the key: the same objects
+        api.remove_job("tandem-jobs", name)
+        assert ("secrets", "tandem-jobs", name) not in api.objects  # deleted with the Job
+        plain = backend.job_object(slurm_spec(tmp_path, secret_env={}, workdir=None))
+        assert plain["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "deployment-pull"}]
+        assert plain["spec"]["template"]["spec"]["containers"][0]["image"] == "team/trainer:1"
+        hub = json.loads(docker_config(Login("alice", PASSWORD, "docker.io")))
+        assert list(hub["auths"]) == ["https://index.docker.io/v1/"]
+
+
+async def test_the_engine_opens_the_registry_login_for_kubernetes(
+    kube_acme: Clients, cluster: FakeKubeApi, tmp_path: Path
+) -> None:
+    await put_secret(kube_acme, "skypilot-docker-username", b"alice")
+    await put_secret(kube_acme, "skypilot-docker-password", PASSWORD.encode())
+    await put_secret(kube_acme, "skypilot-docker-server", b"registry.acme.dev")
+    path = tmp_path / "task.yaml"
+    path.write_text(
+        textwrap.dedent(
+            """\
+            secrets:
+              SKYPILOT_DOCKER_USERNAME: null
+              SKYPILOT_DOCKER_PASSWORD: null
+              SKYPILOT_DOCKER_SERVER: null
+            resources:
+              image_id: docker:team/trainer:1
+            run: echo ran-in-the-pod
+            """
+        )
+    )
+    spec = load_yaml(path)
+    spec.backend = job_spec_pb2.BACKEND_KUBERNETES
+    job = await submit(kube_acme, spec)
+    done = await wait_for(kube_acme, job.name, *TERMINAL, within_s=120)
+    assert done.state == State.STATE_SUCCEEDED, done.failure.message
+    [secret] = [o for (plural, _ns, _n), o in cluster.objects.items() if plural == "secrets"]
+    config = json.loads(base64.b64decode(secret["data"][".dockerconfigjson"]))
+    assert config["auths"]["registry.acme.dev"]["password"] == PASSWORD
+    [created] = [o for (plural, _ns, _n), o in cluster.objects.items() if plural == "jobs"]
+    pod = created["spec"]["template"]["spec"]
+    assert {"name": secret["metadata"]["name"]} in pod["imagePullSecrets"]
+    assert pod["containers"][0]["image"] == "registry.acme.dev/team/trainer:1"
+
+
+async def test_a_registry_login_the_vault_will_not_open_is_a_precheck_failure(
+    kube_acme: Clients, cluster: FakeKubeApi, tmp_path: Path
+) -> None:
+    await put_secret(kube_acme, "skypilot-docker-username", b"alice")
+    await put_secret(kube_acme, "skypilot-docker-password", PASSWORD.encode())
+    await put_secret(kube_acme, "skypilot-docker-server", b"registry.acme.dev")
+    path = tmp_path / "task.yaml"
+    path.write_text(
+        "secrets: {SKYPILOT_DOCKER_USERNAME: null, SKYPILOT_DOCKER_PASSWORD: null, SKYPILOT_DOCKER_SERVER: null}\n"
+        "resources: {image_id: 'docker:team/trainer:1'}\nrun: echo ran-the-task\n"
+    )
+    spec = load_yaml(path)
+    spec.backend = job_spec_pb2.BACKEND_KUBERNETES
+    # The password's only version is disabled: CreateJob finds the secret, the vault will not open it.
+    await kube_acme.vault.DisableSecretVersion(
+        vault_service_pb2.DisableSecretVersionRequest(
+            name=f"{ORG}/secrets/skypilot-docker-password/versions/1"
+        )
+    )
+    job = await submit(kube_acme, spec)
+    done = await wait_for(kube_acme, job.name, *TERMINAL, within_s=120)
+    assert done.state == State.STATE_FAILED
+    assert done.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK, done.failure
+    assert "the image team/trainer:1 could not be pulled: opening its registry login" in done.failure.message
+    assert not [key for key in cluster.objects if key[0] in ("jobs", "secrets")]
