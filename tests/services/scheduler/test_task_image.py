@@ -27,6 +27,7 @@ from kubernetes import client as k8s
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from tandem.vault.v1 import vault_service_pb2
 
+from mesh.errors import InvalidArgument
 from services.scheduler import expand
 from services.scheduler.backends import task_image
 from services.scheduler.backends.base import LaunchSpec
@@ -34,7 +35,7 @@ from services.scheduler.backends.kubernetes import KubernetesBackend, docker_con
 from services.scheduler.backends.slurm import SlurmBackend
 from services.scheduler.backends.task_image import Login, login_command, pull_command, reference
 from services.scheduler.backends.task_secrets import format_secrets
-from services.scheduler.spec import load_yaml
+from services.scheduler.spec import load_yaml, parse_yaml
 from tests.services.scheduler.test_kubernetes_jobs import acme as kube_acme
 from tests.services.scheduler.test_kubernetes_jobs import cluster
 from tests.services.scheduler.test_scheduler import ORG, TERMINAL, Clients, log_text, put_secret, wait_for
@@ -502,3 +503,29 @@ async def test_a_registry_login_the_vault_will_not_open_is_a_precheck_failure(
     assert done.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK, done.failure
     assert "the image team/trainer:1 could not be pulled: opening its registry login" in done.failure.message
     assert not [key for key in cluster.objects if key[0] in ("jobs", "secrets")]
+
+
+# ---- the job file -----------------------------------------------------------------------------------
+
+
+def test_the_registry_login_is_the_vaults_and_comes_whole() -> None:
+    def refusals(text: str) -> dict[str, str]:
+        with pytest.raises(InvalidArgument) as caught:
+            parse_yaml(textwrap.dedent(text))
+        return {v.field: v.description for v in caught.value.violations}
+
+    image = "resources: {image_id: 'docker:team/trainer:1'}\nrun: echo hi\n"
+    found = refusals(f"envs: {{SKYPILOT_DOCKER_PASSWORD: {PASSWORD}}}\n{image}")
+    assert "is a registry login in the job file" in found['envs["SKYPILOT_DOCKER_PASSWORD"]']
+    found = refusals(f"secrets: {{SKYPILOT_DOCKER_USERNAME: null, SKYPILOT_DOCKER_PASSWORD: null}}\n{image}")
+    assert found["secrets"] == (  # SkyPilot's own reason
+        "Docker login variables must be specified together in secrets. "
+        "Missing from secrets: ['SKYPILOT_DOCKER_SERVER']"
+    )
+    whole = "secrets:\n" + "".join(f"  {name}: null\n" for name in task_image.LOGIN_ENVS)
+    spec = parse_yaml(whole + image)
+    assert sorted(b.secret for b in spec.tasks[0].secrets) == [
+        "skypilot-docker-password",
+        "skypilot-docker-server",
+        "skypilot-docker-username",
+    ]
