@@ -529,3 +529,35 @@ def test_the_registry_login_is_the_vaults_and_comes_whole() -> None:
         "skypilot-docker-server",
         "skypilot-docker-username",
     ]
+
+
+async def test_the_slurm_batch_shells_login_opens_from_the_vault(acme_local: Clients, tmp_path: Path) -> None:
+    """The batch shell's half (`task_image --slurm`) run for real with a job's token: a local job with the
+    three secrets stands in for the batch job, as the Slurm cluster here has no pyxis to pull with."""
+    await put_secret(acme_local, "skypilot-docker-username", b"alice")
+    await put_secret(acme_local, "skypilot-docker-password", PASSWORD.encode())
+    await put_secret(acme_local, "skypilot-docker-server", b"registry.acme.dev")
+    helper = [sys.executable, "-m", "services.scheduler.backends.task_image", "--slurm", "pyxis"]
+    helper += ["--secrets", format_secrets(LOGIN_SECRETS), "--folder", "FOLDER", "--image", "team/trainer:1"]
+    probe = (
+        'echo "step: $1"; stat -c "mode %a" "$ENROOT_CONFIG_PATH/.credentials"; '
+        'grep -c "^machine registry.acme.dev login alice password " "$ENROOT_CONFIG_PATH/.credentials"'
+    )
+    step = ["--", "bash", "-c", probe, "srun", "--container-image=team/trainer:1"]
+    line = shlex.join([*helper, *step]).replace("FOLDER", '"$folder"')
+    path = tmp_path / "task.yaml"
+    path.write_text(
+        "envs:\n"
+        f"  PYTHONPATH: {ROOT}\n"
+        "secrets: {SKYPILOT_DOCKER_USERNAME: null, SKYPILOT_DOCKER_PASSWORD: null, SKYPILOT_DOCKER_SERVER: null}\n"
+        "run: |\n"
+        '  folder=$(mktemp -d "$PWD/.tandem-registry-XXXXXX")\n'
+        f"  {line}\n"
+    )
+    job = await submit(acme_local, load_yaml(path))
+    done = await wait_for(acme_local, job.name, *TERMINAL, within_s=120)
+    logs = await log_text(acme_local, job.name)
+    assert done.state == State.STATE_SUCCEEDED, (done.failure.message, logs)
+    assert "step: --container-image=registry.acme.dev#team/trainer:1" in logs
+    assert "mode 600" in logs and "\n1\n" in logs
+    assert PASSWORD not in logs
