@@ -23,6 +23,17 @@ in `TANDEM_ATTEMPT_DIR`. Then:
    the image, `could not be pulled in N s` and the last lines the runtime wrote, which the task's failure
    message shows. A pull that ends in time runs the task: `RUNTIME run RUN-OPTION... --pull never IMAGE
    COMMAND`, this process replaced by the runtime's, so signals reach it as before.
+
+The Slurm batch shell runs its other form before the srun step of a task whose image comes from a private
+registry (the whole step runs in the image there, so the login must be in place before it starts):
+
+    python -m services.scheduler.backends.task_image --slurm pyxis|apptainer --secrets ENV=name,...
+        --folder FOLDER --image IMAGE -- srun ...
+
+It opens the three secrets from the vault with the job's token, writes enroot's `.credentials` into FOLDER
+(the job's own 0700 folder, removed when the batch job ends) as `ENROOT_CONFIG_PATH`, or sets Apptainer's
+`APPTAINER_DOCKER_USERNAME` / `_PASSWORD`, gives the image argument its server, and replaces itself with
+srun. Pulling is then pyxis's or Apptainer's, with their own time bounds.
 """
 
 from __future__ import annotations
