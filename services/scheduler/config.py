@@ -23,6 +23,13 @@ class LocalSettings(BaseModel):
         description="The container CLIs tried in order for a task with an image (SkyPilot's image_id); "
         "none that works is a PRECHECK failure.",
     )
+    image_pull_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long the pull of a task's image (and the login to its private registry) may take "
+        "before the task fails as a PRECHECK failure that names the image and what the runtime said; an image "
+        "the runtime already has is not pulled again.",
+    )
     run_as: Literal["auto", "mesh", "org"] = Field(
         "auto",
         description="Whose account tasks run under. `org`: one unprivileged user per organization "

@@ -42,6 +42,7 @@ from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 
 from mesh.errors import R
 from mesh.identity import TokenSigner
+from mesh.secrets import JOB_TOKEN_ENV
 from mesh.timestamps import stamp as _stamp
 from services.scheduler import expand
 from services.scheduler import lifecycle as lc
@@ -55,9 +56,11 @@ from services.scheduler.backends.base import (
     NodeInventory,
     Observed,
     Phase,
+    RegistryLogin,
     Resources,
 )
 from services.scheduler.backends.task_buckets import BUCKETS_ENV, CREDENTIAL_ENVS, bucket_plan
+from services.scheduler.backends.task_image import LOGIN_ENVS
 from services.scheduler.expand import SETUP_FAILED_EXIT
 from services.scheduler.lifecycle import FailureClass, JobState, TaskState
 from services.scheduler.spec import resource_choices, resources_of
@@ -323,6 +326,8 @@ class EngineConfig:
 
 
 TaskAppHook = Callable[[JobRecord, TaskSpec, str], Awaitable[None]]  # (job, task, endpoint)
+OpenSecrets = Callable[[Sequence[str], str], Awaitable[Mapping[str, bytes]]]  # (secret names, job token)
+LOGIN_BACKENDS = ("kubernetes",)  # backends whose image puller needs the registry login at launch
 
 
 @dataclass
@@ -346,8 +351,10 @@ class Engine:
         outbox: EventOutbox,
         register_task_app: TaskAppHook | None = None,
         delete_task_app: TaskAppHook | None = None,
+        open_secrets: OpenSecrets | None = None,
     ) -> None:
         self.store = store
+        self._open_secrets = open_secrets
         self.backends = dict(backends)
         self.signer = signer
         self.config = config
@@ -1097,6 +1104,8 @@ class Engine:
         backend = self._backend(attempt.backend)
         try:
             spec = self.launch_spec(live, spec_task, attempt, slots)
+            if attempt.backend in LOGIN_BACKENDS:
+                spec = await self.with_registry_login(spec)
             attempt.handle = await backend.launch(spec)
         except BackendUnavailable as error:
             await self._note(live, f"backend {attempt.backend} unavailable: {error}; retrying the launch")
@@ -1111,6 +1120,29 @@ class Engine:
             await self._task_failed(live, live.record.task(spec_task.name), spec_task, failure, attempt)
             return
         await self.store.save(attempts=[attempt])
+
+    async def with_registry_login(self, spec: LaunchSpec) -> LaunchSpec:
+        """`spec` with its image's private registry login (SkyPilot's SKYPILOT_DOCKER_* among the task's
+        secrets), opened from the vault with the attempt's own job token, for a backend that hands it to its
+        image puller (Kubernetes: a pull Secret of the attempt's). LaunchRefused when it cannot be opened."""
+        if not spec.image or not all(name in spec.secret_env for name in LOGIN_ENVS):
+            return spec
+        names = [spec.secret_env[name] for name in LOGIN_ENVS]
+        why = ""
+        if self._open_secrets is None:
+            why = "no vault to open it from"
+        else:
+            try:
+                values = await self._open_secrets(names, spec.env.get(JOB_TOKEN_ENV, ""))
+                username, password, server = (values[name].decode() for name in names)
+            except Exception as error:  # the vault's refusal or absence: the image cannot be pulled
+                why = str(getattr(error, "message", "") or error)
+        if why:
+            raise LaunchRefused(
+                f"the image {spec.image} could not be pulled: opening its registry login "
+                f"({', '.join(LOGIN_ENVS)}) failed: {why}"
+            )
+        return replace(spec, registry_login=RegistryLogin(username, password, server))
 
     # ---- state changes: the store first, with the events that report them ------------------------
 
@@ -1368,6 +1400,7 @@ class Engine:
                 image=image,
                 env_names=[*env, *secret_env],
                 folders=[source for _path, source, _read_only in mounts],
+                python=python,
             )
         if on_host and spec_task.resources.ports:  # a pod has ports of its own; a process shares the node's
             command = expand.port_check(spec_task, python=python) + command

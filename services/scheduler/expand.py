@@ -203,16 +203,24 @@ def port_check(task: js.TaskSpec, *, python: str) -> str:
 
 
 def in_container(
-    task: js.TaskSpec, command: str, *, image: str, env_names: Sequence[str], folders: Sequence[str]
+    task: js.TaskSpec,
+    command: str,
+    *,
+    image: str,
+    env_names: Sequence[str],
+    folders: Sequence[str],
+    python: str = "python",
 ) -> str:
     """The local backend's run of `command` in the task's image, through the docker or podman CLI the
-    backend chose (`$TANDEM_CONTAINER_RUNTIME`): the node's network (so `ports` and the mesh are where they
-    are), the caller's uid, the working directory and every mount folder at its own path, the task's
-    variables by name (their values, secrets included, pass from this process's environment, never a
-    file), and the task's GPUs. The container goes with the command (`--rm`); SIGTERM reaches it."""
+    backend chose (`$TANDEM_CONTAINER_RUNTIME`), started by `backends/task_image.py`, which first pulls the
+    image within the scheduler's bound (logging in with the task's registry secrets) and fails the task as a
+    PRECHECK failure when it cannot: the node's network (so `ports` and the mesh are where they are), the
+    caller's uid, the working directory and every mount folder at its own path, the task's variables by name
+    (their values, secrets included, pass from this process's environment, never a file), and the task's
+    GPUs. The container goes with the command (`--rm`); SIGTERM reaches it."""
     names = sorted({*env_names, "TANDEM_NODE_RANK", "SKYPILOT_NODE_RANK", "CUDA_VISIBLE_DEVICES"})
     names = [n for n in names if n not in ("PATH", "HOME")]  # the image's own
-    args = ["run", "--rm", "--init", "--network", "host", "--workdir", '"$PWD"', "--volume", '"$PWD:$PWD"']
+    args = ["--rm", "--init", "--network", "host", "--workdir", '"$PWD"', "--volume", '"$PWD:$PWD"']
     if task.workdir.WhichOneof("source") == "path":
         folders = [*folders, task.workdir.path]
     for folder in dict.fromkeys(folders):
@@ -222,8 +230,8 @@ def in_container(
     gpus = '--gpus "device=$CUDA_VISIBLE_DEVICES"' if task.resources.gpus.strip() else ""
     quoted = " ".join(a if "$PWD" in a else shlex.quote(a) for a in args)
     return (
-        f'exec "$TANDEM_CONTAINER_RUNTIME" {quoted} --user "$(id -u):$(id -g)" {gpus} '
-        f"{shlex.quote(image)} bash -euo pipefail -c {shlex.quote(command)}\n"
+        f"exec {shlex.quote(python)} -m services.scheduler.backends.task_image {shlex.quote(image)} "
+        f'{quoted} --user "$(id -u):$(id -g)" {gpus} -- bash -euo pipefail -c {shlex.quote(command)}\n'
     )
 
 

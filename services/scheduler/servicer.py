@@ -44,6 +44,7 @@ from mesh.errors import (
 from mesh.identity import Principal, TokenVerifier
 from mesh.interceptors import current_principal
 from mesh.jobtokens import JobLiveness, Lookup, why_ended
+from mesh.secrets import open_secrets as open_vault_secrets
 from mesh.server import Deps, Registration
 from mesh.settings import SettingsError
 from mesh.status import RpcError
@@ -591,6 +592,7 @@ def make_backends(config: SchedulerSettings, work_dir: Path, hide: Sequence[Path
                 hide=hide,
                 one_organization=run_as == "mesh" and local.run_as == "auto",
                 container_runtimes=local.container_runtimes,
+                image_pull_timeout_s=local.image_pull_timeout_s,
             )
         elif name == "slurm":
             from services.scheduler.backends.slurm import SlurmBackend  # noqa: PLC0415
@@ -694,6 +696,7 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
     outbox = EventOutbox(store, events.Publish, events.CloseJobStream, config.pass_interval_s)
     task_apps = deps.clients.stub(taskapp_service_pb2_grpc.TaskAppServiceStub, "taskapp_proxy")
     register, delete = task_app_hooks(task_apps)
+    vault = deps.clients.stub(vault_service_pb2_grpc.VaultServiceStub, "vault")
     settings = deps.settings
     engine = Engine(
         store,
@@ -717,9 +720,9 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
         outbox,
         register,
         delete,
+        open_secrets=lambda names, token: open_vault_secrets(vault, names, token),
     )
     await engine.start()
-    vault = deps.clients.stub(vault_service_pb2_grpc.VaultServiceStub, "vault")
     servicer = SchedulerServiceServicer(
         engine, store, deps.verifier, config.default_backend, vault, task_apps
     )

@@ -875,6 +875,11 @@ _SKY_TASK_KEYS = {
     "file_mounts_mapping": "is SkyPilot's internal bookkeeping",
     "_metadata": "is SkyPilot's internal bookkeeping",
 }
+_DOCKER_LOGIN = (
+    "SKYPILOT_DOCKER_USERNAME",
+    "SKYPILOT_DOCKER_PASSWORD",
+    "SKYPILOT_DOCKER_SERVER",
+)  # a registry login
 _CLOUD_ONLY = "names a public cloud's {what}; Tandem runs on its own local, Slurm and Kubernetes backends"
 _SKY_RESOURCE_KEYS = {
     "region": _CLOUD_ONLY.format(what="region"),
@@ -1293,6 +1298,7 @@ class _Reader:
             self.guard(lambda: self.secrets(task, doc["secrets"], f"{at}.secrets"))
         if "managed_secrets" in doc:
             self.guard(lambda: self.managed_secrets(task, doc["managed_secrets"], f"{at}.managed_secrets"))
+        self.registry_login(task, at)
         # SkyPilot fills the task's envs (with the values given at submission) into its mounts and workdir.
         values = {**task.envs, **self.given_envs}
         self.task_envs = values
@@ -1304,6 +1310,29 @@ class _Reader:
             self.guard(lambda: self.online_rl(task.online_rl, doc["online_rl"], f"{at}.online_rl"))
         if "service" in doc:
             self.guard(lambda: self.service(task.service, doc["service"], f"{at}.service"))
+
+    def registry_login(self, task: TaskSpec, at: str) -> None:
+        """SkyPilot's private registry login (SKYPILOT_DOCKER_USERNAME, _PASSWORD, _SERVER): the three
+        together, as SkyPilot checks, and from the vault (`secrets`), never values in `envs`."""
+        in_envs = [name for name in _DOCKER_LOGIN if name in task.envs]
+        in_secrets = {secret_env_name(b) for b in task.secrets} & set(_DOCKER_LOGIN)
+        if in_envs:
+            self.found.append(
+                FieldViolation(
+                    f"{at}.envs[{_key(in_envs[0])}]",
+                    "is a registry login in the job file; Tandem takes SKYPILOT_DOCKER_USERNAME, _PASSWORD and "
+                    "_SERVER from the vault: store them there (tandem secrets put skypilot-docker-password) and "
+                    "write them under secrets as NAME: null",
+                )
+            )
+        elif in_secrets and len(in_secrets) != len(_DOCKER_LOGIN):
+            missing = sorted(set(_DOCKER_LOGIN) - in_secrets)
+            self.found.append(
+                FieldViolation(
+                    f"{at}.secrets",
+                    f"Docker login variables must be specified together in secrets. Missing from secrets: {missing}",
+                )
+            )
 
     def files(self, task: TaskSpec, doc: dict[str, Any], at: str) -> None:
         """What the task finds on its nodes: `file_mounts` and SkyPilot's `workdir`."""

@@ -5,6 +5,7 @@ client calls for the backend, with the API server's JSON shapes and status codes
 
     /apis/batch/v1/namespaces/{ns}/jobs[/{name}]             list (labelSelector), create, get, delete
     /api/v1/namespaces/{ns}/services[/{name}]                list, create, get, delete
+    /api/v1/namespaces/{ns}/secrets[/{name}]                 list, create, get, delete (image pull Secrets)
     /api/v1/namespaces/{ns}/pods[/{name}]                    list (labelSelector), get, delete, deletecollection
     /api/v1/namespaces/{ns}/pods/{name}/log                  the pod's log as text
     /api/v1/pods, /api/v1/nodes                              list (fieldSelector on status.phase)
@@ -62,6 +63,7 @@ INDEX = "batch.kubernetes.io/job-completion-index"
 _KINDS = {  # plural -> (kind, apiVersion, namespaced)
     "jobs": ("Job", "batch/v1", True),
     "services": ("Service", "v1", True),
+    "secrets": ("Secret", "v1", True),
     "pods": ("Pod", "v1", True),
     "nodes": ("Node", "v1", False),
     "priorityclasses": ("PriorityClass", "scheduling.k8s.io/v1", False),

@@ -91,6 +91,16 @@ NODE_SELECTOR_OPTION = "node_selector."  # LaunchSpec.options keys of a job's ow
 
 
 @dataclass(frozen=True)
+class RegistryLogin:
+    """A private registry's login: SkyPilot's SKYPILOT_DOCKER_USERNAME, _PASSWORD and _SERVER, from the task's
+    vault secrets. Never printed: the password is left out of the repr."""
+
+    username: str
+    password: str = field(repr=False)
+    server: str
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     """Everything a backend needs to run one attempt of one task."""
 
@@ -117,6 +127,9 @@ class LaunchSpec:
     preemptible: bool = False  # SkyPilot's use_spot: placed below every attempt that is not, may be preempted
     image: str = ""  # the container image to run in (SkyPilot's image_id docker:IMAGE); "" = the default
     labels: Mapping[str, str] = field(default_factory=dict)  # SkyPilot's labels: Kubernetes pod labels
+    registry_login: RegistryLogin | None = None  # the image's registry login, opened by the engine for a
+    # backend whose puller needs the value at launch (Kubernetes' image pull Secret); host backends open it
+    # in the task (task_image.py), so it is None for them
 
 
 class Phase(enum.Enum):

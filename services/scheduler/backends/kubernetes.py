@@ -23,7 +23,10 @@ What one attempt becomes (details and the reasons in `services/scheduler/KUBERNE
   `gpu_type_label`; the priority as one of four PriorityClasses (`PRIORITY_BANDS`), created if missing.
 - Secrets: the pod gets `TANDEM_JOB_TOKEN` (in the task's env) and `TANDEM_SECRETS=ENV=name,...` (names
   only) and starts through `services.scheduler.backends.task_secrets`, which opens them from the vault in
-  the pod. No value is ever written into a pod spec or a Kubernetes Secret.
+  the pod. No value is ever written into a pod spec. The one Kubernetes Secret is an image's private
+  registry login (`LaunchSpec.registry_login`, SkyPilot's SKYPILOT_DOCKER_* secrets, opened by the engine
+  with the attempt's job token): a `kubernetes.io/dockerconfigjson` Secret named like the Job and owned by
+  it (deleted with it), in the pods' `imagePullSecrets`.
 
 A job's `kubernetes` block (`LaunchSpec.options`) wins for its attempts: `namespace` (one of the
 deployment's `namespaces`; another is refused), `priority_class_name` (instead of the band's class) and
@@ -45,6 +48,7 @@ another key/422) raises `LaunchRefused` carrying the API's message.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import json
@@ -72,7 +76,9 @@ from services.scheduler.backends.base import (
     NodeInventory,
     Observed,
     Phase,
+    RegistryLogin,
 )
+from services.scheduler.backends.task_image import with_server
 from services.scheduler.backends.task_secrets import SECRETS_ENV, format_secrets
 
 log = logging.getLogger(__name__)
@@ -161,6 +167,22 @@ def object_name(key: str) -> str:
     hostnames `<name>-<rank>` stay within 63."""
     base = re.sub(r"[^a-z0-9]+", "-", key.lower()).strip("-")[:40].rstrip("-")
     return f"tdm-{base}-{_digest(key)}" if base else f"tdm-{_digest(key)}"
+
+
+def pod_image(spec: LaunchSpec) -> str:
+    """The task's image (SkyPilot's `image_id`), its private registry's server in front unless it starts
+    with it, as SkyPilot's `format_image` writes it."""
+    return with_server(spec.image, spec.registry_login) if spec.image else ""
+
+
+def docker_config(login: RegistryLogin) -> bytes:
+    """`.dockerconfigjson` for `login`: Docker Hub's under its classic key, any other server under its host."""
+    server = login.server.split("://", 1)[-1].rstrip("/")
+    if server in ("docker.io", "index.docker.io", "registry-1.docker.io"):
+        server = "https://index.docker.io/v1/"
+    auth = base64.b64encode(f"{login.username}:{login.password}".encode()).decode()
+    entry = {"username": login.username, "password": login.password, "auth": auth}
+    return json.dumps({"auths": {server: entry}}, sort_keys=True).encode()
 
 
 def task_ports(ports: Sequence[str]) -> list[int]:
@@ -306,8 +328,9 @@ class KubernetesBackend:
             pod_spec["subdomain"] = name
         if self.service_account:
             pod_spec["serviceAccountName"] = self.service_account
-        if self.image_pull_secrets:
-            pod_spec["imagePullSecrets"] = [{"name": secret} for secret in self.image_pull_secrets]
+        pull_secrets = [*self.image_pull_secrets, *([name] if spec.registry_login else [])]
+        if pull_secrets:  # the deployment's, and the attempt's own for its image's private registry
+            pod_spec["imagePullSecrets"] = [{"name": secret} for secret in pull_secrets]
         node_selector = dict(self.node_selector)
         if spec.resources.gpu_type:
             node_selector[self.gpu_type_label] = spec.resources.gpu_type
@@ -395,6 +418,21 @@ class KubernetesBackend:
             ]
         return body
 
+    def pull_secret_object(self, spec: LaunchSpec, owner_uid: str = "") -> Json:
+        """The attempt's image pull Secret (`kubernetes.io/dockerconfigjson`) of its `registry_login`, named
+        like its Job and owned by it, so it goes when the Job does."""
+        login = spec.registry_login
+        if login is None:
+            raise ValueError("the attempt has no registry login")
+        metadata = self.service_object(spec, owner_uid)["metadata"]
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "kubernetes.io/dockerconfigjson",
+            "metadata": metadata,
+            "data": {".dockerconfigjson": base64.b64encode(docker_config(login)).decode()},
+        }
+
     def network_policy_object(self, spec: LaunchSpec, owner_uid: str = "") -> Json:
         """The attempt's NetworkPolicy: its pods and the other pods of its job may reach each other, in both
         directions (deploy/kubernetes/base/networkpolicy.yaml allows the rest a task needs)."""
@@ -472,7 +510,7 @@ class KubernetesBackend:
         resources = self._resources(spec)
         container: Json = {
             "name": CONTAINER,
-            "image": spec.image or self.image,
+            "image": pod_image(spec) or self.image,
             "imagePullPolicy": self.image_pull_policy,
             "command": script,
             "env": env,
@@ -542,6 +580,10 @@ class KubernetesBackend:
             if created["metadata"].get("annotations", {}).get(ANNOTATION_KEY) != spec.key:
                 raise LaunchRefused(f"Job {name} exists and belongs to another attempt") from None
         uid = str(created["metadata"].get("uid", ""))
+        if spec.registry_login is not None:  # the kubelet retries a pull that came before it
+            await self._create_owned(
+                self._core.create_namespaced_secret, namespace, self.pull_secret_object(spec, uid)
+            )
         if self.network_policy:
             await self._create_owned(
                 self._networking.create_namespaced_network_policy,

@@ -67,12 +67,17 @@ from services.scheduler.backends.base import (
     Observed,
     Phase,
 )
+from services.scheduler.backends.task_image import (
+    ATTEMPT_DIR_ENV,
+    DEFAULT_PULL_TIMEOUT_S,
+    PULL_TIMEOUT_ENV,
+    RUNTIME_ENV,  # the docker or podman CLI a task with an image runs through
+)
 
 KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 MARKER = "launch.json"
 LOCK = "launch.lock"
 MAX_COMMAND_BYTES = 131072 - 1  # MAX_ARG_STRLEN: the command is one argument of bash -c
-RUNTIME_ENV = "TANDEM_CONTAINER_RUNTIME"  # the docker or podman CLI a task with an image runs through
 CONTAINER_RUNTIMES = ("docker", "podman")  # tried in order for a task with an image
 KEY_ENV = "TANDEM_ATTEMPT_KEY"  # in every rank's environment, so find can recognise its processes
 CANCELLED = "cancelled"  # a file in the attempt folder: cancel was asked for
@@ -264,6 +269,7 @@ class LocalBackend:
         hide: Sequence[Path] = (),
         one_organization: bool = False,
         container_runtimes: Sequence[str] = CONTAINER_RUNTIMES,
+        image_pull_timeout_s: float = DEFAULT_PULL_TIMEOUT_S,
     ) -> None:
         check_run_as(run_as)
         self.run_as = run_as
@@ -276,6 +282,9 @@ class LocalBackend:
         self.hide = tuple(dict.fromkeys([Path(root).resolve().parent, *(Path(h).resolve() for h in hide)]))
         self.one_organization = one_organization
         self.container_runtimes = tuple(container_runtimes)
+        if image_pull_timeout_s <= 0:
+            raise ValueError("image_pull_timeout_s must be positive")
+        self.image_pull_timeout_s = image_pull_timeout_s
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         if gpus is None:
@@ -545,8 +554,10 @@ class LocalBackend:
         log = log_dir / f"rank-{node.rank}.log"
         exit_file = attempt_dir / f"rank-{node.rank}.exit"
         env = self._env(spec, node, nodes)
-        if runtime:
+        if runtime:  # for task_image.py, which pulls the image within the bound and runs the task in it
             env[RUNTIME_ENV] = runtime
+            env[PULL_TIMEOUT_ENV] = f"{self.image_pull_timeout_s:g}"
+            env[ATTEMPT_DIR_ENV] = str(attempt_dir)
         user: dict[str, Any] = {}
         argv = [self._bash, "-c", _WRAPPER, "tandem-rank", spec.command, str(exit_file)]
         if account is not None:

@@ -50,6 +50,7 @@ import pwd
 import re
 import shlex
 import shutil
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -75,6 +76,8 @@ from services.scheduler.backends.local import (
     job_org,
     org_account,
 )
+from services.scheduler.backends.task_image import LOGIN_ENVS
+from services.scheduler.backends.task_secrets import format_secrets
 
 _UNREACHABLE = (
     "unable to contact slurm controller",
@@ -140,6 +143,14 @@ def enroot_image(image: str) -> str:
     if sep and ("." in first or ":" in first or first == "localhost"):
         return f"{first}#{rest}"
     return image
+
+
+def registry_login(spec: LaunchSpec) -> dict[str, str]:
+    """`{ENV: secret name}` of SkyPilot's registry login (SKYPILOT_DOCKER_USERNAME, _PASSWORD, _SERVER) when
+    the task has an image and all three among its secrets; empty otherwise."""
+    if not spec.image or not all(name in spec.secret_env for name in LOGIN_ENVS):
+        return {}
+    return {name: spec.secret_env[name] for name in LOGIN_ENVS}
 
 
 def nice_for(priority: int) -> int:
@@ -566,7 +577,18 @@ class SlurmBackend:
             str(Path(spec.log_dir).absolute()),
         ]
         lines.append(f"tandem_logs={shlex.quote(str(Path(spec.log_dir).absolute()))}")
-        lines.append(" ".join(shlex.quote(a) for a in srun))
+        step = " ".join(shlex.quote(a) for a in srun)
+        login = registry_login(spec)
+        if login:  # the private registry's login, opened here for the pull that precedes the step
+            workdir = Path(spec.workdir).absolute() if spec.workdir else Path(spec.log_dir).absolute()
+            lines += [
+                f"tandem_registry=$(mktemp -d {shlex.quote(str(workdir))}/.tandem-registry-XXXXXX) || exit 223",
+                "trap 'rm -rf \"$tandem_registry\"' EXIT",
+            ]
+            helper = [sys.executable, "-m", "services.scheduler.backends.task_image", "--slurm"]
+            helper += [self.container_runtime, "--secrets", format_secrets(login), "--folder"]
+            step = f'{shlex.join(helper)} "$tandem_registry" --image {shlex.quote(spec.image)} -- {step}'
+        lines.append(step)
         lines.append(_FIRST_FAILURE)
         return "\n".join(lines)
 

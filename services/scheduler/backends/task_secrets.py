@@ -37,7 +37,8 @@ def parse_secrets(text: str) -> dict[str, str]:
     return variables
 
 
-async def _inject(variables: Mapping[str, str]) -> None:
+async def inject(variables: Mapping[str, str]) -> None:
+    """Open `{ENV: secret name}` from the vault with this process's job token into its environment."""
     from tandem.vault.v1 import vault_service_pb2_grpc  # noqa: PLC0415 - only when there are secrets
 
     from mesh.clients import open_channel  # noqa: PLC0415
@@ -56,7 +57,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     variables = parse_secrets(os.environ.get(SECRETS_ENV, ""))
     if variables:
-        asyncio.run(_inject(variables))
+        asyncio.run(inject(variables))
     os.environ.pop(SECRETS_ENV, None)
     os.execvp(argv[0], list(argv))  # noqa: S606 - the task's own command, by design
 

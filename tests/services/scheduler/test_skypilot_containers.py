@@ -119,15 +119,23 @@ def test_the_local_backends_container_command(tmp_path: Path) -> None:
     )
     script = expand.command_for(task, job="orgs/acme/jobs/j1", gpus_granted=1)
     line = expand.in_container(
-        task, script, image=IMAGE, env_names=["TANDEM_JOB", "HF_TOKEN", "PATH"], folders=["/data/set"]
+        task,
+        script,
+        image=IMAGE,
+        env_names=["TANDEM_JOB", "HF_TOKEN", "PATH"],
+        folders=["/data/set"],
+        python="/venv/bin/python",
     )
-    words = shlex.split(
-        line.replace('"$TANDEM_CONTAINER_RUNTIME"', "RUNTIME").replace("$(id -u):$(id -g)", "U")
-    )
-    assert words[:6] == ["exec", "RUNTIME", "run", "--rm", "--init", "--network"]
+    words = shlex.split(line.replace("$(id -u):$(id -g)", "U"))
+    # task_image pulls the image within the bound, then runs `$TANDEM_CONTAINER_RUNTIME run OPTIONS IMAGE`.
+    assert words[:8] == [
+        *("exec", "/venv/bin/python", "-m", "services.scheduler.backends.task_image", IMAGE),
+        *("--rm", "--init", "--network"),
+    ]
     pairs = list(itertools.pairwise(words))
     assert ("--volume", "/data/set:/data/set") in pairs and ("--volume", "/src/project:/src/project") in pairs
     assert ("--env", "HF_TOKEN") in pairs and ("--env", "CUDA_VISIBLE_DEVICES") in pairs
     assert ("--env", "PATH") not in pairs  # the image's own
     assert ("--gpus", "device=$CUDA_VISIBLE_DEVICES") in pairs
-    assert words[words.index(IMAGE) + 1 :] == ["bash", "-euo", "pipefail", "-c", script]
+    assert ("--user", "U") in pairs
+    assert words[words.index("--") + 1 :] == ["bash", "-euo", "pipefail", "-c", script]
