@@ -45,6 +45,7 @@ into the environment a backend stores.
 from __future__ import annotations
 
 import json
+import posixpath
 import shlex
 from collections.abc import Callable, Sequence
 
@@ -74,7 +75,7 @@ def command_for(
     """The script every node of `task` runs. `gpus_granted` is the GPUs this node holds for the task;
     `config_file` and `output_dir` are required for online_rl tasks (see the module docstring); `python` is
     the interpreter that runs the trainer."""
-    lines = [f"# tandem: job {job}, task {task.name}", *workdir_lines(task)]
+    lines = [f"# tandem: job {job}, task {task.name}", *workdir_lines(task), *secret_file_lines(task)]
     if task.setup.strip():
         lines.append(f"bash -c {shlex.quote(task.setup)} || exit {SETUP_FAILED_EXIT}")
     if task.kind == js.TaskSpec.KIND_ONLINE_RL:
@@ -94,6 +95,25 @@ def command_for(
         lines.append(f"export TANDEM_SERVICE_PORT={task.service.port}")
     lines.append(f"exec bash -c {shlex.quote(task.run)}")
     return "\n".join(lines) + "\n"
+
+
+def secret_file_lines(task: js.TaskSpec) -> list[str]:
+    """SkyPilot's managed secrets with a `mount_path`: each value, already in its variable (the secrets
+    wrapper put it there), also written to its file, 0600 in a folder made 0700. The value stays out of every
+    command line: `printf` is bash's own."""
+    lines: list[str] = []
+    for binding in task.secrets:
+        if not binding.file:
+            continue
+        path = shlex.quote(binding.file)
+        folder = shlex.quote(posixpath.dirname(binding.file) or "/")
+        variable = secret_env_name(binding)
+        failed = shlex.quote(f"[tandem] cannot write the secret {binding.secret} to {binding.file}")
+        lines.append(
+            f"(umask 077 && mkdir -p {folder} && printf '%s' \"${{{variable}}}\" > {path}) "
+            f"|| {{ echo {failed} >&2; exit {SETUP_FAILED_EXIT}; }}"
+        )
+    return lines
 
 
 def workdir_lines(task: js.TaskSpec) -> list[str]:

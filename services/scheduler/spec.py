@@ -608,6 +608,10 @@ def _envs(task: TaskSpec, at: str) -> list[FieldViolation]:
         elif env in task.envs:
             found.append(FieldViolation(f"{where}.env", f"{env} is also set in envs"))
         seen.setdefault(env, index)
+        if binding.file and (
+            not binding.file.startswith("/") or "\n" in binding.file or binding.file.endswith("/")
+        ):
+            found.append(FieldViolation(f"{where}.file", "must be an absolute path of a file in the task"))
     return found
 
 
@@ -1389,20 +1393,15 @@ class _Reader:
                 )
 
     def managed_secrets(self, task: TaskSpec, value: Any, at: str) -> None:
-        """SkyPilot's `managed_secrets: [NAME, ...]`: each a vault secret in the variable NAME, as the
-        `secrets:NAME` references of `secrets` are."""
+        """SkyPilot's `managed_secrets: [NAME, {NAME: {mount_path: /path}}, ...]`: each a vault secret in the
+        variable NAME, as the `secrets:NAME` references of `secrets` are; with `mount_path` also written to
+        that file in the task."""
         if not isinstance(value, list):
             self.fail(at, "must be a list of secret names")
         for index, item in enumerate(value):
             where = f"{at}[{index}]"
             if isinstance(item, dict):
-                self.found.append(
-                    FieldViolation(
-                        where,
-                        f"{_NOT_YET}: a secret written to a file (mount_path); secrets reach a task as "
-                        "variables: read it from the variable",
-                    )
-                )
+                self.guard(lambda i=item, w=where: self.secret_file(task, i, w))
                 continue
             if not isinstance(item, str):
                 self.found.append(FieldViolation(where, f"must be a secret's name, not {_type(item)}"))
@@ -1751,6 +1750,20 @@ class _Reader:
                 )
                 continue
             self.name_secret(task.secrets.add(), variable, where)
+
+    def secret_file(self, task: TaskSpec, value: dict[Any, Any], at: str) -> None:
+        if len(value) != 1:
+            self.fail(at, "must be one {NAME: {mount_path: /path}} table")
+        ((name, options),) = value.items()
+        where = f"{at}[{_key(name)}]"
+        doc = self.table(options, where, ("mount_path",))
+        binding = task.secrets.add()
+        self.name_secret(binding, str(name).removeprefix("secrets:"), where)
+        if "mount_path" in doc:
+            binding.file = self.text(doc["mount_path"], f"{where}.mount_path")
+            self.aliases[f"{at.rsplit('.', 1)[0]}.secrets[{len(task.secrets) - 1}].file"] = (
+                f"{where}.mount_path"
+            )
 
     def name_secret(self, binding: js.SecretBinding, variable: str, at: str) -> None:
         if not _ENV_NAME.fullmatch(variable):

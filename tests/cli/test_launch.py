@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -118,3 +121,37 @@ def test_the_launch_help_examples_run_as_written(capsys: pytest.CaptureFixture[s
         words[1] = str(ROOT / words[1])
         assert main(words) == 0, example
         assert json.loads(capsys.readouterr().out)["tasks"]
+
+
+@pytest.fixture
+def open_folder() -> Iterator[Path]:
+    """A folder under /tmp that a task's own user may write to (pytest's are the test user's alone)."""
+    folder = Path(tempfile.mkdtemp(prefix="tandem-secret-file-"))
+    folder.chmod(0o777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+async def test_a_managed_secret_with_a_mount_path_is_also_a_private_file(cli: Cli, open_folder: Path) -> None:
+    folder = open_folder
+    path = folder / "keys" / "wandb"
+    task = folder / "task.yaml"
+    task.write_text(
+        f"""name: keyed
+managed_secrets:
+  - WANDB_API_KEY: {{mount_path: {path}}}
+run: |
+  echo "mode $(stat -c %a {path}), folder $(stat -c %a {path.parent})"
+  test "$(cat {path})" = "$WANDB_API_KEY" && echo "the file holds the variable's value"
+"""
+    )
+    code, _, err = await cli.run("secrets", "put", "wandb-api-key", stdin=b"wandb-value")
+    assert code == 0, err
+    code, out, err = await cli.run("launch", str(task), "--job-id", "keyed", "--json")
+    assert code == 0, err
+    code, out, err = await cli.run("logs", "keyed", "keyed", "--follow")
+    assert code == 0, err
+    assert "mode 600, folder 700" in out, out
+    assert "the file holds the variable's value" in out, out
+    code, out, err = await cli.run("launch", str(task), "--dryrun")
+    assert json.loads(out)["tasks"][0]["secrets"] == [{"secret": "wandb-api-key", "file": str(path)}]

@@ -487,6 +487,7 @@ class SecretBinding(_message.Message):
 
     SECRET_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
+    FILE_FIELD_NUMBER: _builtins.int
     secret: _builtins.str
     """Required. The secret id in the job's organization (the last segment of `orgs/{org}/secrets/{secret}`).
     A secret that does not exist fails CreateJob with NOT_FOUND / SECRET_NOT_FOUND.
@@ -496,15 +497,21 @@ class SecretBinding(_message.Message):
     with hyphens as underscores (`openai-key` -> `OPENAI_KEY`). At most 128 of `[A-Z0-9_]`, not starting
     with a digit or `TANDEM_`.
     """
+    file: _builtins.str
+    """Optional. SkyPilot's managed secret `mount_path`: an absolute path in the task where the value is also
+    written (mode 0600, in a folder made 0700 when missing) on every node before `setup`; at most 1024
+    characters.
+    """
     def __init__(
         self,
         *,
         secret: _builtins.str = ...,
         env: _builtins.str = ...,
+        file: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "secret", b"secret"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["env", b"env", "file", b"file", "secret", b"secret"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
