@@ -621,16 +621,18 @@ def make_backends(config: SchedulerSettings, work_dir: Path, hide: Sequence[Path
         else:
             from services.scheduler.backends.kubernetes import (  # noqa: PLC0415
                 KubernetesBackend,
-                load_configuration,
+                connect,
             )
 
             k = config.kubernetes
+            configuration, context = connect(k.kubeconfig, k.context)
             backends[name] = KubernetesBackend(
                 image=k.image,
                 namespace=k.namespace,
                 namespaces=k.namespaces,
                 service_account=k.service_account,
-                configuration=load_configuration(k.kubeconfig),
+                configuration=configuration,
+                context=context,
                 run_as_user=k.run_as_user,
                 network_policy=k.network_policy,
             )

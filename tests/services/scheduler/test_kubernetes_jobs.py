@@ -12,7 +12,16 @@ import pytest
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from tandem.scheduler.v1 import scheduler_service_pb2 as pb
 
-from tests.services.scheduler.test_scheduler import TERMINAL, Clients, command, create, log_text, wait_for
+from services.scheduler.spec import parse_yaml
+from tests.services.scheduler.test_scheduler import (
+    ORG,
+    TERMINAL,
+    Clients,
+    command,
+    create,
+    log_text,
+    wait_for,
+)
 from tests.services.scheduler.test_slurm_jobs import clients_for
 from tests.support.kube_api import FakeKubeApi, running_kube_api
 from tests.support.mesh import mesh_settings, running_mesh
@@ -98,6 +107,24 @@ async def test_the_jobs_kubernetes_options_reach_the_cluster(acme: Clients, clus
     assert failed.state == job_pb2.Job.State.STATE_FAILED
     assert "kube-system" in failed.failure.message and "team-a" in failed.failure.message, failed.failure
     assert not jobs_in(cluster, "kube-system")
+
+
+async def test_a_skypilot_files_infra_context_is_the_kubeconfigs_or_refused(
+    acme: Clients, cluster: FakeKubeApi
+) -> None:
+    ours = parse_yaml("name: ctx\nresources: {infra: k8s/test}\nrun: echo on the test context\n")
+    reply = await acme.scheduler.CreateJob(pb.CreateJobRequest(parent=ORG, job_id="ctx", spec=ours))
+    done = await wait_for(acme, reply.job.name, *TERMINAL, within_s=120)
+    assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure.message
+    assert "on the test context" in await log_text(acme, done.name)
+    other = parse_yaml("name: ctx\nresources: {infra: k8s/prod-cluster}\nrun: echo never\n")
+    reply = await acme.scheduler.CreateJob(pb.CreateJobRequest(parent=ORG, job_id="other", spec=other))
+    failed = await wait_for(acme, reply.job.name, *TERMINAL, within_s=120)
+    assert failed.state == job_pb2.Job.State.STATE_FAILED
+    assert failed.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK
+    message = failed.failure.message
+    assert "context 'prod-cluster'" in message and "through the context 'test'" in message, message
+    assert len(jobs_in(cluster, NS)) == 1
 
 
 async def test_cancel_stops_a_running_pod(acme: Clients, cluster: FakeKubeApi) -> None:

@@ -11,8 +11,10 @@ from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from tandem.scheduler.v1 import scheduler_service_pb2 as pb
 
 from mesh.identity import TokenSigner, load_signing_key
+from services.scheduler.spec import parse_yaml
 from tests.services.scheduler.test_online_rl import demo_task, trainer_checkpoints
 from tests.services.scheduler.test_scheduler import (
+    ORG,
     TERMINAL,
     Clients,
     command,
@@ -70,6 +72,35 @@ async def test_the_jobs_slurm_options_reach_sbatch(acme: Clients) -> None:
     refused = await wait_for(acme, missing.name, *TERMINAL, within_s=120)
     assert refused.state == job_pb2.Job.State.STATE_FAILED
     assert "partition" in refused.failure.message.lower(), refused.failure
+    await acme.close()
+
+
+async def test_a_skypilot_files_infra_names_the_cluster_and_partition_or_is_refused(acme: Clients) -> None:
+    # tests/support/slurm.py's cluster is `tandemtest`, with the one partition `debug`.
+    run = 'echo "on $SLURM_CLUSTER_NAME in $SLURM_JOB_PARTITION"'
+    outcomes: dict[str, job_pb2.Job] = {}
+    for job_id, infra in {
+        "named": "slurm/tandemtest/debug",
+        "any-cluster": "slurm/*/debug",
+        "no-partition": "slurm/tandemtest/gpu",
+        "elsewhere": "slurm/other-cluster",
+    }.items():
+        spec = parse_yaml(f"name: {job_id}\nresources: {{infra: '{infra}'}}\nrun: {run}\n")
+        reply = await acme.scheduler.CreateJob(pb.CreateJobRequest(parent=ORG, job_id=job_id, spec=spec))
+        outcomes[job_id] = await wait_for(acme, reply.job.name, *TERMINAL, within_s=120)
+    for job_id in ("named", "any-cluster"):
+        done = outcomes[job_id]
+        assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure.message
+        assert "on tandemtest in debug" in await log_text(acme, done.name)
+    for job_id, named in {
+        "no-partition": "'tandemtest' has no partition 'gpu' (slurm.partition); its partitions: debug",
+        "elsewhere": "Slurm cluster 'other-cluster' (slurm.cluster, as in infra: slurm/other-cluster), and "
+        "this scheduler's Slurm cluster is 'tandemtest'",
+    }.items():
+        failed = outcomes[job_id]
+        assert failed.state == job_pb2.Job.State.STATE_FAILED
+        assert failed.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK
+        assert named in failed.failure.message, failed.failure.message
     await acme.close()
 
 
