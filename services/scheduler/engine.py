@@ -1271,6 +1271,8 @@ class Engine:
             task_index=names.index(spec_task.name),
             group_size=len(names),
             backend=attempt.backend,
+            user=job.creator,
+            serial=is_serial(spec),
         )
         env.update(mount_env)
         if placed.gpus and placed.gpu_type:

@@ -68,6 +68,10 @@ RESERVED_ENVS = frozenset(
         "SKYPILOT_TASK_IDS",
         "SKYPILOT_JOBGROUP_NAME",
         "SKYPILOT_CLUSTER_INFO",
+        "SKYPILOT_USER",
+        "SKYPILOT_USER_ID",
+        "SKYPILOT_MANAGED_JOB_ID",
+        "SKYPILOT_ROOT_JOB_ID",
     }
 )
 

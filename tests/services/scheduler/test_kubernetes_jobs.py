@@ -141,7 +141,9 @@ async def test_a_pod_gets_skypilots_variables(acme: Clients, cluster: FakeKubeAp
     cluster.add_node("gpu-node", gpus=8)
     run = (
         'echo "torchrun --nproc_per_node=$SKYPILOT_NUM_GPUS_PER_NODE setup_rank=$SKYPILOT_SETUP_NODE_RANK'
-        ' id=$SKYPILOT_TASK_ID group=$SKYPILOT_JOBGROUP_NAME cloud=$SKYPILOT_CLUSTER_INFO"'
+        ' id=$SKYPILOT_TASK_ID group=$SKYPILOT_JOBGROUP_NAME cloud=$SKYPILOT_CLUSTER_INFO"\n'
+        'echo "user=$SKYPILOT_USER user_id=$SKYPILOT_USER_ID managed=$SKYPILOT_MANAGED_JOB_ID'
+        ' root=${SKYPILOT_ROOT_JOB_ID-none}"'
     )
     job = await create(acme, command(run, gpus="2"), job_id="sky-env", backend=KUBERNETES)
     done = await wait_for(acme, job.name, *TERMINAL, within_s=120)
@@ -149,3 +151,4 @@ async def test_a_pod_gets_skypilots_variables(acme: Clients, cluster: FakeKubeAp
     text = await log_text(acme, job.name)
     assert "torchrun --nproc_per_node=2 setup_rank=0 id=acme_sky-env-0 group=sky-env" in text, text
     assert '"cloud": "kubernetes"' in text, text
+    assert "user=alice user_id=6384e2b2 managed=sky-env root=none" in text, text  # one task: no job tree

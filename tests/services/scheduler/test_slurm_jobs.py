@@ -50,11 +50,19 @@ async def clients_for(mesh: Mesh) -> Clients:
 
 
 async def test_a_command_job_runs_on_slurm(acme: Clients) -> None:
-    job = await create(acme, command('echo "on slurm: $TANDEM_JOB rank $TANDEM_NODE_RANK"'), backend=SLURM)
+    run = (
+        'echo "on slurm: $TANDEM_JOB rank $TANDEM_NODE_RANK"\n'
+        'echo "user=$SKYPILOT_USER user_id=$SKYPILOT_USER_ID managed=$SKYPILOT_MANAGED_JOB_ID'
+        ' root=${SKYPILOT_ROOT_JOB_ID-none}"'
+    )
+    job = await create(acme, command(run), job_id="one", backend=SLURM)
     done = await wait_for(acme, job.name, *TERMINAL, within_s=120)
     assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure.message
     assert done.backend == SLURM and done.tasks[0].backend_handle.slurm.job_id
-    assert f"on slurm: {job.name} rank 0" in await log_text(acme, job.name)
+    text = await log_text(acme, job.name)
+    assert f"on slurm: {job.name} rank 0" in text, text
+    # SkyPilot's submitter and managed-job variables; a one-task job is no job tree, so it has no root id.
+    assert "user=alice user_id=6384e2b2 managed=one root=none" in text, text
     await acme.close()
 
 
