@@ -283,15 +283,17 @@ class KubernetesBackend:
             LABEL_KEY: label_value(spec.key),
         }
 
-    def check_context(self, spec: LaunchSpec) -> None:
-        """LaunchRefused, naming both, when the job is for a context other than this backend's."""
-        wanted = spec.options.get("context", "")
-        if wanted and wanted != self.context:
-            known = f"the context {self.context!r}" if self.context else "no named context"
-            raise LaunchRefused(
-                f"the job is for the Kubernetes context {wanted!r} (kubernetes.context, as in infra: "
-                f"k8s/{wanted}), and this scheduler reaches its cluster through {known}"
-            )
+    async def option_problems(self, options: Mapping[str, str]) -> dict[str, str]:
+        """A job for a context other than this backend's (its `kubernetes.context`, SkyPilot's
+        `infra: k8s/CONTEXT`), naming both. (A namespace it does not run jobs in refuses the launch.)"""
+        wanted = options.get("context", "")
+        if not wanted or wanted == self.context:
+            return {}
+        known = f"the context {self.context!r}" if self.context else "no named context"
+        return {
+            "context": f"the job is for the Kubernetes context {wanted!r} (kubernetes.context, as in infra: "
+            f"k8s/{wanted}), and this scheduler reaches its cluster through {known}"
+        }
 
     def namespace_for(self, spec: LaunchSpec) -> str:
         """Where the attempt's objects go: the job's `kubernetes.namespace` when it is one of ours."""
@@ -541,7 +543,9 @@ class KubernetesBackend:
             raise LaunchRefused(f"num_nodes must be at least 1, not {spec.num_nodes}")
         if _has_log_dir(spec.log_dir):  # logs() copies the pods' logs here
             await asyncio.to_thread(Path(spec.log_dir).mkdir, parents=True, exist_ok=True)
-        self.check_context(spec)
+        problems = await self.option_problems(spec.options)
+        if problems:
+            raise LaunchRefused("; ".join(problems.values()))
         namespace = self.namespace_for(spec)
         if self.manage_priority_classes and not spec.options.get("priority_class_name"):
             await self._ensure_priority_class(self.band(spec))

@@ -378,7 +378,9 @@ class SlurmBackend:
                 claim_organization(
                     self.work_dir / "slurm", job_org(spec.job), "TANDEM_SCHEDULER_SLURM__RUN_AS"
                 )
-            await self._check_options(spec)
+            problems = await self.option_problems(spec.options)
+            if problems:
+                raise LaunchRefused("; ".join(problems.values()))
             if spec.image:
                 await self._check_containers(spec.image)
             rc, out, err = await self._run(*self.sbatch_args(spec), stdin=self.batch_script(spec))
@@ -404,26 +406,28 @@ class SlurmBackend:
             raise BackendUnavailable(f"scontrol show partition: {err.strip()}")
         return [f["PartitionName"] for f in map(parse_fields, out.splitlines()) if f.get("PartitionName")]
 
-    async def _check_options(self, spec: LaunchSpec) -> None:
-        """LaunchRefused, naming it, when the job is for another cluster (its `slurm.cluster`, SkyPilot's
-        `infra: slurm/CLUSTER`) or names a partition this cluster does not have (`slurm.partition`,
-        `infra: slurm/CLUSTER/PARTITION`)."""
-        wanted = spec.options.get("cluster", "")
+    async def option_problems(self, options: Mapping[str, str]) -> dict[str, str]:
+        """A job for another cluster (its `slurm.cluster`, SkyPilot's `infra: slurm/CLUSTER`), or naming a
+        partition this cluster does not have (`slurm.partition`, `infra: slurm/CLUSTER/PARTITION`), each
+        named."""
+        problems: dict[str, str] = {}
+        wanted = options.get("cluster", "")
         if wanted:
             name = await self.cluster_name()
             if wanted != name:
-                raise LaunchRefused(
+                problems["cluster"] = (
                     f"the job is for the Slurm cluster {wanted!r} (slurm.cluster, as in infra: "
                     f"slurm/{wanted}), and this scheduler's Slurm cluster is {name!r}"
                 )
-        partition = spec.options.get("partition", "")
+        partition = options.get("partition", "")
         if partition:
             known = await self.partitions()
             if partition not in known:
-                raise LaunchRefused(
+                problems["partition"] = (
                     f"the Slurm cluster {await self.cluster_name()!r} has no partition {partition!r} "
                     f"(slurm.partition); its partitions: {', '.join(known) or 'none'}"
                 )
+        return problems
 
     async def _check_containers(self, image: str) -> None:
         """LaunchRefused unless this cluster can run an image the configured way: pyxis adds

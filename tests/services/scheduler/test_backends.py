@@ -482,6 +482,11 @@ async def test_slurm_takes_a_cluster_and_partition_it_has_and_names_one_it_has_n
     backend = SlurmBackend(env=slurm_cluster.env)
     assert await backend.cluster_name() == "tandemtest"  # tests/support/slurm.py's ClusterName
     assert await backend.partitions() == ["debug"]
+    assert await backend.option_problems({"cluster": "tandemtest", "partition": "debug", "qos": "x"}) == {}
+    assert set(await backend.option_problems({"cluster": "other", "partition": "gpu"})) == {
+        "cluster",
+        "partition",
+    }
 
     def spec(name: str, **options: str) -> LaunchSpec:
         return LaunchSpec(

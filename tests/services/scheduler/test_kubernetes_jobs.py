@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from tandem.scheduler.v1 import scheduler_service_pb2 as pb
@@ -19,6 +20,7 @@ from tests.services.scheduler.test_scheduler import (
     Clients,
     command,
     create,
+    expect,
     log_text,
     wait_for,
 )
@@ -118,12 +120,13 @@ async def test_a_skypilot_files_infra_context_is_the_kubeconfigs_or_refused(
     assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure.message
     assert "on the test context" in await log_text(acme, done.name)
     other = parse_yaml("name: ctx\nresources: {infra: k8s/prod-cluster}\nrun: echo never\n")
-    reply = await acme.scheduler.CreateJob(pb.CreateJobRequest(parent=ORG, job_id="other", spec=other))
-    failed = await wait_for(acme, reply.job.name, *TERMINAL, within_s=120)
-    assert failed.state == job_pb2.Job.State.STATE_FAILED
-    assert failed.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK
-    message = failed.failure.message
-    assert "context 'prod-cluster'" in message and "through the context 'test'" in message, message
+    error = await expect(
+        acme.scheduler.CreateJob(pb.CreateJobRequest(parent=ORG, job_id="other", spec=other)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "FAILED_PRECONDITION",
+    )
+    assert [v.field for v in error.violations] == ["spec.kubernetes.context"]
+    assert "context 'prod-cluster'" in error.message and "through the context 'test'" in error.message, error
     assert len(jobs_in(cluster, NS)) == 1
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from tandem.scheduler.v1 import scheduler_service_pb2 as pb
@@ -19,6 +20,7 @@ from tests.services.scheduler.test_scheduler import (
     Clients,
     command,
     create,
+    expect,
     log_text,
     seconds,
     wait_for,
@@ -74,41 +76,52 @@ async def test_the_jobs_slurm_options_reach_sbatch(acme: Clients) -> None:
     done = await wait_for(acme, chosen.name, *TERMINAL, within_s=120)
     assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure.message
     assert "partition=debug" in await log_text(acme, chosen.name)
-    missing = await create(
-        acme, command(run), backend=SLURM, slurm=job_spec_pb2.SlurmOptions(partition="no-such-partition")
+    missing = job_spec_pb2.SlurmOptions(partition="no-such-partition")
+    error = await expect(
+        create(acme, command(run), backend=SLURM, slurm=missing),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "FAILED_PRECONDITION",
     )
-    refused = await wait_for(acme, missing.name, *TERMINAL, within_s=120)
-    assert refused.state == job_pb2.Job.State.STATE_FAILED
-    assert "partition" in refused.failure.message.lower(), refused.failure
+    assert [v.field for v in error.violations] == ["spec.slurm.partition"]
+    assert "no partition 'no-such-partition'" in error.message, error
     await acme.close()
 
 
 async def test_a_skypilot_files_infra_names_the_cluster_and_partition_or_is_refused(acme: Clients) -> None:
     # tests/support/slurm.py's cluster is `tandemtest`, with the one partition `debug`.
     run = 'echo "on $SLURM_CLUSTER_NAME in $SLURM_JOB_PARTITION"'
-    outcomes: dict[str, job_pb2.Job] = {}
-    for job_id, infra in {
-        "named": "slurm/tandemtest/debug",
-        "any-cluster": "slurm/*/debug",
-        "no-partition": "slurm/tandemtest/gpu",
-        "elsewhere": "slurm/other-cluster",
-    }.items():
+
+    def request(job_id: str, infra: str) -> pb.CreateJobRequest:
         spec = parse_yaml(f"name: {job_id}\nresources: {{infra: '{infra}'}}\nrun: {run}\n")
-        reply = await acme.scheduler.CreateJob(pb.CreateJobRequest(parent=ORG, job_id=job_id, spec=spec))
-        outcomes[job_id] = await wait_for(acme, reply.job.name, *TERMINAL, within_s=120)
-    for job_id in ("named", "any-cluster"):
-        done = outcomes[job_id]
+        return pb.CreateJobRequest(parent=ORG, job_id=job_id, spec=spec)
+
+    for job_id, infra in {"named": "slurm/tandemtest/debug", "any-cluster": "slurm/*/debug"}.items():
+        reply = await acme.scheduler.CreateJob(request(job_id, infra))
+        done = await wait_for(acme, reply.job.name, *TERMINAL, within_s=120)
         assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure.message
         assert "on tandemtest in debug" in await log_text(acme, done.name)
-    for job_id, named in {
-        "no-partition": "'tandemtest' has no partition 'gpu' (slurm.partition); its partitions: debug",
-        "elsewhere": "Slurm cluster 'other-cluster' (slurm.cluster, as in infra: slurm/other-cluster), and "
-        "this scheduler's Slurm cluster is 'tandemtest'",
-    }.items():
-        failed = outcomes[job_id]
-        assert failed.state == job_pb2.Job.State.STATE_FAILED
-        assert failed.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK
-        assert named in failed.failure.message, failed.failure.message
+    for job_id, infra, field, named in (
+        (
+            "no-partition",
+            "slurm/tandemtest/gpu",
+            "spec.slurm.partition",
+            "'tandemtest' has no partition 'gpu' (slurm.partition); its partitions: debug",
+        ),
+        (
+            "elsewhere",
+            "slurm/other-cluster",
+            "spec.slurm.cluster",
+            "Slurm cluster 'other-cluster' (slurm.cluster, as in infra: slurm/other-cluster), and this "
+            "scheduler's Slurm cluster is 'tandemtest'",
+        ),
+    ):
+        error = await expect(
+            acme.scheduler.CreateJob(request(job_id, infra)),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "FAILED_PRECONDITION",
+        )
+        assert [(v.field, v.description) for v in error.violations] == [(field, error.message)]
+        assert named in error.message, error
     await acme.close()
 
 

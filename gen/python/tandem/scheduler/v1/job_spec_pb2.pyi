@@ -810,8 +810,9 @@ class SlurmOptions(_message.Message):
     QOS_FIELD_NUMBER: _builtins.int
     CLUSTER_FIELD_NUMBER: _builtins.int
     partition: _builtins.str
-    """Optional. The partition (`--partition`); empty means the deployment's default. At most 128 of
-    `[A-Za-z0-9_.-]`.
+    """Optional. The partition (`--partition`); empty means the deployment's default. One the cluster does
+    not have fails CreateJob with FAILED_PRECONDITION / FAILED_PRECONDITION (and a launch with PRECHECK).
+    At most 128 of `[A-Za-z0-9_.-]`.
     """
     account: _builtins.str
     """Optional. The account (`--account`); empty means the deployment's default. At most 128 of
@@ -822,7 +823,8 @@ class SlurmOptions(_message.Message):
     cluster: _builtins.str
     """Optional. The Slurm cluster the job is meant for (SkyPilot's `infra: slurm/CLUSTER`); empty means the
     deployment's. When set it must be the configured cluster's name (`scontrol show config`'s
-    ClusterName), else the launch fails (PRECHECK). At most 128 of `[A-Za-z0-9_.-]`.
+    ClusterName), else CreateJob fails with FAILED_PRECONDITION / FAILED_PRECONDITION (and a launch with
+    PRECHECK). At most 128 of `[A-Za-z0-9_.-]`.
     """
     def __init__(
         self,
@@ -876,8 +878,9 @@ class KubernetesOptions(_message.Message):
     """Optional. The PriorityClass for the pods; empty means none. At most 253 characters."""
     context: _builtins.str
     """Optional. The kubeconfig context the job is meant for (SkyPilot's `infra: k8s/CONTEXT`); empty means
-    the deployment's. When set it must be the context the scheduler reaches its cluster through, else the
-    launch fails (PRECHECK). At most 253 characters.
+    the deployment's. When set it must be the context the scheduler reaches its cluster through, else
+    CreateJob fails with FAILED_PRECONDITION / FAILED_PRECONDITION (and a launch with PRECHECK). At most
+    253 characters.
     """
     @_builtins.property
     def node_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
