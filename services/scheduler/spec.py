@@ -898,7 +898,9 @@ def parse_infra(text: str) -> tuple[js.Backend.ValueType, dict[str, str]]:
             f"{text!r} has an empty part (SkyPilot's form is CLOUD, CLOUD/REGION or CLOUD/REGION/ZONE)"
         )
     first, rest = parts[0], parts[1:]
-    if first == "*" and not rest:
+    if first == "*":
+        if rest:
+            raise ValueError(f"{text!r} names a region of any cloud; write * alone, or the backend first")
         return js.BACKEND_UNSPECIFIED, {}  # any infrastructure: the scheduler's default backend
     backend = _CLOUD_BACKENDS.get(first.lower())
     if backend is None:

@@ -226,6 +226,7 @@ def test_infra_names_a_slurm_cluster_and_partition_or_a_kubernetes_context() -> 
     assert refusals(group) == {"tasks[1].resources.infra": "names the context 'two', and the job's is 'one'"}
     assert "Slurm's form" in refusals("run: x\nresources: {infra: slurm/a/b/c}\n")["resources.infra"]
     assert "empty part" in refusals("run: x\nresources: {infra: slurm//b}\n")["resources.infra"]
+    assert "any cloud" in refusals("run: x\nresources: {infra: '*/us-east-1'}\n")["resources.infra"]
     context = parse("run: x\nbackend: kubernetes\nkubernetes: {context: ctx}\n").kubernetes.context
     assert context == "ctx"  # the file may say it in the block too
 
