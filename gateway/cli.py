@@ -451,8 +451,7 @@ async def _rl_logs(args: argparse.Namespace) -> int:
     return 0
 
 
-_INFRA = {"k8s": "BACKEND_KUBERNETES", "kubernetes": "BACKEND_KUBERNETES", "slurm": "BACKEND_SLURM"}
-_INFRA["local"] = "BACKEND_LOCAL"
+_INFRA = ("k8s", "kubernetes", "slurm", "local")
 
 
 class UsageError(CliError):
@@ -496,17 +495,16 @@ def launch_spec(args: argparse.Namespace, uploads: list[Any] | None = None) -> A
                     f"--secret {name.split('=')[0]}: secrets come from the vault; give only a name"
                 )
             task.secrets.append(job_spec_pb2.SecretBinding(secret=name.lower().replace("_", "-"), env=name))
-    if args.infra:
-        first, _, rest = args.infra.partition("/")
-        backend = _INFRA.get(first.lower())
-        if backend is None:
+    if args.infra:  # as the file's `infra:` (services/scheduler/SPEC.md), over what the file says
+        first = args.infra.strip().partition("/")[0]
+        if first.lower() not in _INFRA:
             raise UsageError(f"--infra {args.infra}: Tandem runs on {', '.join(sorted(_INFRA))}")
-        if rest:  # as the file's `infra:` (services/scheduler/SPEC.md): never dropped silently
-            raise UsageError(
-                f"--infra {args.infra}: a context, cluster or partition ({rest!r}) is not taken here yet;"
-                " give the backend alone and its options in the file (`slurm: {partition: ...}`)"
-            )
-        spec.backend = job_spec_pb2.Backend.Value(backend)
+        try:
+            backend, options = job_spec.parse_infra(args.infra)
+        except ValueError as error:
+            raise UsageError(f"--infra {args.infra}: {error}") from None
+        spec.backend = backend
+        job_spec.set_backend_options(spec, backend, options)
     try:
         job_spec.check_spec(spec)
     except InvalidArgument as error:
@@ -972,7 +970,12 @@ def _add_launch(sub: Any, gw: argparse.ArgumentParser) -> None:
     )
     q.add_argument("--gpus", default="", metavar="TYPE:COUNT", help="every task's accelerators (A100:8)")
     q.add_argument("--num-nodes", type=int, default=0, help="every task's node count")
-    q.add_argument("--infra", default="", help="the backend: k8s, slurm or local")
+    q.add_argument(
+        "--infra",
+        default="",
+        help="the backend: k8s, slurm or local; SkyPilot's k8s/CONTEXT, slurm/CLUSTER and "
+        "slurm/CLUSTER/PARTITION name the context, cluster and partition too",
+    )
     q.add_argument("--job-id", default="", help="the job id (default: the server picks one)")
     q.add_argument("--dryrun", action="store_true", help="check the file and print the spec, start nothing")
     q.set_defaults(func=_async(_launch))

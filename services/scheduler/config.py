@@ -95,6 +95,12 @@ class KubernetesSettings(BaseModel):
         description="A kubeconfig file to reach the cluster with; empty: the pod's in-cluster credentials, "
         "else $KUBECONFIG or ~/.kube/config.",
     )
+    context: str = Field(
+        "",
+        description="The kubeconfig's context to reach the cluster through; empty: its current context (in "
+        "a pod without a kubeconfig, the pod's own cluster, `in-cluster` as SkyPilot calls it). A job's "
+        "`infra: k8s/CONTEXT` must name this one.",
+    )
     run_as_user: int | None = Field(
         10001,
         ge=1,

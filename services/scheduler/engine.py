@@ -1303,6 +1303,8 @@ class Engine:
             task_index=names.index(spec_task.name),
             group_size=len(names),
             backend=attempt.backend,
+            user=job.creator,
+            serial=is_serial(spec),
         )
         env.update(mount_env)
         if placed.gpus and placed.gpu_type:
@@ -1453,11 +1455,21 @@ def backend_options(spec: JobSpec) -> dict[str, str]:
     labels as `node_selector.<label>`."""
     which = spec.WhichOneof("backend_options")
     if which == "slurm":
-        chosen = {"partition": spec.slurm.partition, "account": spec.slurm.account, "qos": spec.slurm.qos}
+        slurm = spec.slurm
+        chosen = {
+            "partition": slurm.partition,
+            "account": slurm.account,
+            "qos": slurm.qos,
+            "cluster": slurm.cluster,
+        }
         return {k: v for k, v in chosen.items() if v}
     if which == "kubernetes":
         k8s = spec.kubernetes
-        chosen = {"namespace": k8s.namespace, "priority_class_name": k8s.priority_class_name}
+        chosen = {
+            "namespace": k8s.namespace,
+            "priority_class_name": k8s.priority_class_name,
+            "context": k8s.context,
+        }
         chosen.update({f"{NODE_SELECTOR_OPTION}{label}": value for label, value in k8s.node_selector.items()})
         return {k: v for k, v in chosen.items() if v}
     return {}

@@ -34,6 +34,10 @@ The environment the engine provides (`task_env`, plus `node_env` per node rank, 
 | `SKYPILOT_TASK_IDS` | every task's `SKYPILOT_TASK_ID`, one a line, in the group's order |
 | `SKYPILOT_JOBGROUP_NAME` | the job's id (`{job}`), the domain of the group's host names (`group_hosts`) |
 | `SKYPILOT_CLUSTER_INFO` | SkyPilot's JSON: `cluster_name` the job's id, `cloud` the backend, `region` / `zone` null |
+| `SKYPILOT_USER` | who submitted the job (its `creator`), when known |
+| `SKYPILOT_USER_ID` | `user_id` of it: 8 hex digits, the same for every job of that submitter |
+| `SKYPILOT_MANAGED_JOB_ID` | the job's id (`{job}`) |
+| `SKYPILOT_ROOT_JOB_ID` | the job's id, in a group of more than one task run in parallel (SkyPilot's job tree) |
 | `TANDEM_RESTART_COUNT` | the attempt number, 0 on the first start |
 | `TANDEM_RESUME_FROM` | the newest complete checkpoint folder of the task's output, when there is one |
 | `TANDEM_JOB_TOKEN` | the task's short-lived job token (opens its secrets, publishes events) |
@@ -44,6 +48,7 @@ into the environment a backend stores.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import posixpath
 import shlex
@@ -56,6 +61,7 @@ from services.scheduler.backends.task_buckets import BucketMount
 from services.scheduler.spec import port_range, secret_env_name, trainer_config
 
 SETUP_FAILED_EXIT = 223  # `setup` failed: a PRECHECK failure, never recovered
+USER_ID_LENGTH = 8  # SkyPilot's USER_HASH_LENGTH
 _REFERENCES = {
     js.PlacementOptions.REFERENCE_PLACEMENT_NONE: "none",
     js.PlacementOptions.REFERENCE_PLACEMENT_STACKED: "stacked",
@@ -170,10 +176,13 @@ def task_env(
     task_index: int = 0,
     group_size: int = 1,
     backend: str = "",
+    user: str = "",
+    serial: bool = False,
 ) -> dict[str, str]:
     """The environment of every node of one attempt: the spec's `envs`, then the scheduler's variables
     (which win; the spec cannot set them anyway). `task_index` is the task's place among the group's
-    `group_size` tasks. Per-node variables come from `node_env`."""
+    `group_size` tasks (`serial`: a pipeline's). `user` is who submitted the job (its `creator`). Per-node
+    variables come from `node_env`."""
     nodes = str(max(task.num_nodes, 1))
     group = group_name(job)
     env = dict(task.envs)
@@ -194,8 +203,13 @@ def task_env(
             "TANDEM_RESTART_COUNT": str(attempt),
             "TANDEM_RESUME_FROM": resume_from,
             "TANDEM_JOB_TOKEN": job_token,
+            "SKYPILOT_MANAGED_JOB_ID": group,
         }
     )
+    if group_size > 1 and not serial:  # SkyPilot's rule: a job group's tasks are a job tree, rooted at it
+        env["SKYPILOT_ROOT_JOB_ID"] = group
+    if user:
+        env.update(SKYPILOT_USER=user, SKYPILOT_USER_ID=user_id(user))
     if node_ips:
         env.update(ips_env(node_ips))
     if task.resources.ports:
@@ -273,6 +287,12 @@ def group_name(job: str) -> str:
     (the group's `name` as written) it is unique among running jobs, so two runs of one file never share host
     names; a script that builds them from the variable runs unchanged."""
     return job.rsplit("/", 1)[-1]
+
+
+def user_id(user: str) -> str:
+    """`SKYPILOT_USER_ID`: a stable 8-hex-digit hash of the user's name, the shape of SkyPilot's user hash
+    (`sky/utils/common_utils.py`: the first 8 hex digits of an MD5, here of the name alone)."""
+    return hashlib.md5(user.encode(), usedforsecurity=False).hexdigest()[:USER_ID_LENGTH]
 
 
 def task_id(job: str, index: int) -> str:

@@ -55,7 +55,15 @@ from services.scheduler import lifecycle as lc
 from services.scheduler import spec as specs
 from services.scheduler.backends.base import Backend, BackendUnavailable, NodeInventory
 from services.scheduler.config import SchedulerSettings
-from services.scheduler.engine import Engine, EngineConfig, EventOutbox, demands_of, failure_proto, job_event
+from services.scheduler.engine import (
+    Engine,
+    EngineConfig,
+    EventOutbox,
+    backend_options,
+    demands_of,
+    failure_proto,
+    job_event,
+)
 from services.scheduler.store import MIGRATIONS, JobRecord, JobRow, JobStore, TaskRow
 
 log = logging.getLogger("tandem.scheduler")
@@ -222,6 +230,24 @@ class SchedulerServiceServicer(scheduler_service_pb2_grpc.SchedulerServiceServic
                 reason=R.ERROR_REASON_BACKEND_UNAVAILABLE,
             ) from None
 
+    async def _check_options(self, backend: Backend, spec: JobSpec) -> None:
+        """The job's `slurm` or `kubernetes` options must name what the backend has (a Slurm cluster and
+        partition, a Kubernetes context): FailedPrecondition / FAILED_PRECONDITION naming each field."""
+        which = spec.WhichOneof("backend_options")
+        try:
+            problems = await backend.option_problems(backend_options(spec))
+        except BackendUnavailable as error:
+            raise Unavailable(
+                f"the {backend.name} backend is unreachable: {error}",
+                reason=R.ERROR_REASON_BACKEND_UNAVAILABLE,
+            ) from None
+        if problems:
+            raise FailedPrecondition(
+                "; ".join(problems.values()),
+                reason=R.ERROR_REASON_FAILED_PRECONDITION,
+                violations=[FieldViolation(f"spec.{which}.{key}", why) for key, why in problems.items()],
+            )
+
     async def _check_secrets(self, org: str, spec: JobSpec) -> None:
         wanted = specs.secret_names(spec)
         if not wanted:
@@ -305,6 +331,7 @@ class SchedulerServiceServicer(scheduler_service_pb2_grpc.SchedulerServiceServic
         backend_name = self._resolve_backend(spec)
         nodes = await self._inventory(self._engine.backends[backend_name])
         specs.check_fits(spec, nodes)
+        await self._check_options(self._engine.backends[backend_name], spec)
         await self._check_secrets(org, spec)
         if not request.request_id or await self._store.find_request(org, request.request_id) is None:
             await self._check_task_apps(org, spec)  # a retry finds its own job's app registered
@@ -623,16 +650,18 @@ def make_backends(config: SchedulerSettings, work_dir: Path, hide: Sequence[Path
         else:
             from services.scheduler.backends.kubernetes import (  # noqa: PLC0415
                 KubernetesBackend,
-                load_configuration,
+                connect,
             )
 
             k = config.kubernetes
+            configuration, context = connect(k.kubeconfig, k.context)
             backends[name] = KubernetesBackend(
                 image=k.image,
                 namespace=k.namespace,
                 namespaces=k.namespaces,
                 service_account=k.service_account,
-                configuration=load_configuration(k.kubeconfig),
+                configuration=configuration,
+                context=context,
                 run_as_user=k.run_as_user,
                 network_policy=k.network_policy,
             )

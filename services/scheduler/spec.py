@@ -73,6 +73,10 @@ RESERVED_ENVS = frozenset(
         "SKYPILOT_TASK_IDS",
         "SKYPILOT_JOBGROUP_NAME",
         "SKYPILOT_CLUSTER_INFO",
+        "SKYPILOT_USER",
+        "SKYPILOT_USER_ID",
+        "SKYPILOT_MANAGED_JOB_ID",
+        "SKYPILOT_ROOT_JOB_ID",
     }
 )
 
@@ -983,6 +987,56 @@ _CLOUD_BACKENDS: dict[str, js.Backend.ValueType] = {
     "local": js.BACKEND_LOCAL,
 }
 _TASK_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def parse_infra(text: str) -> tuple[js.Backend.ValueType, dict[str, str]]:
+    """SkyPilot's `infra:` (also `tandem launch --infra`): the backend it names and what it says of that
+    backend's options. `slurm/CLUSTER/PARTITION` and `slurm/CLUSTER` give the `slurm` options' `cluster` and
+    `partition` (`*` for either is any), `k8s/CONTEXT` (the rest of the string, slashes and all, as SkyPilot
+    reads it) the `kubernetes` options' `context`. BACKEND_UNSPECIFIED for `*`, any infrastructure.
+    ValueError, saying why, for anything else: a public cloud, a region, a malformed path."""
+    text = text.strip().strip("/")
+    parts = [part.strip() for part in text.split("/")]
+    if "" in parts:
+        raise ValueError(
+            f"{text!r} has an empty part (SkyPilot's form is CLOUD, CLOUD/REGION or CLOUD/REGION/ZONE)"
+        )
+    first, rest = parts[0], parts[1:]
+    if first == "*":
+        if rest:
+            raise ValueError(f"{text!r} names a region of any cloud; write * alone, or the backend first")
+        return js.BACKEND_UNSPECIFIED, {}  # any infrastructure: the scheduler's default backend
+    backend = _CLOUD_BACKENDS.get(first.lower())
+    if backend is None:
+        raise ValueError(f"{first!r} " + _CLOUD_ONLY.format(what="name"))
+    options: dict[str, str] = {}
+    if backend == js.BACKEND_KUBERNETES and rest:
+        context = "/".join(rest)
+        if context != "*":
+            options["context"] = context
+    elif backend == js.BACKEND_SLURM and rest:
+        if len(rest) > 2:
+            raise ValueError(f"{text!r}: Slurm's form is slurm, slurm/CLUSTER or slurm/CLUSTER/PARTITION")
+        for key, value in zip(("cluster", "partition"), rest, strict=False):
+            if value == "*":
+                continue
+            if not _SLURM_NAME.fullmatch(value):
+                raise ValueError(f"{value!r} is not a Slurm {key} name (1 to 128 of A-Z a-z 0-9 _ . -)")
+            options[key] = value
+    elif rest:
+        raise ValueError(f"{text!r}: the local backend is this machine; write `infra: local`")
+    return backend, options
+
+
+def set_backend_options(spec: JobSpec, backend: js.Backend.ValueType, options: Mapping[str, str]) -> None:
+    """Writes what `parse_infra` found into the job's `slurm` or `kubernetes` block, over what is there."""
+    if not options:
+        return
+    block = spec.slurm if backend == js.BACKEND_SLURM else spec.kubernetes
+    block.SetInParent()
+    for key, value in options.items():
+        setattr(block, key, value)
 
 
 def default_task_name(name: str) -> str:
@@ -1026,6 +1080,7 @@ class _Reader:
         self.backends: list[
             tuple[str, js.Backend.ValueType]
         ] = []  # the backends `cloud:` / `infra:` name, with their path
+        self.infra_options: list[tuple[str, dict[str, str]]] = []  # what each `infra:` says of its backend
 
     def shown(self, path: str) -> str:
         """How a path is shown for this file: a one-task file's keys are at the top (`run`, not tasks[0].run)."""
@@ -1198,7 +1253,27 @@ class _Reader:
                     )
                     for at, _ in self.backends
                 )
+        if len(named) == 1 and spec.backend in named:
+            self.apply_infra_options(spec, spec.backend)
         self.job_values_of_tasks(spec)
+
+    def apply_infra_options(self, spec: JobSpec, backend: js.Backend.ValueType) -> None:
+        """Each `infra:`'s cluster, partition or context into the job's options, where nothing else there
+        (the file's `slurm:` / `kubernetes:`, another task's `infra:`) names another."""
+        which = "slurm" if backend == js.BACKEND_SLURM else "kubernetes"
+        if spec.WhichOneof("backend_options") not in (None, which):
+            return  # the other backend's block: refused as such (`_job_rules`)
+        block: js.SlurmOptions | js.KubernetesOptions = getattr(spec, which)
+        for at, options in self.infra_options:
+            for key, value in options.items():
+                current = getattr(block, key)
+                if current and current != value:
+                    self.found.append(
+                        FieldViolation(at, f"names the {key} {value!r}, and the job's is {current!r}")
+                    )
+                    continue
+                block.SetInParent()
+                setattr(block, key, value)
 
     def guard(self, step: Any) -> None:
         with contextlib.suppress(_Stop):
@@ -1256,15 +1331,17 @@ class _Reader:
             policy.scope = self.choice(doc["scope"], "recovery.scope", _SCOPES)
 
     def slurm(self, options: js.SlurmOptions, value: Any) -> None:
-        doc = self.table(value, "slurm", ("partition", "account", "qos"))
+        doc = self.table(value, "slurm", ("partition", "account", "qos", "cluster"))
         options.SetInParent()
         for key, item in doc.items():
             setattr(options, key, self.text(item, f"slurm.{key}"))
 
     def kubernetes(self, options: js.KubernetesOptions, value: Any) -> None:
-        doc = self.table(value, "kubernetes", ("namespace", "node_selector", "priority_class_name"))
+        doc = self.table(
+            value, "kubernetes", ("namespace", "node_selector", "priority_class_name", "context")
+        )
         options.SetInParent()
-        for key in ("namespace", "priority_class_name"):
+        for key in ("namespace", "priority_class_name", "context"):
             if key in doc:
                 setattr(options, key, self.text(doc[key], f"kubernetes.{key}"))
         if "node_selector" in doc:
@@ -1693,19 +1770,26 @@ class _Reader:
         return text
 
     def cloud(self, value: Any, at: str, *, infra: bool) -> None:
-        """`cloud: kubernetes` / `infra: k8s` choose a backend; any other cloud cannot mean anything here."""
+        """`cloud: kubernetes` / `infra: k8s` choose a backend, `infra: slurm/CLUSTER/PARTITION` and
+        `infra: k8s/CONTEXT` its options too (`parse_infra`); any other cloud cannot mean anything here."""
         text = self.text(value, at).strip()
-        first, _, rest = text.partition("/") if infra else (text, "", "")
-        backend = _CLOUD_BACKENDS.get(first.lower())
-        if first == "*" and not rest:
-            return  # any infrastructure: the scheduler's default backend
-        if backend is None:
-            self.fail(at, f"{first!r} " + _CLOUD_ONLY.format(what="name"))
-        if rest:
-            self.fail(
-                at, f"{_NOT_YET}: a Kubernetes context or region ({rest!r}); the deployment has one cluster"
-            )
+        if not infra:
+            backend = _CLOUD_BACKENDS.get(text.lower())
+            if text == "*":
+                return
+            if backend is None:
+                self.fail(at, f"{text!r} " + _CLOUD_ONLY.format(what="name"))
+            self.backends.append((at, backend))
+            return
+        try:
+            backend, options = parse_infra(text)
+        except ValueError as error:
+            self.fail(at, str(error))
+        if backend == js.BACKEND_UNSPECIFIED:
+            return
         self.backends.append((at, backend))
+        if options:
+            self.infra_options.append((at, options))
 
     def envs(self, task: TaskSpec, value: Any, at: str) -> None:
         doc = self.table(value, at, None)

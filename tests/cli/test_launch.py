@@ -104,9 +104,26 @@ async def test_launch_queue_logs_and_cancel(cli: Cli, tmp_path: Path) -> None:
     )
     assert code == 2 and "--infra aws" in err, err
     code, _, err = await cli.run(
-        "launch", str(task), "--env", "GREETING=a", "--env", "WHO=b", "--infra", "slurm/c/p"
+        "launch", str(task), "--env", "GREETING=a", "--env", "WHO=b", "--infra", "slurm/c/p/x"
     )
-    assert code == 2 and "'c/p'" in err, err
+    assert code == 2 and "slurm/CLUSTER/PARTITION" in err, err
+
+
+def test_launch_infra_names_the_slurm_cluster_and_partition_or_the_kubernetes_context(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    task = tmp_path / "task.yaml"
+    task.write_text("run: echo hi\nbackend: slurm\nslurm: {qos: low}\n")
+    assert main(["launch", str(task), "--infra", "slurm/tandemtest/debug", "--dryrun"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert dry["backend"] == "BACKEND_SLURM"
+    assert dry["slurm"] == {"cluster": "tandemtest", "partition": "debug", "qos": "low"}
+    task.write_text("run: echo hi\n")
+    assert main(["launch", str(task), "--infra", "k8s/kind-tandem", "--dryrun"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert (dry["backend"], dry["kubernetes"]) == ("BACKEND_KUBERNETES", {"context": "kind-tandem"})
+    assert main(["launch", str(task), "--infra", "local/box", "--dryrun"]) == 2
+    assert "--infra local/box" in capsys.readouterr().err
 
 
 def test_the_launch_help_examples_run_as_written(capsys: pytest.CaptureFixture[str]) -> None:

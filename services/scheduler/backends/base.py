@@ -156,6 +156,12 @@ class Backend(Protocol):
         """The nodes this backend can place on, with what is free now."""
         ...
 
+    async def option_problems(self, options: Mapping[str, str]) -> dict[str, str]:
+        """What of a job's options for this backend (`LaunchSpec.options`) names something it does not have
+        (a Slurm cluster or partition, a Kubernetes context), by option, each saying why; empty when all is
+        well. CreateJob refuses such a job, and `launch` refuses such an attempt."""
+        ...
+
     async def launch(self, spec: LaunchSpec) -> Handle:
         """Start the attempt (idempotent per `spec.key`) and return its handle."""
         ...

@@ -30,7 +30,8 @@ What one attempt becomes (details and the reasons in `services/scheduler/KUBERNE
 
 A job's `kubernetes` block (`LaunchSpec.options`) wins for its attempts: `namespace` (one of the
 deployment's `namespaces`; another is refused), `priority_class_name` (instead of the band's class) and
-`node_selector.<label>` entries (over the backend's node selector).
+`node_selector.<label>` entries (over the backend's node selector). Its `context` (SkyPilot's
+`infra: k8s/CONTEXT`) must be the context this backend reaches its cluster through; another is refused.
 
 `cancel` marks the Job (a `tandem.dev/cancelled` annotation), deletes its pods with the grace period and
 puts the Job past a one-second deadline; the Job stays, Failed, so polls read the end (EXITED, 143) until
@@ -102,6 +103,7 @@ KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # what the other 
 GPU_RESOURCE = "nvidia.com/gpu"
 TASK_UID = 10001  # the trainer image's user (deploy/docker/trainer.Dockerfile)
 SCRATCH = "/tmp"  # noqa: S108 - an emptyDir of the pod's own, not the host's /tmp
+IN_CLUSTER_CONTEXT = "in-cluster"  # SkyPilot's name for the cluster the scheduler's own pod runs in
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,7 @@ class KubernetesBackend:
         run_as_user: int | None = TASK_UID,
         read_only_root_filesystem: bool = True,
         network_policy: bool = False,
+        context: str = "",
     ) -> None:
         """
         image: the container image every task runs in (Tandem installed for secrets and the trainer).
@@ -258,9 +261,14 @@ class KubernetesBackend:
             same job (ranks, inference workers) reach each other. On its own a task pod may then reach
             nothing else: deploy/kubernetes/base/networkpolicy.yaml adds DNS and the services a job
             calls, so turn this on with that manifest applied.
+        context: the name of the kubeconfig context `configuration` reaches the cluster through (`connect`
+            finds it): a job's `kubernetes.context` (SkyPilot's `infra: k8s/CONTEXT`) must be it, else its
+            launch is refused (PRECHECK) naming both; empty refuses every job that names a context.
         """
         if configuration is None:
-            configuration = load_configuration()
+            configuration, found = connect()
+            context = context or found
+        self.context = context
         self.namespace = namespace
         self.namespaces = (namespace, *[n for n in dict.fromkeys(namespaces) if n != namespace])
         self.image = image
@@ -296,6 +304,18 @@ class KubernetesBackend:
             LABEL_TASK: label_value(spec.task),
             LABEL_ATTEMPT: str(spec.attempt),
             LABEL_KEY: label_value(spec.key),
+        }
+
+    async def option_problems(self, options: Mapping[str, str]) -> dict[str, str]:
+        """A job for a context other than this backend's (its `kubernetes.context`, SkyPilot's
+        `infra: k8s/CONTEXT`), naming both. (A namespace it does not run jobs in refuses the launch.)"""
+        wanted = options.get("context", "")
+        if not wanted or wanted == self.context:
+            return {}
+        known = f"the context {self.context!r}" if self.context else "no named context"
+        return {
+            "context": f"the job is for the Kubernetes context {wanted!r} (kubernetes.context, as in infra: "
+            f"k8s/{wanted}), and this scheduler reaches its cluster through {known}"
         }
 
     def namespace_for(self, spec: LaunchSpec) -> str:
@@ -566,6 +586,9 @@ class KubernetesBackend:
             raise LaunchRefused(f"num_nodes must be at least 1, not {spec.num_nodes}")
         if _has_log_dir(spec.log_dir):  # logs() copies the pods' logs here
             await asyncio.to_thread(Path(spec.log_dir).mkdir, parents=True, exist_ok=True)
+        problems = await self.option_problems(spec.options)
+        if problems:
+            raise LaunchRefused("; ".join(problems.values()))
         namespace = self.namespace_for(spec)
         if self.manage_priority_classes and not spec.options.get("priority_class_name"):
             await self._ensure_priority_class(self.band(spec))
@@ -929,20 +952,34 @@ def _has_log_dir(log_dir: Path) -> bool:
     return str(log_dir) not in ("", ".")
 
 
-def load_configuration(kubeconfig: str = "") -> k8s.Configuration:
-    """The client configuration: from the `kubeconfig` file when one is named, else the pod's in-cluster
-    credentials when running in one, else the default kubeconfig ($KUBECONFIG or ~/.kube/config)."""
+def load_configuration(kubeconfig: str = "", context: str = "") -> k8s.Configuration:
+    """The client configuration (see `connect`)."""
+    return connect(kubeconfig, context)[0]
+
+
+def connect(kubeconfig: str = "", context: str = "") -> tuple[k8s.Configuration, str]:
+    """The client configuration and the name of the context it reaches the cluster through: the `kubeconfig`
+    file's when one is named, else the pod's in-cluster credentials when running in one (the context
+    SkyPilot calls `in-cluster`), else the default kubeconfig's ($KUBECONFIG or ~/.kube/config); `context`
+    picks one of a kubeconfig's contexts, empty its current one."""
     from kubernetes import config  # noqa: PLC0415
 
     configuration = k8s.Configuration()
-    if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)  # type: ignore[no-untyped-call]
-        return configuration
-    try:
-        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    except config.ConfigException:
-        config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    return configuration
+    if not kubeconfig and not context:
+        try:
+            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        except config.ConfigException:
+            pass
+        else:
+            return configuration, IN_CLUSTER_CONTEXT
+    file = kubeconfig or None
+    config.load_kube_config(  # type: ignore[no-untyped-call]
+        config_file=file, context=context or None, client_configuration=configuration
+    )
+    if not context:
+        _contexts, active = config.list_kube_config_contexts(config_file=file)  # type: ignore[no-untyped-call]
+        context = str((active or {}).get("name", ""))
+    return configuration, context
 
 
 def _api_message(error: Any) -> str:

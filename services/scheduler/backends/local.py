@@ -50,7 +50,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -341,6 +341,11 @@ class LocalBackend:
                 memory_free_gib=max(0.0, self.memory_gib - memory_held),
             )
         ]
+
+    async def option_problems(self, options: Mapping[str, str]) -> dict[str, str]:
+        """None: a job has no options for the local backend (a spec with a `slurm` or `kubernetes` block is
+        not for it)."""
+        return {}
 
     async def launch(self, spec: LaunchSpec) -> Handle:
         check_key(spec.key)

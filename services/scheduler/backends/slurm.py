@@ -223,7 +223,8 @@ class SlurmBackend:
     (e.g. `SLURM_CONF`) and is killed after `command_timeout_s`.
 
     partition, account, qos: passed as `--partition`, `--account`, `--qos` when not empty; a spec's own
-      (`LaunchSpec.options`) win.
+      (`LaunchSpec.options`) win. A spec's partition the cluster does not have, or its `cluster` when that
+      is not this cluster's ClusterName, refuses the launch (PRECHECK), naming it.
     qos_by_priority: (minimum priority, QoS) pairs; the highest threshold at or below a spec's priority wins
       over `qos`.
     cluster: a named cluster (`--clusters`) for federations; empty for the default one.
@@ -288,6 +289,7 @@ class SlurmBackend:
         self._use_sacct = use_sacct
         self._locks: dict[str, asyncio.Lock] = {}
         self._hostnames: dict[str, list[str]] = {}
+        self._cluster_name: str | None = None
 
     # -- running Slurm's commands ------------------------------------------------------------------------
 
@@ -387,6 +389,9 @@ class SlurmBackend:
                 claim_organization(
                     self.work_dir / "slurm", job_org(spec.job), "TANDEM_SCHEDULER_SLURM__RUN_AS"
                 )
+            problems = await self.option_problems(spec.options)
+            if problems:
+                raise LaunchRefused("; ".join(problems.values()))
             if spec.image:
                 await self._check_containers(spec.image)
             rc, out, err = await self._run(*self.sbatch_args(spec), stdin=self.batch_script(spec))
@@ -394,6 +399,46 @@ class SlurmBackend:
                 raise LaunchRefused(err.strip() or out.strip() or f"sbatch exited {rc}")
             job_id = out.strip().split(";")[0]  # --parsable prints "id" or "id;cluster"
             return self._handle(spec.key, job_id, log_dir, spec.num_nodes)
+
+    async def cluster_name(self) -> str:
+        """This cluster's name, `scontrol show config`'s ClusterName (asked once)."""
+        if self._cluster_name is None:
+            rc, out, err = await self._run("scontrol", "show", "config")
+            if rc != 0:
+                raise BackendUnavailable(f"scontrol show config: {err.strip()}")
+            found = re.search(r"^ClusterName\s*=\s*(\S+)", out, re.MULTILINE)
+            self._cluster_name = found.group(1) if found else ""
+        return self._cluster_name
+
+    async def partitions(self) -> list[str]:
+        """The cluster's partitions, from `scontrol show partition -o`."""
+        rc, out, err = await self._run("scontrol", "show", "partition", "-o")
+        if rc != 0:
+            raise BackendUnavailable(f"scontrol show partition: {err.strip()}")
+        return [f["PartitionName"] for f in map(parse_fields, out.splitlines()) if f.get("PartitionName")]
+
+    async def option_problems(self, options: Mapping[str, str]) -> dict[str, str]:
+        """A job for another cluster (its `slurm.cluster`, SkyPilot's `infra: slurm/CLUSTER`), or naming a
+        partition this cluster does not have (`slurm.partition`, `infra: slurm/CLUSTER/PARTITION`), each
+        named."""
+        problems: dict[str, str] = {}
+        wanted = options.get("cluster", "")
+        if wanted:
+            name = await self.cluster_name()
+            if wanted != name:
+                problems["cluster"] = (
+                    f"the job is for the Slurm cluster {wanted!r} (slurm.cluster, as in infra: "
+                    f"slurm/{wanted}), and this scheduler's Slurm cluster is {name!r}"
+                )
+        partition = options.get("partition", "")
+        if partition:
+            known = await self.partitions()
+            if partition not in known:
+                problems["partition"] = (
+                    f"the Slurm cluster {await self.cluster_name()!r} has no partition {partition!r} "
+                    f"(slurm.partition); its partitions: {', '.join(known) or 'none'}"
+                )
+        return problems
 
     async def _check_containers(self, image: str) -> None:
         """LaunchRefused unless this cluster can run an image the configured way: pyxis adds

@@ -475,6 +475,37 @@ async def test_slurm_refuses_what_it_cannot_run(slurm_cluster: SlurmCluster, tmp
 
 
 @pytest.mark.slow
+async def test_slurm_takes_a_cluster_and_partition_it_has_and_names_one_it_has_not(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    # SkyPilot's `infra: slurm/CLUSTER/PARTITION` arrives as the job's slurm.cluster and slurm.partition.
+    backend = SlurmBackend(env=slurm_cluster.env)
+    assert await backend.cluster_name() == "tandemtest"  # tests/support/slurm.py's ClusterName
+    assert await backend.partitions() == ["debug"]
+    assert await backend.option_problems({"cluster": "tandemtest", "partition": "debug", "qos": "x"}) == {}
+    assert set(await backend.option_problems({"cluster": "other", "partition": "gpu"})) == {
+        "cluster",
+        "partition",
+    }
+
+    def spec(name: str, **options: str) -> LaunchSpec:
+        return LaunchSpec(
+            key=f"k-{uuid.uuid4().hex[:8]}.{name}.0", job="j", task=name, attempt=0, env={},
+            command='echo "on $SLURM_CLUSTER_NAME in $SLURM_JOB_PARTITION"', log_dir=tmp_path / name,
+            options=options,
+        )  # fmt: skip
+
+    with pytest.raises(LaunchRefused, match=r"no partition 'gpu' \(slurm.partition\); its partitions: debug"):
+        await backend.launch(spec("partition", cluster="tandemtest", partition="gpu"))
+    with pytest.raises(LaunchRefused, match=r"Slurm cluster 'other' .* cluster is 'tandemtest'"):
+        await backend.launch(spec("cluster", cluster="other", partition="debug"))
+    handle = await backend.launch(spec("both", cluster="tandemtest", partition="debug"))
+    observed = await wait_until(backend, handle, ended)
+    assert (observed.phase, observed.exit_code) == (Phase.EXITED, 0), observed
+    assert "on tandemtest in debug" in log_text(backend, handle)
+
+
+@pytest.mark.slow
 async def test_slurm_unreachable_is_backend_unavailable(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     conf = tmp_path / "slurm.conf"
     lines = slurm_cluster.conf.read_text().splitlines()

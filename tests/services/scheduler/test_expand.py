@@ -182,6 +182,7 @@ def test_the_task_environment_has_the_tandem_and_skypilot_variables() -> None:
         task_index=1,
         group_size=3,
         backend="slurm",
+        user="alice",
     )
     org, job_id = JOB.split("/")[1], JOB.split("/")[3]
     assert env == {
@@ -204,7 +205,17 @@ def test_the_task_environment_has_the_tandem_and_skypilot_variables() -> None:
         "TANDEM_RESTART_COUNT": "2",
         "TANDEM_RESUME_FROM": "/ckpt/checkpoints/step-000040",
         "TANDEM_JOB_TOKEN": "t",
+        "SKYPILOT_MANAGED_JOB_ID": job_id,
+        "SKYPILOT_ROOT_JOB_ID": job_id,  # a group of three tasks, run in parallel: SkyPilot's job tree
+        "SKYPILOT_USER": "alice",
+        "SKYPILOT_USER_ID": "6384e2b2",  # the first 8 hex digits of MD5("alice")
     }
+    # A plain one-task job and a pipeline's tasks are no job tree (sky/jobs/controller.py): no root id.
+    for size, serial in ((1, False), (3, True)):
+        plain = X.task_env(task, job=JOB, attempt=0, group_size=size, serial=serial, user="bob")
+        assert plain["SKYPILOT_MANAGED_JOB_ID"] == job_id and "SKYPILOT_ROOT_JOB_ID" not in plain
+        assert plain["SKYPILOT_USER_ID"] == X.user_id("bob") != X.user_id("alice")
+    assert "SKYPILOT_USER" not in X.task_env(task, job=JOB, attempt=0)  # no known submitter
     # SkyPilot's SDK reads the task's index as what follows the last `-` (sky/jobs/client/sdk.py).
     assert env["SKYPILOT_TASK_ID"].rsplit("-", 1)[1] == "1"
     assert X.node_env(1) == {

@@ -28,6 +28,7 @@ from services.scheduler.backends.base import (
 from services.scheduler.backends.kubernetes import (
     PRIORITY_BANDS,
     KubernetesBackend,
+    connect,
     label_value,
     object_name,
     priority_band,
@@ -369,6 +370,50 @@ async def test_a_tasks_labels_are_on_its_pods_under_tandems_own(
     assert pod_labels["tandem.dev/job"] == job["metadata"]["labels"]["tandem.dev/job"] != "forged"
     assert "team" not in job["metadata"]["labels"]  # SkyPilot's labels are the pods'
     assert await backend.find(task.key) == handle
+
+
+async def test_a_jobs_context_must_be_the_one_the_backend_reaches_its_cluster_through(
+    kube_api: FakeKubeApi, tmp_path: Path
+) -> None:
+    # SkyPilot's `infra: k8s/CONTEXT` arrives as the job's kubernetes.context.
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": kube_api.url}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [
+                    {"name": "kind-rl", "context": {"cluster": "c", "user": "u"}},
+                    {"name": "other", "context": {"cluster": "c", "user": "u"}},
+                ],
+                "current-context": "kind-rl",
+            }
+        )
+    )
+    assert connect(str(kubeconfig))[1] == "kind-rl"  # the current context
+    configuration, context = connect(str(kubeconfig), "other")
+    assert (configuration.host, context) == (kube_api.url, "other")
+    configuration, context = connect(str(kubeconfig))
+    backend = KubernetesBackend(
+        image="tandem-trainer:test", namespace=NS, configuration=configuration, context=context
+    )
+    handle = await backend.launch(spec(tmp_path, options={"context": "kind-rl"}))
+    assert kube_api.job(NS, handle["job"])
+    with pytest.raises(
+        LaunchRefused,
+        match=r"context 'other' \(kubernetes.context, as in infra: k8s/other\), .* through the context 'kind-rl'",
+    ):
+        await backend.launch(spec(tmp_path, key="orgs-acme-jobs-j2.trainer.0", options={"context": "other"}))
+    nameless = make_backend(kube_api)  # a configuration without a context's name
+    with pytest.raises(LaunchRefused, match="through no named context"):
+        await nameless.launch(
+            spec(tmp_path, key="orgs-acme-jobs-j3.trainer.0", options={"context": "kind-rl"})
+        )
+    assert len([k for k in kube_api.objects if k[0] == "jobs"]) == 1
+    await backend.close()
+    await nameless.close()
 
 
 async def test_a_scheduler_that_died_after_creating_the_job_gets_its_service_on_relaunch(

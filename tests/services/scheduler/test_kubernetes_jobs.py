@@ -8,11 +8,22 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from tandem.scheduler.v1 import scheduler_service_pb2 as pb
 
-from tests.services.scheduler.test_scheduler import TERMINAL, Clients, command, create, log_text, wait_for
+from services.scheduler.spec import parse_yaml
+from tests.services.scheduler.test_scheduler import (
+    ORG,
+    TERMINAL,
+    Clients,
+    command,
+    create,
+    expect,
+    log_text,
+    wait_for,
+)
 from tests.services.scheduler.test_slurm_jobs import clients_for
 from tests.support.kube_api import FakeKubeApi, running_kube_api
 from tests.support.mesh import mesh_settings, running_mesh
@@ -100,6 +111,25 @@ async def test_the_jobs_kubernetes_options_reach_the_cluster(acme: Clients, clus
     assert not jobs_in(cluster, "kube-system")
 
 
+async def test_a_skypilot_files_infra_context_is_the_kubeconfigs_or_refused(
+    acme: Clients, cluster: FakeKubeApi
+) -> None:
+    ours = parse_yaml("name: ctx\nresources: {infra: k8s/test}\nrun: echo on the test context\n")
+    reply = await acme.scheduler.CreateJob(pb.CreateJobRequest(parent=ORG, job_id="ctx", spec=ours))
+    done = await wait_for(acme, reply.job.name, *TERMINAL, within_s=120)
+    assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure.message
+    assert "on the test context" in await log_text(acme, done.name)
+    other = parse_yaml("name: ctx\nresources: {infra: k8s/prod-cluster}\nrun: echo never\n")
+    error = await expect(
+        acme.scheduler.CreateJob(pb.CreateJobRequest(parent=ORG, job_id="other", spec=other)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "FAILED_PRECONDITION",
+    )
+    assert [v.field for v in error.violations] == ["spec.kubernetes.context"]
+    assert "context 'prod-cluster'" in error.message and "through the context 'test'" in error.message, error
+    assert len(jobs_in(cluster, NS)) == 1
+
+
 async def test_cancel_stops_a_running_pod(acme: Clients, cluster: FakeKubeApi) -> None:
     job = await create(acme, command("echo started; exec sleep 600"), backend=KUBERNETES)
     await wait_for(acme, job.name, job_pb2.Job.State.STATE_RUNNING, within_s=120)
@@ -114,7 +144,9 @@ async def test_a_pod_gets_skypilots_variables(acme: Clients, cluster: FakeKubeAp
     cluster.add_node("gpu-node", gpus=8)
     run = (
         'echo "torchrun --nproc_per_node=$SKYPILOT_NUM_GPUS_PER_NODE setup_rank=$SKYPILOT_SETUP_NODE_RANK'
-        ' id=$SKYPILOT_TASK_ID group=$SKYPILOT_JOBGROUP_NAME cloud=$SKYPILOT_CLUSTER_INFO"'
+        ' id=$SKYPILOT_TASK_ID group=$SKYPILOT_JOBGROUP_NAME cloud=$SKYPILOT_CLUSTER_INFO"\n'
+        'echo "user=$SKYPILOT_USER user_id=$SKYPILOT_USER_ID managed=$SKYPILOT_MANAGED_JOB_ID'
+        ' root=${SKYPILOT_ROOT_JOB_ID-none}"'
     )
     job = await create(acme, command(run, gpus="2"), job_id="sky-env", backend=KUBERNETES)
     done = await wait_for(acme, job.name, *TERMINAL, within_s=120)
@@ -122,3 +154,4 @@ async def test_a_pod_gets_skypilots_variables(acme: Clients, cluster: FakeKubeAp
     text = await log_text(acme, job.name)
     assert "torchrun --nproc_per_node=2 setup_rank=0 id=acme_sky-env-0 group=sky-env" in text, text
     assert '"cloud": "kubernetes"' in text, text
+    assert "user=alice user_id=6384e2b2 managed=sky-env root=none" in text, text  # one task: no job tree

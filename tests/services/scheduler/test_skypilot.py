@@ -175,11 +175,75 @@ def test_cloud_and_infra_name_a_backend_or_are_refused() -> None:
     assert parse("run: x\nresources: {infra: '*'}\n").backend == js.BACKEND_UNSPECIFIED
     assert "public cloud" in refusals("run: x\nresources: {cloud: aws}\n")["resources.cloud"]
     assert "public cloud" in refusals("run: x\nresources: {infra: gcp/us-central1}\n")["resources.infra"]
-    assert "context" in refusals("run: x\nresources: {infra: k8s/my-context}\n")["resources.infra"]
+    assert "local" in refusals("run: x\nresources: {infra: local/box}\n")["resources.infra"]
     clash = refusals("name: g\nbackend: slurm\ntasks:\n  - run: x\n    resources: {cloud: kubernetes}\n")
     assert "slurm" in clash["tasks[0].resources.cloud"]
     two = "tasks:\n  - run: x\n    resources: {cloud: k8s}\n  - run: y\n    resources: {cloud: slurm}\n"
     assert set(refusals(two)) == {"tasks[0].resources.cloud", "tasks[1].resources.cloud"}
+
+
+# SkyPilot's infra strings for Slurm and Kubernetes, and what they name: (cloud, region, zone) as SkyPilot's
+# InfraInfo reads them, and the job's backend options as Tandem does.
+INFRA = {
+    "slurm/tandemtest/debug": ("slurm", "tandemtest", "debug"),
+    "slurm/tandemtest": ("slurm", "tandemtest", None),
+    "slurm/*/gpu": ("slurm", None, "gpu"),
+    "k8s/my-context": ("kubernetes", "my-context", None),
+    "kubernetes/arn:aws:eks:us-east-1:1:cluster/rl": (
+        "kubernetes",
+        "arn:aws:eks:us-east-1:1:cluster/rl",
+        None,
+    ),
+}
+INFRA_ORACLE = """
+import json, sys
+from sky.utils import infra_utils
+out = {}
+for text in json.loads(sys.argv[1]):
+    info = infra_utils.InfraInfo.from_str(text)
+    out[text] = [info.cloud, info.region, info.zone]
+print(json.dumps(out))
+"""
+
+
+def test_infra_names_a_slurm_cluster_and_partition_or_a_kubernetes_context() -> None:
+    for text, (cloud, region, zone) in INFRA.items():
+        spec = parse(f"run: x\nresources: {{infra: '{text}'}}\n")
+        if cloud == "slurm":
+            assert spec.backend == js.BACKEND_SLURM
+            assert (spec.slurm.cluster, spec.slurm.partition) == (region or "", zone or ""), text
+        else:
+            assert spec.backend == js.BACKEND_KUBERNETES
+            assert spec.kubernetes.context == region, text
+    # The file's own `slurm:` block and the tasks' `infra:` must agree; so must a group's tasks.
+    both = parse("run: x\nslurm: {partition: debug, qos: low}\nresources: {infra: slurm/c/debug}\n")
+    assert (both.slurm.cluster, both.slurm.partition, both.slurm.qos) == ("c", "debug", "low")
+    found = refusals("run: x\nslurm: {partition: a}\nresources: {infra: slurm/c/b}\n")
+    assert found["resources.infra"] == "names the partition 'b', and the job's is 'a'"
+    group = (
+        "tasks:\n  - run: x\n    resources: {infra: k8s/one}\n  - run: y\n    resources: {infra: k8s/two}\n"
+    )
+    assert refusals(group) == {"tasks[1].resources.infra": "names the context 'two', and the job's is 'one'"}
+    assert "Slurm's form" in refusals("run: x\nresources: {infra: slurm/a/b/c}\n")["resources.infra"]
+    assert "empty part" in refusals("run: x\nresources: {infra: slurm//b}\n")["resources.infra"]
+    assert "any cloud" in refusals("run: x\nresources: {infra: '*/us-east-1'}\n")["resources.infra"]
+    context = parse("run: x\nbackend: kubernetes\nkubernetes: {context: ctx}\n").kubernetes.context
+    assert context == "ctx"  # the file may say it in the block too
+
+
+@needs_skypilot
+def test_infra_strings_mean_what_skypilot_reads_in_them(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [str(SKY_PYTHON), "-c", INFRA_ORACLE, json.dumps(list(INFRA))],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+        env={**os.environ, "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "HOME": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    read = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {text: tuple(parts) for text, parts in read.items()} == INFRA
 
 
 def test_a_resources_key_with_nothing_under_it_asks_nothing() -> None:

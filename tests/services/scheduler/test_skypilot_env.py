@@ -65,6 +65,7 @@ run: |
   echo "torchrun --nproc_per_node=$SKYPILOT_NUM_GPUS_PER_NODE setup_rank=$SKYPILOT_SETUP_NODE_RANK"
   echo "id=$SKYPILOT_TASK_ID group=$SKYPILOT_JOBGROUP_NAME"
   echo "ids=$(echo "$SKYPILOT_TASK_IDS" | tr '\\n' ,)"
+  echo "user=$SKYPILOT_USER user_id=$SKYPILOT_USER_ID managed=$SKYPILOT_MANAGED_JOB_ID root=$SKYPILOT_ROOT_JOB_ID"
   python {scripts / "server.py"}
 ---
 name: client
@@ -95,6 +96,9 @@ async def check_server_env(clients: Clients, job: job_pb2.Job, gpus: int) -> Non
     expected = f"torchrun --nproc_per_node={gpus} setup_rank=0\nid=acme_{job_id}-0 group={job_id}\n"
     assert expected in server_log, server_log
     assert f"ids=acme_{job_id}-0,acme_{job_id}-1," in server_log, server_log
+    # The submitter (clients_for's user token is alice's) and the job's id, as SkyPilot's managed jobs have
+    # them; the user id is the first 8 hex digits of MD5("alice").
+    assert f"user=alice user_id=6384e2b2 managed={job_id} root={job_id}\n" in server_log, server_log
 
 
 @contextlib.asynccontextmanager

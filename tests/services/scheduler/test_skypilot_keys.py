@@ -408,8 +408,13 @@ def test_managed_secrets_are_vault_secrets_in_their_variables() -> None:
         ("hf-token", "HF_TOKEN"),
         ("wandb-api-key", "WANDB_API_KEY"),
     ]
-    found = refusals("run: x\nmanaged_secrets: [{HF_TOKEN: {mount_path: /run/hf}}, 3]\n")
-    assert "variables" in found["managed_secrets[0]"] and "secret's name" in found["managed_secrets[1]"]
+    (filed,) = parse("run: x\nmanaged_secrets: [{HF_TOKEN: {mount_path: /run/hf/token}}]\n").tasks[0].secrets
+    assert (filed.secret, filed.file) == ("hf-token", "/run/hf/token")
+    found = refusals("run: x\nmanaged_secrets: [{A: {}, B: {}}, 3]\n")
+    assert "one {NAME: {mount_path: /path}} table" in found["managed_secrets[0]"]
+    assert "secret's name" in found["managed_secrets[1]"]
+    found = refusals("run: x\nmanaged_secrets: [{C: {mount_path: relative/c}}]\n")
+    assert "absolute path of a file" in found['managed_secrets[0]["C"].mount_path'], found
 
 
 def test_the_tasks_envs_fill_its_mount_paths_and_workdir(tmp_path: Path) -> None:

@@ -6,17 +6,21 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 from tandem.scheduler.v1 import scheduler_service_pb2 as pb
 
 from mesh.identity import TokenSigner, load_signing_key
+from services.scheduler.spec import parse_yaml
 from tests.services.scheduler.test_online_rl import demo_task, trainer_checkpoints
 from tests.services.scheduler.test_scheduler import (
+    ORG,
     TERMINAL,
     Clients,
     command,
     create,
+    expect,
     log_text,
     seconds,
     wait_for,
@@ -48,11 +52,19 @@ async def clients_for(mesh: Mesh) -> Clients:
 
 
 async def test_a_command_job_runs_on_slurm(acme: Clients) -> None:
-    job = await create(acme, command('echo "on slurm: $TANDEM_JOB rank $TANDEM_NODE_RANK"'), backend=SLURM)
+    run = (
+        'echo "on slurm: $TANDEM_JOB rank $TANDEM_NODE_RANK"\n'
+        'echo "user=$SKYPILOT_USER user_id=$SKYPILOT_USER_ID managed=$SKYPILOT_MANAGED_JOB_ID'
+        ' root=${SKYPILOT_ROOT_JOB_ID-none}"'
+    )
+    job = await create(acme, command(run), job_id="one", backend=SLURM)
     done = await wait_for(acme, job.name, *TERMINAL, within_s=120)
     assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure.message
     assert done.backend == SLURM and done.tasks[0].backend_handle.slurm.job_id
-    assert f"on slurm: {job.name} rank 0" in await log_text(acme, job.name)
+    text = await log_text(acme, job.name)
+    assert f"on slurm: {job.name} rank 0" in text, text
+    # SkyPilot's submitter and managed-job variables; a one-task job is no job tree, so it has no root id.
+    assert "user=alice user_id=6384e2b2 managed=one root=none" in text, text
     await acme.close()
 
 
@@ -64,12 +76,52 @@ async def test_the_jobs_slurm_options_reach_sbatch(acme: Clients) -> None:
     done = await wait_for(acme, chosen.name, *TERMINAL, within_s=120)
     assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure.message
     assert "partition=debug" in await log_text(acme, chosen.name)
-    missing = await create(
-        acme, command(run), backend=SLURM, slurm=job_spec_pb2.SlurmOptions(partition="no-such-partition")
+    missing = job_spec_pb2.SlurmOptions(partition="no-such-partition")
+    error = await expect(
+        create(acme, command(run), backend=SLURM, slurm=missing),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "FAILED_PRECONDITION",
     )
-    refused = await wait_for(acme, missing.name, *TERMINAL, within_s=120)
-    assert refused.state == job_pb2.Job.State.STATE_FAILED
-    assert "partition" in refused.failure.message.lower(), refused.failure
+    assert [v.field for v in error.violations] == ["spec.slurm.partition"]
+    assert "no partition 'no-such-partition'" in error.message, error
+    await acme.close()
+
+
+async def test_a_skypilot_files_infra_names_the_cluster_and_partition_or_is_refused(acme: Clients) -> None:
+    # tests/support/slurm.py's cluster is `tandemtest`, with the one partition `debug`.
+    run = 'echo "on $SLURM_CLUSTER_NAME in $SLURM_JOB_PARTITION"'
+
+    def request(job_id: str, infra: str) -> pb.CreateJobRequest:
+        spec = parse_yaml(f"name: {job_id}\nresources: {{infra: '{infra}'}}\nrun: {run}\n")
+        return pb.CreateJobRequest(parent=ORG, job_id=job_id, spec=spec)
+
+    for job_id, infra in {"named": "slurm/tandemtest/debug", "any-cluster": "slurm/*/debug"}.items():
+        reply = await acme.scheduler.CreateJob(request(job_id, infra))
+        done = await wait_for(acme, reply.job.name, *TERMINAL, within_s=120)
+        assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, done.failure.message
+        assert "on tandemtest in debug" in await log_text(acme, done.name)
+    for job_id, infra, field, named in (
+        (
+            "no-partition",
+            "slurm/tandemtest/gpu",
+            "spec.slurm.partition",
+            "'tandemtest' has no partition 'gpu' (slurm.partition); its partitions: debug",
+        ),
+        (
+            "elsewhere",
+            "slurm/other-cluster",
+            "spec.slurm.cluster",
+            "Slurm cluster 'other-cluster' (slurm.cluster, as in infra: slurm/other-cluster), and this "
+            "scheduler's Slurm cluster is 'tandemtest'",
+        ),
+    ):
+        error = await expect(
+            acme.scheduler.CreateJob(request(job_id, infra)),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "FAILED_PRECONDITION",
+        )
+        assert [(v.field, v.description) for v in error.violations] == [(field, error.message)]
+        assert named in error.message, error
     await acme.close()
 
 

@@ -815,9 +815,11 @@ class SlurmOptions(_message.Message):
     PARTITION_FIELD_NUMBER: _builtins.int
     ACCOUNT_FIELD_NUMBER: _builtins.int
     QOS_FIELD_NUMBER: _builtins.int
+    CLUSTER_FIELD_NUMBER: _builtins.int
     partition: _builtins.str
-    """Optional. The partition (`--partition`); empty means the deployment's default. At most 128 of
-    `[A-Za-z0-9_.-]`.
+    """Optional. The partition (`--partition`); empty means the deployment's default. One the cluster does
+    not have fails CreateJob with FAILED_PRECONDITION / FAILED_PRECONDITION (and a launch with PRECHECK).
+    At most 128 of `[A-Za-z0-9_.-]`.
     """
     account: _builtins.str
     """Optional. The account (`--account`); empty means the deployment's default. At most 128 of
@@ -825,16 +827,23 @@ class SlurmOptions(_message.Message):
     """
     qos: _builtins.str
     """Optional. The quality of service (`--qos`); empty means the default. At most 128 of `[A-Za-z0-9_.-]`."""
+    cluster: _builtins.str
+    """Optional. The Slurm cluster the job is meant for (SkyPilot's `infra: slurm/CLUSTER`); empty means the
+    deployment's. When set it must be the configured cluster's name (`scontrol show config`'s
+    ClusterName), else CreateJob fails with FAILED_PRECONDITION / FAILED_PRECONDITION (and a launch with
+    PRECHECK). At most 128 of `[A-Za-z0-9_.-]`.
+    """
     def __init__(
         self,
         *,
         partition: _builtins.str = ...,
         account: _builtins.str = ...,
         qos: _builtins.str = ...,
+        cluster: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["account", b"account", "partition", b"partition", "qos", b"qos"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account", b"account", "cluster", b"cluster", "partition", b"partition", "qos", b"qos"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -869,10 +878,17 @@ class KubernetesOptions(_message.Message):
     NAMESPACE_FIELD_NUMBER: _builtins.int
     NODE_SELECTOR_FIELD_NUMBER: _builtins.int
     PRIORITY_CLASS_NAME_FIELD_NUMBER: _builtins.int
+    CONTEXT_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     """Optional. The namespace; empty means the deployment's namespace for the organization. A DNS label."""
     priority_class_name: _builtins.str
     """Optional. The PriorityClass for the pods; empty means none. At most 253 characters."""
+    context: _builtins.str
+    """Optional. The kubeconfig context the job is meant for (SkyPilot's `infra: k8s/CONTEXT`); empty means
+    the deployment's. When set it must be the context the scheduler reaches its cluster through, else
+    CreateJob fails with FAILED_PRECONDITION / FAILED_PRECONDITION (and a launch with PRECHECK). At most
+    253 characters.
+    """
     @_builtins.property
     def node_selector(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Optional. Node labels the pods must match, at most 16."""
@@ -883,10 +899,11 @@ class KubernetesOptions(_message.Message):
         namespace: _builtins.str = ...,
         node_selector: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         priority_class_name: _builtins.str = ...,
+        context: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "node_selector", b"node_selector", "priority_class_name", b"priority_class_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context", b"context", "namespace", b"namespace", "node_selector", b"node_selector", "priority_class_name", b"priority_class_name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -51,7 +51,9 @@ class SchedulerServiceStub:
     CreateJob: _grpc.UnaryUnaryMultiCallable[_scheduler_service_pb2.CreateJobRequest, _scheduler_service_pb2.CreateJobResponse]
     """Accepts a job group. The call checks the spec (INVALID_ARGUMENT / INVALID_JOB_SPEC), that some
     placement can ever satisfy it (FAILED_PRECONDITION / RESOURCES_UNSATISFIABLE or PLACEMENT_INVALID),
-    that the backend is configured and reachable (UNAVAILABLE / BACKEND_UNAVAILABLE), that every declared
+    that the backend is configured and reachable (UNAVAILABLE / BACKEND_UNAVAILABLE), that the job's
+    `slurm` or `kubernetes` options name what the backend has, a Slurm cluster and partition or a
+    Kubernetes context (FAILED_PRECONDITION / FAILED_PRECONDITION, naming each field), that every declared
     secret exists (NOT_FOUND / SECRET_NOT_FOUND), then stores the job as PENDING and publishes its first
     `job.state_changed` event before returning, so the caller can subscribe to the job's events at once.
     A job id already taken fails with ALREADY_EXISTS / ALREADY_EXISTS; a reused request id with another
@@ -118,7 +120,9 @@ class SchedulerServiceAsyncStub(SchedulerServiceStub):
     CreateJob: _aio.UnaryUnaryMultiCallable[_scheduler_service_pb2.CreateJobRequest, _scheduler_service_pb2.CreateJobResponse]  # type: ignore[assignment]
     """Accepts a job group. The call checks the spec (INVALID_ARGUMENT / INVALID_JOB_SPEC), that some
     placement can ever satisfy it (FAILED_PRECONDITION / RESOURCES_UNSATISFIABLE or PLACEMENT_INVALID),
-    that the backend is configured and reachable (UNAVAILABLE / BACKEND_UNAVAILABLE), that every declared
+    that the backend is configured and reachable (UNAVAILABLE / BACKEND_UNAVAILABLE), that the job's
+    `slurm` or `kubernetes` options name what the backend has, a Slurm cluster and partition or a
+    Kubernetes context (FAILED_PRECONDITION / FAILED_PRECONDITION, naming each field), that every declared
     secret exists (NOT_FOUND / SECRET_NOT_FOUND), then stores the job as PENDING and publishes its first
     `job.state_changed` event before returning, so the caller can subscribe to the job's events at once.
     A job id already taken fails with ALREADY_EXISTS / ALREADY_EXISTS; a reused request id with another
@@ -188,7 +192,9 @@ class SchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_scheduler_service_pb2.CreateJobResponse, _abc.Awaitable[_scheduler_service_pb2.CreateJobResponse]]:
         """Accepts a job group. The call checks the spec (INVALID_ARGUMENT / INVALID_JOB_SPEC), that some
         placement can ever satisfy it (FAILED_PRECONDITION / RESOURCES_UNSATISFIABLE or PLACEMENT_INVALID),
-        that the backend is configured and reachable (UNAVAILABLE / BACKEND_UNAVAILABLE), that every declared
+        that the backend is configured and reachable (UNAVAILABLE / BACKEND_UNAVAILABLE), that the job's
+        `slurm` or `kubernetes` options name what the backend has, a Slurm cluster and partition or a
+        Kubernetes context (FAILED_PRECONDITION / FAILED_PRECONDITION, naming each field), that every declared
         secret exists (NOT_FOUND / SECRET_NOT_FOUND), then stores the job as PENDING and publishes its first
         `job.state_changed` event before returning, so the caller can subscribe to the job's events at once.
         A job id already taken fails with ALREADY_EXISTS / ALREADY_EXISTS; a reused request id with another
