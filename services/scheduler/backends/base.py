@@ -116,6 +116,9 @@ class LaunchSpec:
     ports: Sequence[str] = ()  # TCP ports the task listens on, each "PORT" or "FIRST-LAST" (SkyPilot's ports)
     preemptible: bool = False  # SkyPilot's use_spot: placed below every attempt that is not, may be preempted
     image: str = ""  # the container image to run in (SkyPilot's image_id docker:IMAGE); "" = the default
+    sibling_tasks: Sequence[str] = ()  # the job group's other tasks, when the group's tasks reach each other
+    # by host name (`{task}-{rank}.{group}`, SkyPilot's inter_connection); empty: no sibling host names
+    sibling_hosts_required: bool = False  # `inter_connection: true`: fail (PRECHECK) without those names
 
 
 class Phase(enum.Enum):

@@ -60,6 +60,7 @@ import pydantic
 import urllib3
 from kubernetes import client as k8s
 
+from services.scheduler.backends import group_hosts
 from services.scheduler.backends.base import (
     IPS_VARIABLES,
     NODE_SELECTOR_OPTION,
@@ -89,6 +90,11 @@ ANNOTATION_KEY = "tandem.dev/key"
 ANNOTATION_JOB = "tandem.dev/job"
 ANNOTATION_CANCELLED = "tandem.dev/cancelled"  # set by cancel: the attempt's end reads as cancelled
 ANNOTATION_LOG_DIR = "tandem.dev/log-dir"  # the scheduler's folder for the attempt's logs, for `find`
+ANNOTATION_GROUP = "tandem.dev/group"  # on a Job whose pods have sibling host names: the group's Service
+ANNOTATION_TASK = "tandem.dev/task"  # the task's exact name, the first part of its host names
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # an EndpointSlice's Service
+SLICE_MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
+SLICE_MANAGER = "tandem.dev/scheduler"  # not the EndpointSlice controller's: it leaves these slices alone
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 CONTAINER = "task"
@@ -160,6 +166,14 @@ def object_name(key: str) -> str:
     hostnames `<name>-<rank>` stay within 63."""
     base = re.sub(r"[^a-z0-9]+", "-", key.lower()).strip("-")[:40].rstrip("-")
     return f"tdm-{base}-{_digest(key)}" if base else f"tdm-{_digest(key)}"
+
+
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def group_of(job: str) -> str:
+    """The job group's name, `SKYPILOT_JOBGROUP_NAME` (expand.group_name): the job's id."""
+    return job.rsplit("/", 1)[-1]
 
 
 def task_ports(ports: Sequence[str]) -> list[int]:
@@ -259,6 +273,8 @@ class KubernetesBackend:
         self._core = k8s.CoreV1Api(self._api_client)
         self._scheduling = k8s.SchedulingV1Api(self._api_client)
         self._networking = k8s.NetworkingV1Api(self._api_client)
+        self._discovery = k8s.DiscoveryV1Api(self._api_client)
+        self._published: dict[str, tuple[str, list[Json]]] = {}  # slice -> (attempt, endpoints) last written
         self._priority_classes_ready: set[str] = set()
         self._log_refreshed: dict[tuple[str, int], float] = {}
         self._log_tasks: set[asyncio.Task[None]] = set()
@@ -290,6 +306,8 @@ class KubernetesBackend:
         nodes = max(1, spec.num_nodes)
         labels = self.labels(spec)
         annotations = {ANNOTATION_KEY: spec.key, ANNOTATION_JOB: spec.job}
+        if spec.sibling_tasks:
+            annotations.update({ANNOTATION_GROUP: group_of(spec.job), ANNOTATION_TASK: spec.task})
         security: Json = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
         if self.run_as_user is not None:
             uid = self.run_as_user
@@ -407,6 +425,56 @@ class KubernetesBackend:
             },
         }
 
+    def group_service_object(self, spec: LaunchSpec, owner: tuple[str, str] = ("", "")) -> Json:
+        """The job group's headless Service, named as the group (`SKYPILOT_JOBGROUP_NAME`): its DNS names
+        `{task}-{rank}.{group}` are the EndpointSlices' hostnames (`group_slice_object`), written by `poll`
+        from the pods it sees, since an Indexed Job's pods are named `<job>-<rank>` whatever the template
+        says. No selector: the EndpointSlice controller leaves it to us. Every attempt Job of the group that
+        has sibling names owns it (`owner`, its name and uid, added by each launch), so the garbage
+        collector removes it once the last of them is gone, and a task's retry keeps it."""
+        group = group_of(spec.job)
+        metadata: Json = {
+            "name": group,
+            "namespace": self.namespace_for(spec),
+            "labels": {MANAGED_BY: "tandem", LABEL_JOB: label_value(spec.job)},
+            "annotations": {ANNOTATION_JOB: spec.job},
+        }
+        if owner[1]:
+            metadata["ownerReferences"] = [_job_owner(*owner)]
+        # publishNotReadyAddresses: the names resolve while the tasks start, before anything is ready
+        body = {"clusterIP": "None", "publishNotReadyAddresses": True}
+        return {"apiVersion": "v1", "kind": "Service", "metadata": metadata, "spec": body}
+
+    def group_slice_object(
+        self, namespace: str, job: str, task: str, key: str, endpoints: Sequence[Json], service_uid: str = ""
+    ) -> Json:
+        """The EndpointSlice of one task in its group's Service: `{task}-{rank}` for each rank's pod (see
+        `sibling_endpoints`), owned by the Service; `key` is the attempt that wrote it."""
+        group = group_of(job)
+        metadata: Json = {
+            "name": f"{group}.{task}",  # neither has a dot: one slice per task, never another's
+            "namespace": namespace,
+            "labels": {
+                SERVICE_NAME_LABEL: group,
+                SLICE_MANAGED_BY: SLICE_MANAGER,
+                MANAGED_BY: "tandem",
+                LABEL_JOB: label_value(job),
+                LABEL_TASK: label_value(task),
+            },
+            "annotations": {ANNOTATION_KEY: key, ANNOTATION_JOB: job},
+        }
+        if service_uid:
+            metadata["ownerReferences"] = [
+                {"apiVersion": "v1", "kind": "Service", "name": group, "uid": service_uid}
+            ]
+        return {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": metadata,
+            "addressType": _address_type(endpoints),
+            "endpoints": list(endpoints),
+        }
+
     def _open_ports(self, spec: LaunchSpec) -> list[Json]:
         """SkyPilot's `ports` are the task's to expose: open to any peer, as a range where there is one."""
         rules = []
@@ -460,7 +528,13 @@ class KubernetesBackend:
         else:
             ip_ref = {"fieldRef": {"fieldPath": "status.podIP"}}
             env += [{"name": variable, "valueFrom": ip_ref} for variable in IPS_VARIABLES]
-        script = ["bash", "-euo", "pipefail", "-c", spec.command]
+        command = spec.command
+        if spec.sibling_tasks:  # the siblings' names, from the cluster's DNS once `poll` published them
+            env.append({"name": group_hosts.TASKS_ENV, "value": " ".join(spec.sibling_tasks)})
+            if spec.sibling_hosts_required:
+                env.append({"name": group_hosts.REQUIRED_ENV, "value": "1"})
+            command = group_hosts.wait_script(spec.sibling_tasks, group_of(spec.job)) + command
+        script = ["bash", "-euo", "pipefail", "-c", command]
         if spec.secret_env:
             env.append({"name": SECRETS_ENV, "value": format_secrets(spec.secret_env)})
             script = ["python", "-m", "services.scheduler.backends.task_secrets", *script]
@@ -521,6 +595,8 @@ class KubernetesBackend:
             raise LaunchRefused(f"attempt key {spec.key!r} must match {KEY_PATTERN.pattern}")
         if spec.num_nodes < 1:
             raise LaunchRefused(f"num_nodes must be at least 1, not {spec.num_nodes}")
+        if spec.sibling_tasks:
+            _check_host_names(spec)
         if _has_log_dir(spec.log_dir):  # logs() copies the pods' logs here
             await asyncio.to_thread(Path(spec.log_dir).mkdir, parents=True, exist_ok=True)
         namespace = self.namespace_for(spec)
@@ -549,7 +625,115 @@ class KubernetesBackend:
             await self._create_owned(
                 self._core.create_namespaced_service, namespace, self.service_object(spec, uid)
             )
-        return self._handle(spec.key, name, uid, max(1, spec.num_nodes), service, spec.log_dir, namespace)
+        group = ""
+        if spec.sibling_tasks:
+            group = await self._join_group(spec, namespace, name, uid)
+        handle = self._handle(spec.key, name, uid, max(1, spec.num_nodes), service, spec.log_dir, namespace)
+        if group:
+            handle.update(group=group, task=spec.task, tandem_job=spec.job)
+        return handle
+
+    async def _join_group(self, spec: LaunchSpec, namespace: str, job_name: str, job_uid: str) -> str:
+        """The group's Service, created by the first of its tasks to launch, with this attempt's Job among
+        its owners, and this task's EndpointSlice in it (empty until `poll` sees the pods' addresses)."""
+        body = self.group_service_object(spec, (job_name, job_uid))
+        group = str(body["metadata"]["name"])
+        try:
+            service = await self._call(
+                self._core.create_namespaced_service, namespace, body, refusal=True, conflict_ok=True
+            )
+        except _Conflict:
+            service = await self._call(self._core.read_namespaced_service, group, namespace)
+            metadata = service.get("metadata", {})
+            if (metadata.get("annotations") or {}).get(ANNOTATION_JOB) != spec.job:
+                raise LaunchRefused(
+                    f"Service {group} exists in {namespace} and is not job {spec.job}'s: its tasks' host "
+                    f"names `TASK-RANK.{group}` cannot be given there"
+                ) from None
+            owners = metadata.get("ownerReferences") or []
+            if all(ref.get("uid") != job_uid for ref in owners):
+                patch = (
+                    [
+                        {
+                            "op": "add",
+                            "path": "/metadata/ownerReferences/-",
+                            "value": _job_owner(job_name, job_uid),
+                        }
+                    ]
+                    if owners
+                    else [
+                        {
+                            "op": "add",
+                            "path": "/metadata/ownerReferences",
+                            "value": [_job_owner(job_name, job_uid)],
+                        }
+                    ]
+                )
+                await self._call(self._core.patch_namespaced_service, group, namespace, patch, refusal=True)
+        service_uid = str(service.get("metadata", {}).get("uid", ""))
+        await self._write_slice(namespace, spec.job, spec.task, spec.key, [], service_uid)
+        return group
+
+    async def _write_slice(
+        self, namespace: str, job: str, task: str, key: str, endpoints: list[Json], service_uid: str = ""
+    ) -> None:
+        """Make the task's EndpointSlice hold `endpoints`, written by attempt `key`."""
+        body = self.group_slice_object(namespace, job, task, key, endpoints, service_uid)
+        name = str(body["metadata"]["name"])
+        try:
+            await self._call(
+                self._discovery.create_namespaced_endpoint_slice,
+                namespace,
+                body,
+                refusal=True,
+                conflict_ok=True,
+            )
+        except _Conflict:
+            patch = [
+                {"op": "replace", "path": "/addressType", "value": body["addressType"]},
+                {"op": "replace", "path": "/endpoints", "value": endpoints},
+                {"op": "add", "path": f"/metadata/annotations/{_pointer(ANNOTATION_KEY)}", "value": key},
+            ]
+            await self._call(
+                self._discovery.patch_namespaced_endpoint_slice, name, namespace, patch, refusal=True
+            )
+        self._published[f"{namespace}/{name}"] = (key, endpoints)
+
+    async def _publish_siblings(self, handle: Handle, pods: list[Json], ended: bool) -> None:
+        """Write the task's sibling names from its pods (none once the attempt ended), when they changed.
+        An ended attempt empties the slice only while it is still the one that wrote it: a retry's own
+        addresses stay."""
+        namespace, job, task = (
+            _namespace(handle, self.namespace),
+            str(handle["tandem_job"]),
+            str(handle["task"]),
+        )
+        key = str(handle["key"])
+        endpoints = [] if ended else sibling_endpoints(task, pods, namespace)
+        slot = f"{namespace}/{handle['group']}.{task}"
+        if self._published.get(slot) == (key, endpoints):
+            return
+        try:
+            if ended:
+                current = await self._call(
+                    self._discovery.read_namespaced_endpoint_slice,
+                    f"{handle['group']}.{task}",
+                    namespace,
+                    missing_ok=True,
+                )
+                if (current.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_KEY) != key:
+                    self._published[slot] = (key, endpoints)
+                    return
+            service = await self._call(
+                self._core.read_namespaced_service, str(handle["group"]), namespace, missing_ok=True
+            )
+            await self._write_slice(
+                namespace, job, task, key, endpoints, str(service.get("metadata", {}).get("uid", ""))
+            )
+        except _Missing:  # the group's Service is gone (its Jobs were all removed): nothing to name
+            self._published[slot] = (key, endpoints)
+        except (BackendUnavailable, LaunchRefused) as error:
+            log.warning("kubernetes: could not publish the host names of %s: %s", handle.get("job"), error)
 
     async def _create_owned(self, create: Callable[..., Any], namespace: str, body: Json) -> None:
         """An object the attempt's Job owns; one already there was made by an earlier launch of this key."""
@@ -576,7 +760,7 @@ class KubernetesBackend:
             nodes = int(spec.get("completions") or 1)
             pod_spec = spec.get("template", {}).get("spec", {})
             log_dir = annotations.get(ANNOTATION_LOG_DIR)
-            return self._handle(
+            handle = self._handle(
                 key,
                 str(metadata["name"]),
                 str(metadata.get("uid", "")),
@@ -585,6 +769,13 @@ class KubernetesBackend:
                 Path(log_dir) if log_dir else None,
                 namespace,
             )
+            if annotations.get(ANNOTATION_GROUP):
+                handle.update(
+                    group=annotations[ANNOTATION_GROUP],
+                    task=annotations.get(ANNOTATION_TASK, ""),
+                    tandem_job=annotations.get(ANNOTATION_JOB, ""),
+                )
+            return handle
         return None
 
     async def poll(self, handle: Handle) -> Observed:
@@ -595,6 +786,8 @@ class KubernetesBackend:
             return Observed(Phase.LOST, message=f"Job {name} no longer exists (deleted)")
         pods = await self._pods(handle)
         observed = _observe(job, pods, int(handle.get("num_nodes", 1)))
+        if handle.get("group"):
+            await self._publish_siblings(handle, pods, observed.phase in (Phase.EXITED, Phase.LOST))
         if observed.phase in (Phase.EXITED, Phase.LOST) and handle.get("log_dir"):
             await self._refresh_logs(handle, pods)
         return observed
@@ -855,6 +1048,60 @@ class KubernetesBackend:
             raise
         except (urllib3.exceptions.HTTPError, OSError) as error:
             raise BackendUnavailable(f"Kubernetes API unreachable: {error}") from None
+
+
+def _job_owner(name: str, uid: str) -> Json:
+    """An ownerReference to an attempt's Job: its dependents go with it (with the last of them, when several
+    Jobs own one object)."""
+    return {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": uid, "blockOwnerDeletion": True}
+
+
+def _check_host_names(spec: LaunchSpec) -> None:
+    """The group's name must be a Service's name and `{task}-{rank}` a host name (DNS labels)."""
+    group = group_of(spec.job)
+    if not _DNS_1035.match(group):
+        raise LaunchRefused(
+            f"job id {group!r} cannot name the job group's Service (a DNS label: a lowercase letter, then at "
+            "most 62 lowercase letters, digits or hyphens, not ending in one); the tasks' host names "
+            f"`TASK-RANK.{group}` need it"
+        )
+    last = f"{spec.task}-{max(1, spec.num_nodes) - 1}"
+    if not _DNS_1035.match(last):
+        raise LaunchRefused(
+            f"host name {last!r} of task {spec.task!r} is not a DNS label (at most 63 lowercase letters, "
+            "digits or hyphens): a shorter task name gives its ranks names in the group"
+        )
+
+
+def _address_type(endpoints: Sequence[Json]) -> str:
+    return "IPv6" if any(":" in a for e in endpoints for a in e.get("addresses", [])) else "IPv4"
+
+
+def sibling_endpoints(task: str, pods: list[Json], namespace: str) -> list[Json]:
+    """The endpoints of `{task}-{rank}` in the group's Service: each rank's newest pod that has an address
+    and has not ended, by rank. A pod's addresses are of one family (its first, `podIP`)."""
+    endpoints = []
+    for rank, pod in sorted(_latest_pod_per_rank(pods).items()):
+        status, metadata = pod.get("status", {}), pod.get("metadata", {})
+        address = str(status.get("podIP") or "")
+        if not address or _pod_phase(pod) not in ("Pending", "Running") or metadata.get("deletionTimestamp"):
+            continue
+        endpoint: Json = {
+            "addresses": [address],
+            "hostname": f"{task}-{rank}",
+            "conditions": {"ready": True},
+            "targetRef": {
+                "kind": "Pod",
+                "name": str(metadata.get("name", "")),
+                "namespace": namespace,
+                "uid": str(metadata.get("uid", "")),
+            },
+        }
+        if pod.get("spec", {}).get("nodeName"):
+            endpoint["nodeName"] = str(pod["spec"]["nodeName"])
+        endpoints.append(endpoint)
+    family = _address_type(endpoints[:1])
+    return [e for e in endpoints if _address_type([e]) == family]
 
 
 def _pointer(key: str) -> str:
