@@ -19,6 +19,10 @@ What one attempt becomes (details and the reasons in `services/scheduler/KUBERNE
   (`TANDEM_NODE_RANK` / `SKYPILOT_NODE_RANK` through the downward API). Several nodes get a headless Service
   named like the Job, so rank r is `<job>-<r>.<service>`: those names are `TANDEM_NODE_IPS` /
   `SKYPILOT_NODE_IPS` (newline-separated, rank order). One node gets its pod IP.
+- A task of a job group with sibling host names (`LaunchSpec.sibling_tasks`) joins the group's headless
+  Service, named as the group and owned by every attempt Job of it, whose EndpointSlice `{group}.{task}`
+  `poll` keeps naming the task's pods `{task}-{rank}` (so `{task}-{rank}.{group}` resolves, as on the other
+  backends); the pods wait for their siblings' names before their command (`group_hosts.wait_script`).
 - GPUs as `nvidia.com/gpu` limits, CPU and memory as requests, the GPU model as a node selector on
   `gpu_type_label`; the priority as one of four PriorityClasses (`PRIORITY_BANDS`), created if missing.
 - Secrets: the pod gets `TANDEM_JOB_TOKEN` (in the task's env) and `TANDEM_SECRETS=ENV=name,...` (names
