@@ -639,7 +639,7 @@ class KubernetesBackend:
 
     async def _join_group(self, spec: LaunchSpec, namespace: str, job_name: str, job_uid: str) -> str:
         """The group's Service, created by the first of its tasks to launch, with this attempt's Job among
-        its owners, and this task's EndpointSlice in it (empty until `poll` sees the pods' addresses)."""
+        its owners (this task's EndpointSlice in it comes with `poll`, once its pods have addresses)."""
         body = self.group_service_object(spec, (job_name, job_uid))
         group = str(body["metadata"]["name"])
         try:
@@ -674,70 +674,61 @@ class KubernetesBackend:
                     ]
                 )
                 await self._call(self._core.patch_namespaced_service, group, namespace, patch, refusal=True)
-        service_uid = str(service.get("metadata", {}).get("uid", ""))
-        await self._write_slice(namespace, spec.job, spec.task, spec.key, [], service_uid)
         return group
 
-    async def _write_slice(
-        self, namespace: str, job: str, task: str, key: str, endpoints: list[Json], service_uid: str = ""
-    ) -> None:
-        """Make the task's EndpointSlice hold `endpoints`, written by attempt `key`."""
-        body = self.group_slice_object(namespace, job, task, key, endpoints, service_uid)
-        name = str(body["metadata"]["name"])
-        try:
-            await self._call(
-                self._discovery.create_namespaced_endpoint_slice,
-                namespace,
-                body,
-                refusal=True,
-                conflict_ok=True,
-            )
-        except _Conflict:
-            patch = [
-                {"op": "replace", "path": "/addressType", "value": body["addressType"]},
-                {"op": "replace", "path": "/endpoints", "value": endpoints},
-                {"op": "add", "path": f"/metadata/annotations/{_pointer(ANNOTATION_KEY)}", "value": key},
-            ]
-            await self._call(
-                self._discovery.patch_namespaced_endpoint_slice, name, namespace, patch, refusal=True
-            )
-        self._published[f"{namespace}/{name}"] = (key, endpoints)
-
     async def _publish_siblings(self, handle: Handle, pods: list[Json], ended: bool) -> None:
-        """Write the task's sibling names from its pods (none once the attempt ended), when they changed.
-        An ended attempt empties the slice only while it is still the one that wrote it: a retry's own
-        addresses stay."""
-        namespace, job, task = (
-            _namespace(handle, self.namespace),
-            str(handle["tandem_job"]),
-            str(handle["task"]),
-        )
-        key = str(handle["key"])
+        """Make the task's EndpointSlice name its pods (none once the attempt ended), when that changed. The
+        slice is created with the first addresses (its address family is theirs, and immutable); an ended
+        attempt empties it only while it is still the one that wrote it, so a retry's names stay."""
+        namespace, task, key = _namespace(handle, self.namespace), str(handle["task"]), str(handle["key"])
+        name = f"{handle['group']}.{task}"
         endpoints = [] if ended else sibling_endpoints(task, pods, namespace)
-        slot = f"{namespace}/{handle['group']}.{task}"
+        slot = f"{namespace}/{name}"
         if self._published.get(slot) == (key, endpoints):
             return
+        read = self._discovery.read_namespaced_endpoint_slice
         try:
-            if ended:
-                current = await self._call(
-                    self._discovery.read_namespaced_endpoint_slice,
-                    f"{handle['group']}.{task}",
-                    namespace,
-                    missing_ok=True,
-                )
-                if (current.get("metadata", {}).get("annotations") or {}).get(ANNOTATION_KEY) != key:
-                    self._published[slot] = (key, endpoints)
-                    return
-            service = await self._call(
-                self._core.read_namespaced_service, str(handle["group"]), namespace, missing_ok=True
-            )
-            await self._write_slice(
-                namespace, job, task, key, endpoints, str(service.get("metadata", {}).get("uid", ""))
-            )
+            try:
+                current: Json | None = await self._call(read, name, namespace, missing_ok=True)
+            except _Missing:
+                current = None
+            writer = ((current or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_KEY)
+            if current is None and endpoints:
+                await self._create_slice(handle, namespace, endpoints)
+            elif current is not None and (writer == key or not ended):
+                if endpoints and current.get("addressType") != _address_type(endpoints):
+                    await self._call(self._discovery.delete_namespaced_endpoint_slice, name, namespace)
+                    await self._create_slice(handle, namespace, endpoints)
+                else:
+                    patch = [  # `add` replaces: an empty list may read back as null
+                        {"op": "add", "path": "/endpoints", "value": endpoints},
+                        {
+                            "op": "add",
+                            "path": f"/metadata/annotations/{_pointer(ANNOTATION_KEY)}",
+                            "value": key,
+                        },
+                    ]
+                    await self._call(self._discovery.patch_namespaced_endpoint_slice, name, namespace, patch)
         except _Missing:  # the group's Service is gone (its Jobs were all removed): nothing to name
-            self._published[slot] = (key, endpoints)
+            pass
         except (BackendUnavailable, LaunchRefused) as error:
             log.warning("kubernetes: could not publish the host names of %s: %s", handle.get("job"), error)
+            return
+        self._published[slot] = (key, endpoints)
+
+    async def _create_slice(self, handle: Handle, namespace: str, endpoints: list[Json]) -> None:
+        """The task's EndpointSlice, owned by the group's Service (which must be there)."""
+        group = str(handle["group"])
+        service = await self._call(self._core.read_namespaced_service, group, namespace, missing_ok=True)
+        body = self.group_slice_object(
+            namespace,
+            str(handle["tandem_job"]),
+            str(handle["task"]),
+            str(handle["key"]),
+            endpoints,
+            str(service.get("metadata", {}).get("uid", "")),
+        )
+        await self._call(self._discovery.create_namespaced_endpoint_slice, namespace, body, refusal=True)
 
     async def _create_owned(self, create: Callable[..., Any], namespace: str, body: Json) -> None:
         """An object the attempt's Job owns; one already there was made by an earlier launch of this key."""

@@ -79,15 +79,20 @@ async def test_a_groups_tasks_share_one_headless_service_named_as_the_group(
     owners = [(ref["kind"], ref["name"], ref["uid"]) for ref in service["metadata"]["ownerReferences"]]
     assert owners == [("Job", trainer["job"], trainer["uid"]), ("Job", evaluator["job"], evaluator["uid"])]
 
+    assert objects(kube_api, "endpointslices") == {}  # no pod has an address yet
+    kube_api.start_job(NS, trainer["job"])
+    kube_api.start_job(NS, evaluator["job"])
+    await backend.poll(trainer)
+    await backend.poll(evaluator)
     slices = objects(kube_api, "endpointslices")
     assert sorted(slices) == ["rl-1a2b.eval", "rl-1a2b.trainer"]
-    for task, slice_ in slices.items():
+    for slice_ in slices.values():
         validate(sent(slice_))
         labels = slice_["metadata"]["labels"]
         assert labels["kubernetes.io/service-name"] == "rl-1a2b"
         assert labels["endpointslice.kubernetes.io/managed-by"] == "tandem.dev/scheduler"
         assert slice_["metadata"]["ownerReferences"][0]["uid"] == service["metadata"]["uid"]
-        assert slice_["endpoints"] == [], task  # no pod has an address yet
+        assert slice_["addressType"] == "IPv4"
 
     job = kube_api.job(NS, trainer["job"])
     assert job["metadata"]["annotations"]["tandem.dev/group"] == "rl-1a2b"
@@ -104,7 +109,7 @@ async def test_poll_names_each_ranks_pod_task_rank_group(
 ) -> None:
     trainer = await backend.launch(launch_spec(tmp_path, "trainer", num_nodes=2))
     assert (await backend.poll(trainer)).phase == Phase.QUEUED
-    assert hosts(kube_api, "trainer") == {}
+    assert objects(kube_api, "endpointslices") == {}
 
     kube_api.start_job(NS, trainer["job"])
     assert (await backend.poll(trainer)).phase == Phase.RUNNING
@@ -161,6 +166,26 @@ async def test_a_retry_keeps_the_service_and_takes_the_names_over(
         kube_api.remove_job(NS, handle_job)
     assert "rl-1a2b" not in objects(kube_api, "services")
     assert objects(kube_api, "endpointslices") == {}
+
+
+async def test_a_retry_in_the_other_address_family_gets_a_new_slice(
+    backend: KubernetesBackend, kube_api: FakeKubeApi, tmp_path: Path
+) -> None:
+    """A slice's addressType cannot change: pods whose addresses are of the other family (a cluster moved to
+    IPv6) get the task a new slice."""
+    first = await backend.launch(launch_spec(tmp_path, "trainer"))
+    kube_api.start_job(NS, first["job"])
+    await backend.poll(first)
+    kube_api.finish_job(NS, first["job"], {0: 1})
+    await backend.poll(first)
+    second = await backend.launch(launch_spec(tmp_path, "trainer", attempt=1))
+    kube_api.start_job(NS, second["job"])
+    kube_api.pods(NS, second["job"])[0]["status"]["podIP"] = "fd00::10"
+    await backend.poll(second)
+    slice_ = objects(kube_api, "endpointslices")["rl-1a2b.trainer"]
+    validate(sent(slice_))
+    assert slice_["addressType"] == "IPv6" and hosts(kube_api, "trainer") == {"trainer-0": "fd00::10"}
+    assert ("endpointslices", "rl-1a2b.trainer", {}) in kube_api.deletions
 
 
 async def test_a_relaunch_of_the_same_attempt_adds_no_owner(

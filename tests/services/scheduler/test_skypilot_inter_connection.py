@@ -203,6 +203,14 @@ def owners(cluster: FakeKubeApi, service: str) -> list[str]:
     return [ref["name"] for ref in found.get("metadata", {}).get("ownerReferences", [])]
 
 
+def hostnames(cluster: FakeKubeApi) -> dict[str, list[str]]:
+    return {
+        name: [e["hostname"] for e in obj["endpoints"]]
+        for (kind, _ns, name), obj in list(cluster.objects.items())
+        if kind == "endpointslices"
+    }
+
+
 async def submit(clients: Clients, text: str, job_id: str) -> None:
     spec = S.parse_yaml(textwrap.dedent(text))
     spec.backend = job_spec_pb2.BACKEND_KUBERNETES
@@ -218,12 +226,16 @@ async def test_on_kubernetes_the_group_gets_its_service_unless_false(
         env["client"][group_hosts.TASKS_ENV] == "server" and env["server"][group_hosts.TASKS_ENV] == "client"
     )
     deadline = time.monotonic() + 60
-    slices = {("endpointslices", NS, "pair-k8s.server"), ("endpointslices", NS, "pair-k8s.client")}
-    # the second launch adds its Job to the Service's owners, then its slice, after creating the Job
-    while len(owners(cluster, "pair-k8s")) < 2 or not slices <= set(cluster.objects):
-        assert time.monotonic() < deadline, (owners(cluster, "pair-k8s"), list(cluster.objects))
+    while len(owners(cluster, "pair-k8s")) < 2:  # the second launch adds its Job after creating it
+        assert time.monotonic() < deadline, owners(cluster, "pair-k8s")
         await asyncio.sleep(0.05)
     assert cluster.objects[("services", NS, "pair-k8s")]["spec"]["clusterIP"] == "None"
+    for job in owners(cluster, "pair-k8s"):
+        cluster.start_job(NS, job)
+    names = {"pair-k8s.server": ["server-0"], "pair-k8s.client": ["client-0"]}
+    while hostnames(cluster) != names:  # the scheduler's polls name the pods
+        assert time.monotonic() < deadline, hostnames(cluster)
+        await asyncio.sleep(0.05)
     await acme.scheduler.CancelJob(pb.CancelJobRequest(name=f"{ORG}/jobs/pair-k8s"))
 
 
