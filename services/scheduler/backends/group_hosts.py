@@ -154,7 +154,9 @@ _tandem_resolves() {{
     python3 -c 'import socket, sys; socket.getaddrinfo(sys.argv[1], None)' "$1" >/dev/null 2>&1
   else return 0; fi
 }}
-_tandem_until=$((SECONDS + ${{{WAIT_ENV}:-{DEFAULT_WAIT_S:g}}}))
+_tandem_wait=${{{WAIT_ENV}:-{DEFAULT_WAIT_S:g}}}
+_tandem_wait=${{_tandem_wait%%.*}}  # whole seconds: bash counts no fractions
+_tandem_until=$((SECONDS + ${{_tandem_wait:-0}}))
 _tandem_missing=""
 for _tandem_host in {hosts}; do
   until _tandem_resolves "$_tandem_host"; do
@@ -163,13 +165,14 @@ for _tandem_host in {hosts}; do
   done
 done
 if [ -n "$_tandem_missing" ]; then
-  echo "[tandem] after ${{{WAIT_ENV}:-{DEFAULT_WAIT_S:g}}}s, no host name yet for$_tandem_missing" >&2
+  echo "[tandem] after ${{_tandem_wait:-0}}s, no host name yet for$_tandem_missing" >&2
   if [ "${{{REQUIRED_ENV}:-}}" = 1 ]; then
     echo "[tandem] the job group needs its host names (inter_connection: true); failing" >&2
     exit {REQUIRED_EXIT}
   fi
 fi
-unset _tandem_until _tandem_missing _tandem_host
+unset _tandem_wait _tandem_until _tandem_missing _tandem_host
+unset -f _tandem_resolves
 """
 
 

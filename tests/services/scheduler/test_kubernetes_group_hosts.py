@@ -261,12 +261,12 @@ async def wait_end(backend: KubernetesBackend, handle: dict[str, Any]) -> Any:
 
 def test_the_wait_script_runs_in_bash(tmp_path: Path) -> None:
     script = group_hosts.wait_script(["eval", "replay"], "rl-1a2b.invalid") + "echo ran"
-    base = {"PATH": os.environ["PATH"], group_hosts.WAIT_ENV: "0"}
+    base = {"PATH": os.environ["PATH"], group_hosts.WAIT_ENV: "0.5"}  # whole seconds in bash: 0
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", script], env=base, capture_output=True, text=True, check=False
     )
     assert done.returncode == 0 and done.stdout == "ran\n"
-    assert "no host name yet for eval-0.rl-1a2b.invalid replay-0.rl-1a2b.invalid" in done.stderr
+    assert "after 0s, no host name yet for eval-0.rl-1a2b.invalid replay-0.rl-1a2b.invalid" in done.stderr
     strict = {**base, group_hosts.REQUIRED_ENV: "1"}
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", script], env=strict, capture_output=True, text=True, check=False
