@@ -1,7 +1,8 @@
 """SkyPilot's job-group header key `inter_connection`: whether a group's tasks reach each other by the host names
 `{task}-{rank}.{group}`. Unset and `true` (required) give the names on every backend, `false` gives none: the
-spec as `load_yaml` reads it (SkyPilot's loader as the oracle where .venv-sky has it), the local backend's
-tasks through the scheduler, and the objects the Kubernetes backend creates on the stand-in API server."""
+spec as `load_yaml` reads it (SkyPilot's loader as the oracle where .venv-sky has it), the local and Slurm
+backends' tasks through the scheduler, and the objects the Kubernetes backend creates on the stand-in API
+server."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ from services.scheduler.engine import sibling_hosts
 from tests.services.scheduler.test_kubernetes_jobs import NS, acme
 from tests.services.scheduler.test_scheduler import ORG, TERMINAL, Clients, log_text, wait_for
 from tests.services.scheduler.test_skypilot import SKY_PYTHON, needs_skypilot
-from tests.services.scheduler.test_skypilot_env import check_server_env, mesh_clients, run_pair
+from tests.services.scheduler.test_skypilot_env import check_server_env, mesh_clients, run_pair, slurm
 from tests.support.kube_api import FakeKubeApi, running_kube_api
 
-__all__ = ["acme"]
+__all__ = ["acme", "slurm"]
 pytestmark = pytest.mark.timeout(180)
 
 GROUP = """\
@@ -136,17 +137,29 @@ async def local(tmp_path: Path) -> AsyncIterator[Clients]:
         yield clients
 
 
-async def test_on_local_false_gives_no_names_and_true_gives_them(local: Clients, tmp_path: Path) -> None:
+async def run_without_names(clients: Clients, job_id: str, **spec: Any) -> None:
+    """The group with `inter_connection: false`: the client finds no sibling name and no hosts view."""
     off = S.parse_yaml(group("inter_connection: false\n"))
-    reply = await local.scheduler.CreateJob(pb.CreateJobRequest(parent=ORG, job_id="pair-off", spec=off))
-    done = await wait_for(local, reply.job.name, *TERMINAL, within_s=120)
-    client_log = await log_text(local, reply.job.name, "client")
+    for key, value in spec.items():
+        setattr(off, key, value)
+    reply = await clients.scheduler.CreateJob(pb.CreateJobRequest(parent=ORG, job_id=job_id, spec=off))
+    done = await wait_for(clients, reply.job.name, *TERMINAL, within_s=120)
+    client_log = await log_text(clients, reply.job.name, "client")
     assert done.state == job_pb2.Job.State.STATE_SUCCEEDED, (done.failure.message, client_log)
     assert "no name" in client_log and "hosts dir: none" in client_log, client_log
+
+
+async def test_on_local_false_gives_no_names_and_true_gives_them(local: Clients, tmp_path: Path) -> None:
+    await run_without_names(local, "pair-off")
 
     required = await run_pair(local, "pair-on", tmp_path / "scripts", inter_connection=True)
     await check_server_env(local, required, gpus=0)
     assert "resolved server-0.pair-on 127.0.0.1" in await log_text(local, required.name, "client")
+
+
+@pytest.mark.slow
+async def test_on_slurm_false_gives_no_names(slurm: Clients) -> None:
+    await run_without_names(slurm, "pair-slurm-off", backend=job_spec_pb2.BACKEND_SLURM)
 
 
 def test_required_names_that_do_not_come_fail_the_node_as_a_precheck(tmp_path: Path) -> None:
