@@ -137,6 +137,13 @@ def is_serial(spec: JobSpec) -> bool:
     return spec.execution == JobSpec.EXECUTION_SERIAL
 
 
+def sibling_hosts(spec: JobSpec) -> bool:
+    """Whether the tasks reach each other as `{task}-{rank}.{group}`: a parallel group of several tasks,
+    unless it says `inter_connection: false` (SkyPilot's; unset means true)."""
+    wanted = spec.inter_connection if spec.HasField("inter_connection") else True
+    return wanted and len(spec.tasks) > 1 and not is_serial(spec)
+
+
 def due_task(record: JobRecord) -> str:
     """The task of a serial group that may run now: the first that has not SUCCEEDED ("" when all have)."""
     for task in record.tasks:
@@ -1340,17 +1347,10 @@ class Engine:
             output_dir=str(output),
             python="python" if spec_task.resources.image else sys.executable,  # an image's own Python
         )
-        if len(names) > 1 and attempt.backend in HOST_BACKENDS and not is_serial(spec):
-            # Siblings by host name (`{task}-{rank}.{group}`): each node publishes its own and sees the others'
-            # in a private /etc/hosts (backends/group_hosts.py).
-            from services.scheduler.backends import group_hosts  # noqa: PLC0415
-
-            env[group_hosts.DIR_ENV] = str(self.task_dir(job.name, ".hosts"))
-            env[group_hosts.TASKS_ENV] = " ".join(n for n in names if n != spec_task.name)
-            command = (  # by its file: it needs only the standard library, wherever the task runs
-                f"exec {shlex.quote(sys.executable)} {shlex.quote(group_hosts.__file__)}"
-                f" bash -euo pipefail -c {shlex.quote(command)}"
-            )
+        siblings = tuple(n for n in names if n != spec_task.name) if sibling_hosts(spec) else ()
+        required = bool(siblings) and spec.HasField("inter_connection")  # `true`: no names, no run
+        if siblings and attempt.backend in HOST_BACKENDS:
+            command = self.with_sibling_hosts(job.name, siblings, command, env, required=required)
         command = self.wrapped(attempt.backend, spec_task, command, env, mounts, secret_env)
         # Each attempt's part of a task's log begins with a line naming it.
         command = f"echo '[tandem] attempt {attempt.attempt}'\n{command}"
@@ -1376,6 +1376,25 @@ class Engine:
             preemptible=preemptible(spec),
             image=spec_task.resources.image,
             labels=dict(spec_task.resources.labels),
+            sibling_tasks=siblings,
+            sibling_hosts_required=required,
+        )
+
+    def with_sibling_hosts(
+        self, job: str, siblings: Sequence[str], command: str, env: dict[str, str], *, required: bool
+    ) -> str:
+        """On local and Slurm, siblings by host name (`{task}-{rank}.{group}`): each node publishes its own and
+        sees the others' in a private /etc/hosts (backends/group_hosts.py). Kubernetes serves them from its
+        DNS (backends/kubernetes.py, from `LaunchSpec.sibling_tasks`)."""
+        from services.scheduler.backends import group_hosts  # noqa: PLC0415
+
+        env[group_hosts.DIR_ENV] = str(self.task_dir(job, ".hosts"))
+        env[group_hosts.TASKS_ENV] = " ".join(siblings)
+        if required:
+            env[group_hosts.REQUIRED_ENV] = "1"
+        return (  # by its file: it needs only the standard library, wherever the task runs
+            f"exec {shlex.quote(sys.executable)} {shlex.quote(group_hosts.__file__)}"
+            f" bash -euo pipefail -c {shlex.quote(command)}"
         )
 
     def wrapped(

@@ -864,10 +864,11 @@ _RESOURCE_KEYS = (
 # SkyPilot's keys (its task and resources schema) that Tandem does not take, each with the reason; SPEC.md has
 # the whole table. A key here is refused naming why; any other unknown key names the nearest known one.
 _NOT_YET = "not yet in Tandem"
-_GROUP_KEYS = ("primary_tasks", "termination_delay")  # SkyPilot's job-group header keys, in a group only
+_GROUP_KEYS = ("primary_tasks", "termination_delay", "inter_connection")  # SkyPilot's job-group header keys
 _SKY_JOB_KEYS = {
     "primary_tasks": "names the primary tasks of a job group; a one-task file's task is its primary",
-    "inter_connection": f"{_NOT_YET}: the tasks of a group reach each other as the backend's network allows",
+    "inter_connection": "says whether a job group's tasks reach each other by host name; a one-task file's "
+    "task has no siblings to reach",
 }
 _SKY_TASK_KEYS = {
     "accelerators": "belongs under `resources:` (`resources: {accelerators: A100:8}`)",
@@ -1294,6 +1295,12 @@ class _Reader:
             )
         if "backend" in doc:
             self.guard(lambda: setattr(spec, "backend", self.choice(doc["backend"], "backend", _BACKENDS)))
+        if "inter_connection" in doc:  # a group header's: whether the tasks reach each other by host name
+            self.guard(
+                lambda: setattr(
+                    spec, "inter_connection", self.boolean(doc["inter_connection"], "inter_connection")
+                )
+            )
         if "max_duration" in doc:
             self.guard(lambda: spec.max_duration.CopyFrom(self.duration(doc["max_duration"], "max_duration")))
         if "recovery" in doc:

@@ -11,14 +11,16 @@ client calls for the backend, with the API server's JSON shapes and status codes
     /api/v1/pods, /api/v1/nodes                              list (fieldSelector on status.phase)
     /apis/scheduling.k8s.io/v1/priorityclasses[/{name}]      list, create, get
     /apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies[/{name}]  list, create, get, delete
+    /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices[/{name}]    list, create, get, patch, delete
 
 Objects live in memory. Every created object is checked against the Kubernetes OpenAPI schema with
 `kubernetes-validate` (422 Invalid when it fails, as a real API server refuses it), names are unique per
 namespace (409 AlreadyExists), missing objects answer 404 NotFound. Creating a Job also does the Job
 controller's first step: one Pending pod per completion index, labelled and annotated as Kubernetes does
-(`batch.kubernetes.io/job-completion-index`, `job-name`, the template's labels). Deleting a Job deletes its
-pods and the objects it owns at once (the garbage collector, without its delay); each delete's options are
-kept in `deletions` so tests can check the propagation policy and grace period.
+(`batch.kubernetes.io/job-completion-index`, `job-name`, the template's labels), its hostname
+`<job>-<index>` whatever the template says. Deleting a Job deletes its pods and the objects it owns at once
+(the garbage collector, without its delay: an object with several owners goes with the last of them); each
+delete's options are kept in `deletions` so tests can check the propagation policy and grace period.
 
 It is not a cluster: nothing schedules pods. Tests move a Job through its life with hooks (`start_job`,
 `finish_job`, `evict_pod`, `set_log`, `remove_job`, `refuse_next_create`, `add_node`, `stop`). With
@@ -68,9 +70,11 @@ _KINDS = {  # plural -> (kind, apiVersion, namespaced)
     "nodes": ("Node", "v1", False),
     "priorityclasses": ("PriorityClass", "scheduling.k8s.io/v1", False),
     "networkpolicies": ("NetworkPolicy", "networking.k8s.io/v1", True),
+    "endpointslices": ("EndpointSlice", "discovery.k8s.io/v1", True),
 }
 _PATH = re.compile(
-    r"^/(?:api/v1|apis/batch/v1|apis/scheduling\.k8s\.io/v1|apis/networking\.k8s\.io/v1)"
+    r"^/(?:api/v1|apis/batch/v1|apis/scheduling\.k8s\.io/v1|apis/networking\.k8s\.io/v1"
+    r"|apis/discovery\.k8s\.io/v1)"
     r"(?:/namespaces/(?P<ns>[^/]+))?/(?P<plural>[a-z]+)(?:/(?P<name>[^/]+))?(?P<log>/log)?$"
 )
 
@@ -415,13 +419,20 @@ class FakeKubeApi:
         if obj is None:
             return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
         self.patches.append((plural, name, copy.deepcopy(body)))
+        patched = copy.deepcopy(obj)
         if isinstance(body, list):
             try:
-                _json_patch(obj, body)
-            except (KeyError, IndexError, ValueError) as error:
+                _json_patch(patched, body)
+            except (KeyError, IndexError, ValueError, TypeError) as error:
                 return 422, _status(422, "Invalid", f"the patch does not apply: {error!r}")
         else:
-            _merge(obj, body)
+            _merge(patched, body)
+        try:  # the patched object must still be a valid one (its status aside: some kinds have none)
+            validate({k: v for k, v in patched.items() if k != "status"}, self.schema_version)
+        except kubernetes_validate.ValidationError as error:
+            return 422, _status(422, "Invalid", f"{obj.get('kind')} is invalid: {error.message}")
+        obj.clear()
+        obj.update(patched)
         obj["metadata"]["resourceVersion"] = str(next(self._versions))
         if plural == "jobs":
             self._check_deadline(ns, name)
@@ -609,10 +620,12 @@ class FakeKubeApi:
                 self._lost[(ns, job)] = self._lost.get((ns, job), 0) + 1  # a deleted running pod failed
                 self._settle(ns, job)
         uid = obj["metadata"]["uid"]
-        owned = [
+        alive = {other["metadata"]["uid"] for other in self.objects.values()}
+        owned = [  # the garbage collector removes a dependent once none of its owners is left
             key
             for key, other in self.objects.items()
             if any(ref.get("uid") == uid for ref in other["metadata"].get("ownerReferences") or [])
+            and not any(ref.get("uid") in alive for ref in other["metadata"]["ownerReferences"])
         ]
         for key in owned:
             self._delete(key[0], key[1], key[2], {"propagationPolicy": "garbage collector"})
@@ -683,13 +696,24 @@ def _json_patch(target: Json, operations: list[Json]) -> None:
     """RFC 6902 add / replace / remove on objects (what the backend sends)."""
     for operation in operations:
         *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in operation["path"][1:].split("/")]
-        node = target
+        node: Any = target
         for part in parents:
-            node = node[part]
-        if operation["op"] in ("add", "replace"):
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        value = copy.deepcopy(operation.get("value"))
+        if isinstance(node, list):  # an index, or `-` past the end
+            index = len(node) if last == "-" else int(last)
+            if operation["op"] == "add":
+                node.insert(index, value)
+            elif operation["op"] == "replace":
+                node[index] = value
+            elif operation["op"] == "remove":
+                del node[index]
+            else:
+                raise ValueError(f"unsupported op {operation['op']}")
+        elif operation["op"] in ("add", "replace"):
             if operation["op"] == "replace" and last not in node:
                 raise KeyError(operation["path"])
-            node[last] = copy.deepcopy(operation["value"])
+            node[last] = value
         elif operation["op"] == "remove":
             del node[last]
         else:

@@ -130,6 +130,9 @@ class LaunchSpec:
     registry_login: RegistryLogin | None = None  # the image's registry login, opened by the engine for a
     # backend whose puller needs the value at launch (Kubernetes' image pull Secret); host backends open it
     # in the task (task_image.py), so it is None for them
+    sibling_tasks: Sequence[str] = ()  # the job group's other tasks, when the group's tasks reach each other
+    # by host name (`{task}-{rank}.{group}`, SkyPilot's inter_connection); empty: no sibling host names
+    sibling_hosts_required: bool = False  # `inter_connection: true`: fail (PRECHECK) without those names
 
 
 class Phase(enum.Enum):

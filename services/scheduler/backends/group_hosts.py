@@ -22,6 +22,12 @@ module:
 
 Where the kernel refuses user namespaces (some clusters turn them off) or `unshare` is missing, the command
 runs without the names and a line in the task's log says so; `TANDEM_GROUP_HOSTS_FILE` still lists them.
+A group that asks for the names (SkyPilot's `inter_connection: true`, `TANDEM_GROUP_HOSTS_REQUIRED=1`) fails
+instead, with `REQUIRED_EXIT` (a PRECHECK failure), as it does when a sibling's name is still missing after
+the wait: SkyPilot fails such a group too.
+
+On Kubernetes the cluster's DNS serves the same names (backends/kubernetes.py); `wait_script` is the pod's
+step 2 there, before its command.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ DIR_ENV = "TANDEM_GROUP_HOSTS_DIR"
 TASKS_ENV = "TANDEM_GROUP_TASKS"  # the sibling tasks to wait for, space-separated; empty: wait for none
 WAIT_ENV = "TANDEM_GROUP_HOSTS_WAIT_S"
 FILE_ENV = "TANDEM_GROUP_HOSTS_FILE"
+REQUIRED_ENV = "TANDEM_GROUP_HOSTS_REQUIRED"  # "1": no names, no run (SkyPilot's inter_connection: true)
+REQUIRED_EXIT = 223  # expand.SETUP_FAILED_EXIT: a PRECHECK failure, never recovered
 DEFAULT_WAIT_S = 300.0
 REFRESH_S = 1.0
 SYSTEM_HOSTS = Path("/etc/hosts")
@@ -128,6 +136,46 @@ def namespace_command(view: Path, argv: Sequence[str]) -> list[str] | None:
     return [*prefix, *argv] if probe.returncode == 0 else None
 
 
+def required(env: Mapping[str, str]) -> bool:
+    return env.get(REQUIRED_ENV, "") == "1"
+
+
+def wait_script(tasks: Sequence[str], group: str) -> str:
+    """Bash that waits until `{task}-0.{group}` of each of `tasks` resolves, at most `$TANDEM_GROUP_HOSTS_WAIT_S`
+    seconds (DEFAULT_WAIT_S), then goes on; with `$TANDEM_GROUP_HOSTS_REQUIRED` = 1 it exits REQUIRED_EXIT
+    instead. It asks the resolver through `getent`, else `python3`; an image with neither is not waited for."""
+    hosts = " ".join(f"{task}-0.{group}" for task in tasks)
+    if not hosts:
+        return ""
+    return f"""\
+_tandem_resolves() {{
+  if command -v getent >/dev/null 2>&1; then getent hosts "$1" >/dev/null 2>&1
+  elif command -v python3 >/dev/null 2>&1; then
+    python3 -c 'import socket, sys; socket.getaddrinfo(sys.argv[1], None)' "$1" >/dev/null 2>&1
+  else return 0; fi
+}}
+_tandem_wait=${{{WAIT_ENV}:-{DEFAULT_WAIT_S:g}}}
+_tandem_wait=${{_tandem_wait%%.*}}  # whole seconds: bash counts no fractions
+_tandem_until=$((SECONDS + ${{_tandem_wait:-0}}))
+_tandem_missing=""
+for _tandem_host in {hosts}; do
+  until _tandem_resolves "$_tandem_host"; do
+    if [ "$SECONDS" -ge "$_tandem_until" ]; then _tandem_missing="$_tandem_missing $_tandem_host"; break; fi
+    sleep 1
+  done
+done
+if [ -n "$_tandem_missing" ]; then
+  echo "[tandem] after ${{_tandem_wait:-0}}s, no host name yet for$_tandem_missing" >&2
+  if [ "${{{REQUIRED_ENV}:-}}" = 1 ]; then
+    echo "[tandem] the job group needs its host names (inter_connection: true); failing" >&2
+    exit {REQUIRED_EXIT}
+  fi
+fi
+unset _tandem_wait _tandem_until _tandem_missing _tandem_host
+unset -f _tandem_resolves
+"""
+
+
 def main(argv: Sequence[str]) -> int:
     if not argv:
         print("usage: python -m services.scheduler.backends.group_hosts COMMAND [ARG...]", file=sys.stderr)
@@ -139,10 +187,23 @@ def main(argv: Sequence[str]) -> int:
     missing = wait_for(folder, os.environ.get(TASKS_ENV, "").split(), wait_s)
     if missing:
         print(f"[tandem] after {wait_s:g}s, no host name yet for {' '.join(missing)}", file=sys.stderr)
+        if required(os.environ):
+            print(
+                "[tandem] the job group needs its host names (inter_connection: true); failing",
+                file=sys.stderr,
+            )
+            return REQUIRED_EXIT
     view = folder / f".view-{name}-{os.getpid()}"
     write_in_place(view, compose(folder))
     os.environ[FILE_ENV] = str(view)
     command = namespace_command(view, argv)
+    if command is None and required(os.environ):
+        print(
+            "[tandem] the job group needs its host names (inter_connection: true), and this node cannot"
+            " give them (no user namespace); failing",
+            file=sys.stderr,
+        )
+        return REQUIRED_EXIT
     if command is None:
         print(
             f"[tandem] sibling host names are not in /etc/hosts here (no user namespace); see {view}",

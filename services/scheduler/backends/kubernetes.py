@@ -19,6 +19,10 @@ What one attempt becomes (details and the reasons in `services/scheduler/KUBERNE
   (`TANDEM_NODE_RANK` / `SKYPILOT_NODE_RANK` through the downward API). Several nodes get a headless Service
   named like the Job, so rank r is `<job>-<r>.<service>`: those names are `TANDEM_NODE_IPS` /
   `SKYPILOT_NODE_IPS` (newline-separated, rank order). One node gets its pod IP.
+- A task of a job group with sibling host names (`LaunchSpec.sibling_tasks`) joins the group's headless
+  Service, named as the group and owned by every attempt Job of it, whose EndpointSlice `{group}.{task}`
+  `poll` keeps naming the task's pods `{task}-{rank}` (so `{task}-{rank}.{group}` resolves, as on the other
+  backends); the pods wait for their siblings' names before their command (`group_hosts.wait_script`).
 - GPUs as `nvidia.com/gpu` limits, CPU and memory as requests, the GPU model as a node selector on
   `gpu_type_label`; the priority as one of four PriorityClasses (`PRIORITY_BANDS`), created if missing.
 - Secrets: the pod gets `TANDEM_JOB_TOKEN` (in the task's env) and `TANDEM_SECRETS=ENV=name,...` (names
@@ -65,6 +69,7 @@ import pydantic
 import urllib3
 from kubernetes import client as k8s
 
+from services.scheduler.backends import group_hosts
 from services.scheduler.backends.base import (
     IPS_VARIABLES,
     NODE_SELECTOR_OPTION,
@@ -96,6 +101,11 @@ ANNOTATION_KEY = "tandem.dev/key"
 ANNOTATION_JOB = "tandem.dev/job"
 ANNOTATION_CANCELLED = "tandem.dev/cancelled"  # set by cancel: the attempt's end reads as cancelled
 ANNOTATION_LOG_DIR = "tandem.dev/log-dir"  # the scheduler's folder for the attempt's logs, for `find`
+ANNOTATION_GROUP = "tandem.dev/group"  # on a Job whose pods have sibling host names: the group's Service
+ANNOTATION_TASK = "tandem.dev/task"  # the task's exact name, the first part of its host names
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # an EndpointSlice's Service
+SLICE_MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
+SLICE_MANAGER = "tandem.dev/scheduler"  # not the EndpointSlice controller's: it leaves these slices alone
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 CONTAINER = "task"
@@ -185,6 +195,14 @@ def docker_config(login: RegistryLogin) -> bytes:
     auth = base64.b64encode(f"{login.username}:{login.password}".encode()).decode()
     entry = {"username": login.username, "password": login.password, "auth": auth}
     return json.dumps({"auths": {server: entry}}, sort_keys=True).encode()
+
+
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def group_of(job: str) -> str:
+    """The job group's name, `SKYPILOT_JOBGROUP_NAME` (expand.group_name): the job's id."""
+    return job.rsplit("/", 1)[-1]
 
 
 def task_ports(ports: Sequence[str]) -> list[int]:
@@ -290,6 +308,8 @@ class KubernetesBackend:
         self._core = k8s.CoreV1Api(self._api_client)
         self._scheduling = k8s.SchedulingV1Api(self._api_client)
         self._networking = k8s.NetworkingV1Api(self._api_client)
+        self._discovery = k8s.DiscoveryV1Api(self._api_client)
+        self._published: dict[str, tuple[str, list[Json]]] = {}  # slice -> (attempt, endpoints) last written
         self._priority_classes_ready: set[str] = set()
         self._log_refreshed: dict[tuple[str, int], float] = {}
         self._log_tasks: set[asyncio.Task[None]] = set()
@@ -333,6 +353,8 @@ class KubernetesBackend:
         nodes = max(1, spec.num_nodes)
         labels = self.labels(spec)
         annotations = {ANNOTATION_KEY: spec.key, ANNOTATION_JOB: spec.job}
+        if spec.sibling_tasks:
+            annotations.update({ANNOTATION_GROUP: group_of(spec.job), ANNOTATION_TASK: spec.task})
         security: Json = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
         if self.run_as_user is not None:
             uid = self.run_as_user
@@ -470,6 +492,56 @@ class KubernetesBackend:
             },
         }
 
+    def group_service_object(self, spec: LaunchSpec, owner: tuple[str, str] = ("", "")) -> Json:
+        """The job group's headless Service, named as the group (`SKYPILOT_JOBGROUP_NAME`): its DNS names
+        `{task}-{rank}.{group}` are the EndpointSlices' hostnames (`group_slice_object`), written by `poll`
+        from the pods it sees, since an Indexed Job's pods are named `<job>-<rank>` whatever the template
+        says. No selector: the EndpointSlice controller leaves it to us. Every attempt Job of the group that
+        has sibling names owns it (`owner`, its name and uid, added by each launch), so the garbage
+        collector removes it once the last of them is gone, and a task's retry keeps it."""
+        group = group_of(spec.job)
+        metadata: Json = {
+            "name": group,
+            "namespace": self.namespace_for(spec),
+            "labels": {MANAGED_BY: "tandem", LABEL_JOB: label_value(spec.job)},
+            "annotations": {ANNOTATION_JOB: spec.job},
+        }
+        if owner[1]:
+            metadata["ownerReferences"] = [_job_owner(*owner)]
+        # publishNotReadyAddresses: the names resolve while the tasks start, before anything is ready
+        body = {"clusterIP": "None", "publishNotReadyAddresses": True}
+        return {"apiVersion": "v1", "kind": "Service", "metadata": metadata, "spec": body}
+
+    def group_slice_object(
+        self, namespace: str, job: str, task: str, key: str, endpoints: Sequence[Json], service_uid: str = ""
+    ) -> Json:
+        """The EndpointSlice of one task in its group's Service: `{task}-{rank}` for each rank's pod (see
+        `sibling_endpoints`), owned by the Service; `key` is the attempt that wrote it."""
+        group = group_of(job)
+        metadata: Json = {
+            "name": f"{group}.{task}",  # neither has a dot: one slice per task, never another's
+            "namespace": namespace,
+            "labels": {
+                SERVICE_NAME_LABEL: group,
+                SLICE_MANAGED_BY: SLICE_MANAGER,
+                MANAGED_BY: "tandem",
+                LABEL_JOB: label_value(job),
+                LABEL_TASK: label_value(task),
+            },
+            "annotations": {ANNOTATION_KEY: key, ANNOTATION_JOB: job},
+        }
+        if service_uid:
+            metadata["ownerReferences"] = [
+                {"apiVersion": "v1", "kind": "Service", "name": group, "uid": service_uid}
+            ]
+        return {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": metadata,
+            "addressType": _address_type(endpoints),
+            "endpoints": list(endpoints),
+        }
+
     def _open_ports(self, spec: LaunchSpec) -> list[Json]:
         """SkyPilot's `ports` are the task's to expose: open to any peer, as a range where there is one."""
         rules = []
@@ -523,7 +595,13 @@ class KubernetesBackend:
         else:
             ip_ref = {"fieldRef": {"fieldPath": "status.podIP"}}
             env += [{"name": variable, "valueFrom": ip_ref} for variable in IPS_VARIABLES]
-        script = ["bash", "-euo", "pipefail", "-c", spec.command]
+        command = spec.command
+        if spec.sibling_tasks:  # the siblings' names, from the cluster's DNS once `poll` published them
+            env.append({"name": group_hosts.TASKS_ENV, "value": " ".join(spec.sibling_tasks)})
+            if spec.sibling_hosts_required:
+                env.append({"name": group_hosts.REQUIRED_ENV, "value": "1"})
+            command = group_hosts.wait_script(spec.sibling_tasks, group_of(spec.job)) + command
+        script = ["bash", "-euo", "pipefail", "-c", command]
         if spec.secret_env:
             env.append({"name": SECRETS_ENV, "value": format_secrets(spec.secret_env)})
             script = ["python", "-m", "services.scheduler.backends.task_secrets", *script]
@@ -584,6 +662,8 @@ class KubernetesBackend:
             raise LaunchRefused(f"attempt key {spec.key!r} must match {KEY_PATTERN.pattern}")
         if spec.num_nodes < 1:
             raise LaunchRefused(f"num_nodes must be at least 1, not {spec.num_nodes}")
+        if spec.sibling_tasks:
+            _check_host_names(spec)
         if _has_log_dir(spec.log_dir):  # logs() copies the pods' logs here
             await asyncio.to_thread(Path(spec.log_dir).mkdir, parents=True, exist_ok=True)
         problems = await self.option_problems(spec.options)
@@ -603,6 +683,23 @@ class KubernetesBackend:
             if created["metadata"].get("annotations", {}).get(ANNOTATION_KEY) != spec.key:
                 raise LaunchRefused(f"Job {name} exists and belongs to another attempt") from None
         uid = str(created["metadata"].get("uid", ""))
+        await self._create_attempt_objects(spec, namespace, uid)
+        service = ""
+        if max(1, spec.num_nodes) > 1 or spec.ports:
+            service = name
+            await self._create_owned(
+                self._core.create_namespaced_service, namespace, self.service_object(spec, uid)
+            )
+        group = ""
+        if spec.sibling_tasks:
+            group = await self._join_group(spec, namespace, name, uid)
+        handle = self._handle(spec.key, name, uid, max(1, spec.num_nodes), service, spec.log_dir, namespace)
+        if group:
+            handle.update(group=group, task=spec.task, tandem_job=spec.job)
+        return handle
+
+    async def _create_attempt_objects(self, spec: LaunchSpec, namespace: str, uid: str) -> None:
+        """What the attempt's Job owns besides its pods: the image pull Secret and the NetworkPolicy."""
         if spec.registry_login is not None:  # the kubelet retries a pull that came before it
             await self._create_owned(
                 self._core.create_namespaced_secret, namespace, self.pull_secret_object(spec, uid)
@@ -613,13 +710,99 @@ class KubernetesBackend:
                 namespace,
                 self.network_policy_object(spec, uid),
             )
-        service = ""
-        if max(1, spec.num_nodes) > 1 or spec.ports:
-            service = name
-            await self._create_owned(
-                self._core.create_namespaced_service, namespace, self.service_object(spec, uid)
+
+    async def _join_group(self, spec: LaunchSpec, namespace: str, job_name: str, job_uid: str) -> str:
+        """The group's Service, created by the first of its tasks to launch, with this attempt's Job among
+        its owners (this task's EndpointSlice in it comes with `poll`, once its pods have addresses)."""
+        body = self.group_service_object(spec, (job_name, job_uid))
+        group = str(body["metadata"]["name"])
+        try:
+            service = await self._call(
+                self._core.create_namespaced_service, namespace, body, refusal=True, conflict_ok=True
             )
-        return self._handle(spec.key, name, uid, max(1, spec.num_nodes), service, spec.log_dir, namespace)
+        except _Conflict:
+            service = await self._call(self._core.read_namespaced_service, group, namespace)
+            metadata = service.get("metadata", {})
+            if (metadata.get("annotations") or {}).get(ANNOTATION_JOB) != spec.job:
+                raise LaunchRefused(
+                    f"Service {group} exists in {namespace} and is not job {spec.job}'s: its tasks' host "
+                    f"names `TASK-RANK.{group}` cannot be given there"
+                ) from None
+            owners = metadata.get("ownerReferences") or []
+            if all(ref.get("uid") != job_uid for ref in owners):
+                patch = (
+                    [
+                        {
+                            "op": "add",
+                            "path": "/metadata/ownerReferences/-",
+                            "value": _job_owner(job_name, job_uid),
+                        }
+                    ]
+                    if owners
+                    else [
+                        {
+                            "op": "add",
+                            "path": "/metadata/ownerReferences",
+                            "value": [_job_owner(job_name, job_uid)],
+                        }
+                    ]
+                )
+                await self._call(self._core.patch_namespaced_service, group, namespace, patch, refusal=True)
+        return group
+
+    async def _publish_siblings(self, handle: Handle, pods: list[Json], ended: bool) -> None:
+        """Make the task's EndpointSlice name its pods (none once the attempt ended), when that changed. The
+        slice is created with the first addresses (its address family is theirs, and immutable); an ended
+        attempt empties it only while it is still the one that wrote it, so a retry's names stay."""
+        namespace, task, key = _namespace(handle, self.namespace), str(handle["task"]), str(handle["key"])
+        name = f"{handle['group']}.{task}"
+        endpoints = [] if ended else sibling_endpoints(task, pods, namespace)
+        slot = f"{namespace}/{name}"
+        if self._published.get(slot) == (key, endpoints):
+            return
+        read = self._discovery.read_namespaced_endpoint_slice
+        try:
+            try:
+                current: Json | None = await self._call(read, name, namespace, missing_ok=True)
+            except _Missing:
+                current = None
+            writer = ((current or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_KEY)
+            if current is None and endpoints:
+                await self._create_slice(handle, namespace, endpoints)
+            elif current is not None and (writer == key or not ended):
+                if endpoints and current.get("addressType") != _address_type(endpoints):
+                    await self._call(self._discovery.delete_namespaced_endpoint_slice, name, namespace)
+                    await self._create_slice(handle, namespace, endpoints)
+                else:
+                    patch = [  # `add` replaces: an empty list may read back as null
+                        {"op": "add", "path": "/endpoints", "value": endpoints},
+                        {
+                            "op": "add",
+                            "path": f"/metadata/annotations/{_pointer(ANNOTATION_KEY)}",
+                            "value": key,
+                        },
+                    ]
+                    await self._call(self._discovery.patch_namespaced_endpoint_slice, name, namespace, patch)
+        except _Missing:  # the group's Service is gone (its Jobs were all removed): nothing to name
+            pass
+        except (BackendUnavailable, LaunchRefused) as error:
+            log.warning("kubernetes: could not publish the host names of %s: %s", handle.get("job"), error)
+            return
+        self._published[slot] = (key, endpoints)
+
+    async def _create_slice(self, handle: Handle, namespace: str, endpoints: list[Json]) -> None:
+        """The task's EndpointSlice, owned by the group's Service (which must be there)."""
+        group = str(handle["group"])
+        service = await self._call(self._core.read_namespaced_service, group, namespace, missing_ok=True)
+        body = self.group_slice_object(
+            namespace,
+            str(handle["tandem_job"]),
+            str(handle["task"]),
+            str(handle["key"]),
+            endpoints,
+            str(service.get("metadata", {}).get("uid", "")),
+        )
+        await self._call(self._discovery.create_namespaced_endpoint_slice, namespace, body, refusal=True)
 
     async def _create_owned(self, create: Callable[..., Any], namespace: str, body: Json) -> None:
         """An object the attempt's Job owns; one already there was made by an earlier launch of this key."""
@@ -646,7 +829,7 @@ class KubernetesBackend:
             nodes = int(spec.get("completions") or 1)
             pod_spec = spec.get("template", {}).get("spec", {})
             log_dir = annotations.get(ANNOTATION_LOG_DIR)
-            return self._handle(
+            handle = self._handle(
                 key,
                 str(metadata["name"]),
                 str(metadata.get("uid", "")),
@@ -655,6 +838,13 @@ class KubernetesBackend:
                 Path(log_dir) if log_dir else None,
                 namespace,
             )
+            if annotations.get(ANNOTATION_GROUP):
+                handle.update(
+                    group=annotations[ANNOTATION_GROUP],
+                    task=annotations.get(ANNOTATION_TASK, ""),
+                    tandem_job=annotations.get(ANNOTATION_JOB, ""),
+                )
+            return handle
         return None
 
     async def poll(self, handle: Handle) -> Observed:
@@ -665,6 +855,8 @@ class KubernetesBackend:
             return Observed(Phase.LOST, message=f"Job {name} no longer exists (deleted)")
         pods = await self._pods(handle)
         observed = _observe(job, pods, int(handle.get("num_nodes", 1)))
+        if handle.get("group"):
+            await self._publish_siblings(handle, pods, observed.phase in (Phase.EXITED, Phase.LOST))
         if observed.phase in (Phase.EXITED, Phase.LOST) and handle.get("log_dir"):
             await self._refresh_logs(handle, pods)
         return observed
@@ -925,6 +1117,60 @@ class KubernetesBackend:
             raise
         except (urllib3.exceptions.HTTPError, OSError) as error:
             raise BackendUnavailable(f"Kubernetes API unreachable: {error}") from None
+
+
+def _job_owner(name: str, uid: str) -> Json:
+    """An ownerReference to an attempt's Job: its dependents go with it (with the last of them, when several
+    Jobs own one object)."""
+    return {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": uid, "blockOwnerDeletion": True}
+
+
+def _check_host_names(spec: LaunchSpec) -> None:
+    """The group's name must be a Service's name and `{task}-{rank}` a host name (DNS labels)."""
+    group = group_of(spec.job)
+    if not _DNS_1035.match(group):
+        raise LaunchRefused(
+            f"job id {group!r} cannot name the job group's Service (a DNS label: a lowercase letter, then at "
+            "most 62 lowercase letters, digits or hyphens, not ending in one); the tasks' host names "
+            f"`TASK-RANK.{group}` need it"
+        )
+    last = f"{spec.task}-{max(1, spec.num_nodes) - 1}"
+    if not _DNS_1035.match(last):
+        raise LaunchRefused(
+            f"host name {last!r} of task {spec.task!r} is not a DNS label (at most 63 lowercase letters, "
+            "digits or hyphens): a shorter task name gives its ranks names in the group"
+        )
+
+
+def _address_type(endpoints: Sequence[Json]) -> str:
+    return "IPv6" if any(":" in a for e in endpoints for a in e.get("addresses", [])) else "IPv4"
+
+
+def sibling_endpoints(task: str, pods: list[Json], namespace: str) -> list[Json]:
+    """The endpoints of `{task}-{rank}` in the group's Service: each rank's newest pod that has an address
+    and has not ended, by rank. A pod's addresses are of one family (its first, `podIP`)."""
+    endpoints = []
+    for rank, pod in sorted(_latest_pod_per_rank(pods).items()):
+        status, metadata = pod.get("status", {}), pod.get("metadata", {})
+        address = str(status.get("podIP") or "")
+        if not address or _pod_phase(pod) not in ("Pending", "Running") or metadata.get("deletionTimestamp"):
+            continue
+        endpoint: Json = {
+            "addresses": [address],
+            "hostname": f"{task}-{rank}",
+            "conditions": {"ready": True},
+            "targetRef": {
+                "kind": "Pod",
+                "name": str(metadata.get("name", "")),
+                "namespace": namespace,
+                "uid": str(metadata.get("uid", "")),
+            },
+        }
+        if pod.get("spec", {}).get("nodeName"):
+            endpoint["nodeName"] = str(pod["spec"]["nodeName"])
+        endpoints.append(endpoint)
+    family = _address_type(endpoints[:1])
+    return [e for e in endpoints if _address_type([e]) == family]
 
 
 def _pointer(key: str) -> str:

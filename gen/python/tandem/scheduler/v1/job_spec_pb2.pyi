@@ -104,6 +104,7 @@ class JobSpec(_message.Message):
     MAX_DURATION_FIELD_NUMBER: _builtins.int
     SLURM_FIELD_NUMBER: _builtins.int
     KUBERNETES_FIELD_NUMBER: _builtins.int
+    INTER_CONNECTION_FIELD_NUMBER: _builtins.int
     display_name: _builtins.str
     """Optional. A human-readable name, at most 128 characters; also the default stem of the job id."""
     execution: Global___JobSpec.Execution.ValueType
@@ -115,6 +116,15 @@ class JobSpec(_message.Message):
     backend: Global___Backend.ValueType
     """Optional. Where to run; the default is the scheduler's configured default backend. Fails at
     CreateJob with UNAVAILABLE / BACKEND_UNAVAILABLE when that backend is not configured or reachable.
+    """
+    inter_connection: _builtins.bool
+    """Optional. SkyPilot's `inter_connection`: whether the tasks of a PARALLEL group of several tasks reach
+    each other by the host names `{task}-{rank}.{group}` (the group is the job id,
+    `SKYPILOT_JOBGROUP_NAME`). Unset: they do where the backend can give the names (a task starts without
+    them, its log saying so, where the node cannot). True: they must; a task whose node cannot give the
+    names, or whose siblings' names are still missing after the wait, fails with failure class PRECHECK.
+    False: no names are set up (no hosts view on local and Slurm, no group Service on Kubernetes) and the
+    tasks start without waiting for each other. SERIAL groups never have the names.
     """
     @_builtins.property
     def recovery(self) -> Global___RecoveryPolicy:
@@ -153,13 +163,19 @@ class JobSpec(_message.Message):
         max_duration: _duration_pb2.Duration | None = ...,
         slurm: Global___SlurmOptions | None = ...,
         kubernetes: Global___KubernetesOptions | None = ...,
+        inter_connection: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["backend_options", b"backend_options", "kubernetes", b"kubernetes", "max_duration", b"max_duration", "recovery", b"recovery", "slurm", b"slurm"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_inter_connection", b"_inter_connection", "backend_options", b"backend_options", "inter_connection", b"inter_connection", "kubernetes", b"kubernetes", "max_duration", b"max_duration", "recovery", b"recovery", "slurm", b"slurm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "backend_options", b"backend_options", "display_name", b"display_name", "execution", b"execution", "kubernetes", b"kubernetes", "max_duration", b"max_duration", "priority", b"priority", "recovery", b"recovery", "slurm", b"slurm", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_inter_connection", b"_inter_connection", "backend", b"backend", "backend_options", b"backend_options", "display_name", b"display_name", "execution", b"execution", "inter_connection", b"inter_connection", "kubernetes", b"kubernetes", "max_duration", b"max_duration", "priority", b"priority", "recovery", b"recovery", "slurm", b"slurm", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__inter_connection: _TypeAlias = _typing.Literal["inter_connection"]  # noqa: Y015
+    _WhichOneofArgType__inter_connection: _TypeAlias = _typing.Literal["_inter_connection", b"_inter_connection"]  # noqa: Y015
     _WhichOneofReturnType_backend_options: _TypeAlias = _typing.Literal["slurm", "kubernetes"]  # noqa: Y015
     _WhichOneofArgType_backend_options: _TypeAlias = _typing.Literal["backend_options", b"backend_options"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__inter_connection) -> _WhichOneofReturnType__inter_connection | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_backend_options) -> _WhichOneofReturnType_backend_options | None: ...
 
 Global___JobSpec: _TypeAlias = JobSpec  # noqa: Y015
