@@ -939,7 +939,11 @@ _SKY_VOLUME_KEYS = {
 # The task keys SkyPilot fills the task's envs into (`$NAME` and `${NAME}`, for the names the task has).
 _FILLED = frozenset({"file_mounts", "workdir", "volumes"})
 _ENV_REFERENCE = re.compile(r"\$\{?\b([a-zA-Z_][a-zA-Z0-9_]*)\b\}?")
-_BUCKET_SCHEMES = f"{_NOT_YET}: only S3 buckets (s3://, or an S3-compatible store through AWS_ENDPOINT_URL)"
+_BUCKET_SCHEMES = (
+    "names a public cloud's own object store (Google Cloud Storage, Azure Blob, IBM COS, OCI, Nebius, ...), "
+    "which Tandem does not open; it opens only S3 buckets: s3://, or any S3-compatible store (MinIO, Ceph, "
+    "Cloudflare R2, ...) through the task's AWS_ENDPOINT_URL"
+)
 _ENV_IN_MOUNT = "names a variable that is none of the task's envs; SkyPilot fills only those into mount paths"
 _SKY_MOUNT_KEYS = {
     "_is_sky_managed": "is SkyPilot's internal bookkeeping",
