@@ -122,6 +122,35 @@ def secret_file_lines(task: js.TaskSpec) -> list[str]:
     return lines
 
 
+GIT_TOKEN_ENV = "GIT_TOKEN"  # noqa: S105 - the variable's name; SkyPilot's secret for a private HTTPS git workdir
+GIT_SSH_KEY_ENV = "GIT_SSH_KEY"  # the secret with a private key's text, for an SSH one
+GIT_KEY_FILE = ".git/tandem-ssh-key"  # GIT_SSH_KEY for the fetch, removed after it
+
+
+def git_credentials(task: js.TaskSpec) -> list[str]:
+    """With the task's secret GIT_TOKEN, git's options that answer an HTTPS server's request for credentials
+    with it (as the password; the helper's own shell reads the variable, so the token is on no command line).
+    None without it: git then fails at once rather than prompting (GIT_TERMINAL_PROMPT=0)."""
+    if GIT_TOKEN_ENV not in {secret_env_name(b) for b in task.secrets}:
+        return []
+    helper = f'!f() {{ echo username=x-access-token; echo "password=${{{GIT_TOKEN_ENV}}}"; }}; f'
+    return ["-c", "credential.helper=", "-c", f"credential.helper={helper}"]
+
+
+def git_fetch(task: js.TaskSpec, fetch: list[str]) -> str:
+    """The fetch as a shell command: never prompting, and with the task's secret GIT_SSH_KEY written to a
+    private file of the new repository for ssh to use alone (as SkyPilot's git_clone.sh does), removed after."""
+    command = f"GIT_TERMINAL_PROMPT=0 {shlex.join(fetch)}"
+    if GIT_SSH_KEY_ENV not in {secret_env_name(b) for b in task.secrets}:
+        return command
+    ssh = f"ssh -i {GIT_KEY_FILE} -o IdentitiesOnly=yes -o StrictHostKeyChecking=accept-new"
+    return (
+        f"(umask 077 && printf '%s\\n' \"${{{GIT_SSH_KEY_ENV}}}\" > {GIT_KEY_FILE})"
+        f" && {{ GIT_SSH_COMMAND={shlex.quote(ssh)} {command}; fetched=$?; rm -f {GIT_KEY_FILE}; "
+        '[ "$fetched" = 0 ]; }'
+    )
+
+
 def workdir_lines(task: js.TaskSpec) -> list[str]:
     """SkyPilot's `workdir`, filled into the working directory the script starts in (the task's folder):
     a folder's contents copied over what an earlier attempt left, or a repository fetched and checked out.
@@ -133,8 +162,21 @@ def workdir_lines(task: js.TaskSpec) -> list[str]:
         what = task.workdir.path
     elif which == "git_url":
         url, ref = task.workdir.git_url, task.workdir.git_ref
-        fetch = ["git", "fetch", "-q", "--depth", "1", "--", url, *([ref] if ref else [])]
-        fill = f"git init -q . && {shlex.join(fetch)} && git -c advice.detachedHead=false checkout -q -f FETCH_HEAD"
+        fetch = [
+            "git",
+            *git_credentials(task),
+            "fetch",
+            "-q",
+            "--depth",
+            "1",
+            "--",
+            url,
+            *([ref] if ref else []),
+        ]
+        fill = (
+            f"git init -q . && {git_fetch(task, fetch)}"
+            " && git -c advice.detachedHead=false checkout -q -f FETCH_HEAD"
+        )
         what = f"{url} at {ref}" if ref else url
     else:
         return []

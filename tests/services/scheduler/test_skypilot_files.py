@@ -21,6 +21,7 @@ from tandem.scheduler.v1 import scheduler_service_pb2 as pb
 from mesh.identity import TokenSigner, load_signing_key
 from services.scheduler.spec import load_yaml
 from tests.services.scheduler.test_scheduler import ORG, TERMINAL, Clients, log_text, put_secret, wait_for
+from tests.support.git_http import git_http_server
 from tests.support.mesh import mesh_settings, running_mesh
 from tests.support.s3 import S3Server, s3_server
 from tests.support.slurm import TMP_DISK_MB
@@ -160,6 +161,42 @@ async def test_a_git_workdir_is_checked_out_at_its_ref(acme: Acme, tmp_path: Pat
     assert "first" in logs and "second" not in logs
 
 
+def private_repo(root: Path) -> None:
+    """`root/private.git`, a bare repository whose main holds version.txt: "private"."""
+    repo, work = root / "private.git", root / "work"
+    for args in (["init", "-q", "--bare", "-b", "main", str(repo)], ["init", "-q", "-b", "main", str(work)]):
+        subprocess.run(["git", *args], check=True, capture_output=True)
+    (work / "version.txt").write_text("private\n")
+    for args in (["add", "."], ["commit", "-q", "-m", "one"], ["push", "-q", str(repo), "main"]):
+        subprocess.run(
+            ["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            check=True,
+            capture_output=True,
+        )
+
+
+async def test_a_private_git_workdir_is_fetched_with_the_tasks_git_token(acme: Acme, tmp_path: Path) -> None:
+    private_repo(tmp_path / "repos")
+    await put_secret(acme, "git-token", b"a-forge-token")
+    with git_http_server(tmp_path / "repos", "x-access-token", "a-forge-token") as url:
+        text = f"""\
+            workdir: {{url: {url}/private.git, ref: main}}
+            secrets: {{GIT_TOKEN: null}}
+            run: cat version.txt
+            """
+        job = await submit(acme, load_yaml(write_job(tmp_path, text)))
+        done = await wait_for(acme, job.name, *TERMINAL, within_s=120)
+        logs = await log_text(acme, job.name)
+        assert done.state == State.STATE_SUCCEEDED, (done.failure.message, logs)
+        assert "private" in logs and "a-forge-token" not in logs
+        (tmp_path / "no-token").mkdir()
+        anonymous = write_job(tmp_path / "no-token", text.replace("secrets: {GIT_TOKEN: null}", ""))
+        job = await submit(acme, load_yaml(anonymous))
+        done = await wait_for(acme, job.name, *TERMINAL, within_s=120)  # refused at once, never prompting
+    assert done.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK, done.failure
+    assert "cannot fill the workdir" in await log_text(acme, job.name)
+
+
 async def test_buckets_that_cannot_be_read_are_a_precheck_failure(
     acme: Acme, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -293,4 +330,4 @@ async def test_spot_groups_wait_behind_every_other_group(acme: Acme, tmp_path: P
             check=True,
             env={**os.environ, "SLURM_CONF": acme.slurm_conf},
         )
-        assert "Nice=2001" in shown.stdout and "Requeue=1" in shown.stdout, shown.stdout
+        assert "Nice=3001" in shown.stdout and "Requeue=1" in shown.stdout, shown.stdout  # 1000 + 2001
