@@ -844,6 +844,11 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             raise NotFound(f"{name} not found", reason=reason)
         return self._tokens.scope(principal)
 
+    async def get_model(self, principal: Principal, model: str) -> checkpoint_pb2.Checkpoint:
+        """The checkpoint a model id names, for `GET /v1/models/{id}` (NOT_FOUND as `Infer` answers it)."""
+        scope = self.scope_of(principal, model, R.ERROR_REASON_JOB_NOT_FOUND)
+        return await self._checkpoints(scope).resolve(model)
+
     async def list_models(self, principal: Principal) -> list[checkpoint_pb2.Checkpoint]:
         """The checkpoints served now and every checkpoint of the organization's newest 100 jobs, for
         `GET /v1/models`."""
