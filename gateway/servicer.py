@@ -905,11 +905,20 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
         )
         servicer.openai_base_url = http.base_url
         on_stop.insert(0, http.stop)
+        announce = [
+            f"OpenAI-compatible endpoint (base_url, with an API key): {http.base_url}",
+            f"Dashboard: {http.base_url.removesuffix('/v1')}/",
+        ]
+    else:
+        announce = [
+            "OpenAI-compatible endpoint and dashboard: off (TANDEM_GATEWAY_HTTP_PORT=8080 turns them on)"
+        ]
     return Registration(
         service_names=[SERVICE_NAME],
         public_methods=PUBLIC_METHODS,
         on_stop=on_stop,
         server_credentials=_public_credentials(config) if public_tls else None,
+        announce=announce,
     )
 
 

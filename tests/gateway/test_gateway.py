@@ -556,6 +556,8 @@ async def test_tandem_up_prints_where_the_admin_credential_is(world: World) -> N
     path = (world.mesh.settings.state_dir / ADMIN_KEY_FILE).resolve()
     assert f"Admin credential (for CreateOrg): {path}" in out.getvalue()
     assert path.read_text().strip() not in out.getvalue()
+    # This mesh has no HTTP port: the output says how to turn the OpenAI-compatible endpoint on.
+    assert "OpenAI-compatible endpoint and dashboard: off (TANDEM_GATEWAY_HTTP_PORT=8080" in out.getvalue()
 
 
 # ---- the store, on both databases ---------------------------------------------------------------

@@ -6,6 +6,7 @@ which needs a worker, is in tests/trainer/test_openai_client.py and the slow Inf
 
 from __future__ import annotations
 
+import io
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,8 @@ from tandem.scheduler.v1 import job_spec_pb2
 from gateway.orgs import ADMIN_KEY_FILE
 from mesh.clients import open_channel
 from mesh.identity import TokenSigner, load_signing_key
-from tests.support.mesh import mesh_settings, running_mesh
+from mesh.launcher import print_addresses
+from tests.support.mesh import Mesh, mesh_settings, running_mesh
 
 pytestmark = pytest.mark.timeout(180)
 CHECKPOINT = "orgs/acme/jobs/rl/checkpoints/step-3"
@@ -34,6 +36,7 @@ class Endpoint:
     acme: openai.AsyncOpenAI
     globex: openai.AsyncOpenAI
     acme_stub: gateway_service_pb2_grpc.GatewayServiceStub
+    mesh: Mesh
 
 
 @pytest.fixture
@@ -67,7 +70,7 @@ async def endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIter
         ]
         try:
             async with open_channel(mesh.address("gateway"), mesh.settings, token=acme.key) as channel:
-                yield Endpoint(base, *clients, gateway_service_pb2_grpc.GatewayServiceStub(channel))
+                yield Endpoint(base, *clients, gateway_service_pb2_grpc.GatewayServiceStub(channel), mesh)
         finally:
             for client in clients:
                 await client.close()
@@ -214,3 +217,11 @@ async def test_a_stream_with_a_refused_field_is_refused_before_it_starts(endpoin
     with pytest.raises(openai.BadRequestError) as caught:
         await endpoint.acme.chat.completions.create(**CHAT, stream=True, tools=[TOOL])  # type: ignore[call-overload]
     assert error_of(caught)["param"] == "tools"
+
+
+async def test_tandem_up_prints_the_endpoint_a_client_uses(endpoint: Endpoint) -> None:
+    out = io.StringIO()
+    print_addresses(out)(list(endpoint.mesh.services.values()))
+    assert f"OpenAI-compatible endpoint (base_url, with an API key): {endpoint.base_url}\n" in out.getvalue()
+    assert f"Dashboard: {endpoint.base_url.removesuffix('/v1')}/\n" in out.getvalue()
+    assert out.getvalue().endswith("Press Ctrl-C to stop.\n")
