@@ -1,9 +1,11 @@
 """The gateway's OpenAI-compatible HTTP endpoint (`ServerInfo.openai_base_url`): `GET /v1/models`,
-`POST /v1/chat/completions` and `POST /v1/completions` (with `stream: true` too), authenticated with the
-organization API keys (`Authorization: Bearer tdm_...`) and accepting the model ids of Infer
-(`orgs/{org}/jobs/{job}/checkpoints/{checkpoint}`, `latest` for the newest). Each call is relayed to the
-checkpoint's inference worker (`gateway.inference`); errors are OpenAI-style JSON with the Tandem reason
-as `code`, and 429 / 503 carry `Retry-After`.
+`GET /v1/models/{id}`, `POST /v1/chat/completions` and `POST /v1/completions` (with `stream: true` too),
+authenticated with the organization API keys (`Authorization: Bearer tdm_...`) and accepting the model ids
+of Infer (`orgs/{org}/jobs/{job}/checkpoints/{checkpoint}`, `latest` for the newest). Fields no worker
+honours are refused before a worker is looked for (`trainer.inference.openai_fields`); each other call is
+relayed to the checkpoint's inference worker (`gateway.inference`). Errors, an unknown route under `/v1/`
+included, are OpenAI's `{"error": {"message", "type", "param", "code"}}` with the Tandem reason as `code` and
+a refused field as `param`; 429 / 503 carry `Retry-After`.
 """
 
 from __future__ import annotations

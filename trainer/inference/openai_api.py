@@ -1,17 +1,21 @@
 """The worker's OpenAI-compatible HTTP API, for Task Apps and any OpenAI client.
 
-Routes: `GET /v1/models`; `POST /v1/chat/completions`; `POST /v1/completions`; and both POST routes under
-`/v1/traces/{correlation_id}/...`, the inference URL the trainer hands each episode. A generation is
-recorded as a turn of its episode's trace when the correlation id comes in the path or in the
-`X-Trace-Correlation-Id` header (the path wins). `stream: true` answers with server-sent events.
+Routes: `GET /v1/models`; `GET /v1/models/{id}`; `POST /v1/chat/completions`; `POST /v1/completions`; and
+both POST routes under `/v1/traces/{correlation_id}/...`, the inference URL the trainer hands each episode.
+A generation is recorded as a turn of its episode's trace when the correlation id comes in the path or in
+the `X-Trace-Correlation-Id` header (the path wins). `stream: true` answers with server-sent events, whose
+chunks carry OpenAI's `choices[].logprobs` for their tokens when asked.
 
 Request fields understood: `model` (must be the served model when set), `messages` / `prompt` (text or
-token ids), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k` and `min_p` (vLLM's
-extensions, with its meaning: trainer/sampling.py), `stop` (string or list),
-`seed`, `logprobs` + `top_logprobs` (chat) or `logprobs: N` (completions), `n` (1 only),
-`chat_template_kwargs`. The answer adds a `tandem` object: the weight version and the prompt and completion
-token ids. Errors have OpenAI's shape, `{"error": {"message", "type", "code"}}`, with the mesh's stable
-reason as `code`. Each completion is a server span continuing the caller's W3C `traceparent`.
+token ids), `max_tokens` / `max_completion_tokens` (at least 1), `temperature`, `top_p`, `top_k` and `min_p`
+(vLLM's extensions, with its meaning: trainer/sampling.py), `stop` (string or list), `seed`, `logprobs` +
+`top_logprobs` (chat) or `logprobs: N` (completions), `n` (1 to 16: sample 0 in the correlation id's trace,
+sample i in `{id}:{i}`'s; seeds s, s + 1, ...), `chat_template_kwargs`. Fields no engine here honours are
+refused naming them (`trainer.inference.openai_fields`). The answer adds a `tandem` object: the weight
+version and the prompt and completion token ids (and, with n > 1, each sample's as `samples`). Errors have
+OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the mesh's stable reason as `code`
+and the refused field as `param`; an unknown route is 404 NOT_FOUND. Each completion is a server span
+continuing the caller's W3C `traceparent`.
 """
 
 from __future__ import annotations
