@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import re
 import socket
@@ -30,9 +31,9 @@ from tandem.trainer.v1 import checkpoint_pb2
 
 from gateway.dashboard import Dashboard
 from gateway.httpinput import json_object, read_body
-from gateway.inference import Endpoint
+from gateway.inference import STARTING_RETRY_S, Endpoint
 from gateway.orgs import Orgs
-from mesh.errors import NotFound, R, TandemError
+from mesh.errors import NotFound, R, TandemError, Unavailable
 from mesh.identity import Principal
 from trainer.inference.openai_fields import refuse_unsupported
 
@@ -80,6 +81,17 @@ def _error(error: TandemError) -> JSONResponse:
     param = error.violations[0].field if error.violations else None
     body = error_body(status, error.message, error.reason_name, param)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def stream_error(body: dict[str, Any]) -> bytes:
+    """An error after a stream has begun (its status is sent): one `data:` event holding the error object,
+    which the openai client raises as an APIError, then the end of the stream."""
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A failure no handler expected: 500 as an OpenAI error (the exception is still logged)."""
+    return JSONResponse(error_body(500, "internal error", "INTERNAL"), status_code=500)
 
 
 async def route_error(request: Request, exc: Exception) -> Response:
@@ -146,7 +158,14 @@ class OpenAIEndpoint:
 
     async def _stream(self, worker: Endpoint, route: str, body: dict[str, Any]) -> Response:
         session = self._servicer.http
-        response = await session.post(worker.base_url + route, json=body, headers=worker.headers)
+        try:
+            response = await session.post(worker.base_url + route, json=body, headers=worker.headers)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise Unavailable(
+                f"the inference worker did not answer: {type(exc).__name__}",
+                reason=R.ERROR_REASON_DEPENDENCY_UNAVAILABLE,
+                retry_after_s=STARTING_RETRY_S,
+            ) from None
         if response.status != 200:
             answer = await response.read()
             response.release()
@@ -156,8 +175,9 @@ class OpenAIEndpoint:
             try:
                 async for chunk in response.content.iter_any():
                     yield chunk
-            except aiohttp.ClientError:
-                return
+            except (aiohttp.ClientError, TimeoutError) as exc:  # the client raises an APIError on this event
+                message = f"the inference worker stopped answering: {type(exc).__name__}"
+                yield stream_error(error_body(503, message, "DEPENDENCY_UNAVAILABLE"))
             finally:
                 response.release()
 
@@ -165,7 +185,7 @@ class OpenAIEndpoint:
 
     def app(self, extra: list[BaseRoute] | None = None) -> Starlette:
         return Starlette(
-            exception_handlers={HTTPException: route_error},
+            exception_handlers={HTTPException: route_error, Exception: internal_error},
             routes=[
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),

@@ -177,6 +177,7 @@ TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"logit_bias": {"42": 5}}, "logit_bias"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"modalities": ["audio"]}, "modalities"),
         ({"n": 0}, "n"),
         ({"n": 17}, "n"),
     ],

@@ -91,6 +91,8 @@ async def test_the_model_is_listed_and_retrieved_and_errors_are_openai_shaped(
         ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"frequency_penalty": 1.0}, "frequency_penalty"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without `logprobs: true`
     ],
 )
 async def test_chat_fields_not_honoured_are_refused_naming_the_field(

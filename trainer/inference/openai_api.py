@@ -59,10 +59,13 @@ HTTP_STATUS = {
 ERROR_TYPE = {401: "authentication_error", 404: "not_found_error"}
 
 
-def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+def _error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
     kind = ERROR_TYPE.get(status, "invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(_error_body(status, message, code, param), status_code=status)
 
 
 def _unauthorized() -> JSONResponse:
@@ -75,6 +78,11 @@ def _from_domain(error: TandemError) -> JSONResponse:
         status = 409
     param = error.violations[0].field if error.violations else None
     return _error(status, error.message, error.reason_name, param)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A failure no handler expected: 500 as an OpenAI error (the exception is still logged)."""
+    return _error(500, "internal error", "INTERNAL")
 
 
 async def _route_error(request: Request, exc: Exception) -> Response:
@@ -117,6 +125,8 @@ def _sampling(body: dict[str, Any], chat: bool) -> Sampling:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise InvalidArgument("`seed` must be a non-negative integer")
     if chat:
+        if body.get("top_logprobs") and not body.get("logprobs"):
+            raise invalid("top_logprobs", "needs `logprobs: true`")
         top = int(_number(body, "top_logprobs", 0, 0, 20)) if body.get("logprobs") else 0
     else:
         top = int(_number(body, "logprobs", 0, 0, 20))
@@ -241,7 +251,10 @@ class OpenAIApi:
                 self._events(runs, ident, created, model, chat, len(prompt), want_logprobs),
                 media_type="text/event-stream",
             )
-        results = await asyncio.gather(*(run.collect() for run in runs))
+        try:
+            results = await asyncio.gather(*(run.collect() for run in runs))
+        except TandemError as error:  # the engine failed mid-generation
+            return _from_domain(error)
         return JSONResponse(
             self._answer(results, samples, ident, created, model, chat, prompt, want_logprobs)
         )
@@ -363,6 +376,24 @@ class OpenAIApi:
     ) -> AsyncIterator[bytes]:
         """Server-sent events: a chunk per engine chunk of each sample (its choice `index`), each with its
         tokens' `logprobs` when asked and a `tandem` object; the usage comes with the last sample's finish."""
+        try:
+            async for event in self._chunks(runs, ident, created, model, chat, prompt_tokens, want_logprobs):
+                yield event
+        except TandemError as error:  # after the status went out: an error event, which the client raises
+            body = _error_body(HTTP_STATUS.get(error.code, 500), error.message, error.reason_name)
+            yield f"data: {json.dumps(body)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    async def _chunks(
+        self,
+        runs: list[_Run],
+        ident: str,
+        created: int,
+        model: str,
+        chat: bool,
+        prompt_tokens: int,
+        want_logprobs: bool,
+    ) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         completion = 0
         left = len(runs)
@@ -409,7 +440,6 @@ class OpenAIApi:
                     "total_tokens": prompt_tokens + completion,
                 }
             yield f"data: {json.dumps(payload)}\n\n".encode()
-        yield b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True)
@@ -508,7 +538,7 @@ async def _merged(runs: list[_Run]) -> AsyncIterator[tuple[int, TokenChunk | Fin
 def openai_app(worker: InferenceWorker) -> Starlette:
     api = OpenAIApi(worker)
     return Starlette(
-        exception_handlers={HTTPException: _route_error},
+        exception_handlers={HTTPException: _route_error, Exception: _internal_error},
         routes=[
             Route("/health", api.health, methods=["GET"]),
             Route("/v1/models", api.models, methods=["GET"]),

@@ -28,6 +28,9 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
 }
 
 
