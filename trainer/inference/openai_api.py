@@ -251,10 +251,13 @@ class OpenAIApi:
                 self._events(runs, ident, created, model, chat, len(prompt), want_logprobs),
                 media_type="text/event-stream",
             )
-        try:
-            results = await asyncio.gather(*(run.collect() for run in runs))
-        except TandemError as error:  # the engine failed mid-generation
-            return _from_domain(error)
+        collected = await asyncio.gather(*(run.collect() for run in runs), return_exceptions=True)
+        results = [c for c in collected if not isinstance(c, BaseException)]
+        for failed in collected:
+            if isinstance(failed, TandemError):  # the engine failed mid-generation
+                return _from_domain(failed)
+            if isinstance(failed, BaseException):
+                raise failed
         return JSONResponse(
             self._answer(results, samples, ident, created, model, chat, prompt, want_logprobs)
         )
@@ -274,8 +277,12 @@ class OpenAIApi:
                 ):
                     raise InvalidArgument(f"messages[{index}] needs a role: system, user, assistant or tool")
                 content = message.get("content") or ""
-                if isinstance(content, list):  # content parts: the text ones, joined
-                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                if isinstance(content, list):  # content parts, text only, joined
+                    for part_index, part in enumerate(content):
+                        if not isinstance(part, dict) or part.get("type") != "text":
+                            field = f"messages[{index}].content[{part_index}]"
+                            raise invalid(field, "is not a text part: this endpoint reads text only")
+                    content = "".join(str(p.get("text", "")) for p in content)
                 if not isinstance(content, str):
                     raise InvalidArgument(f"messages[{index}].content must be text")
                 rendered.append({"role": message["role"], "content": content})
