@@ -104,13 +104,18 @@ async def test_chat_fields_not_honoured_are_refused_naming_the_field(
     assert (error["param"], error["code"]) == (param, "INVALID_ARGUMENT") and f"`{param}`" in error["message"]
 
 
-async def test_a_message_part_that_is_not_text_is_refused(client: openai.AsyncOpenAI) -> None:
+async def test_a_message_part_that_is_not_text_or_a_tool_call_is_refused(client: openai.AsyncOpenAI) -> None:
     model = await served(client)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     parts = [{"type": "text", "text": "what is this?"}, image]
     with pytest.raises(openai.BadRequestError) as caught:
         await client.chat.completions.create(model=model, messages=[{"role": "user", "content": parts}])  # type: ignore[list-item, misc]
     assert error_of(caught)["param"] == "messages[0].content[1]"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    earlier = [*HELLO, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model=model, messages=earlier)  # type: ignore[arg-type]
+    assert error_of(caught)["param"] == "messages[1].tool_calls"
     text_only = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     answer = await client.chat.completions.create(model=model, messages=text_only, max_tokens=2)  # type: ignore[arg-type]
     assert answer.choices[0].message.role == "assistant"

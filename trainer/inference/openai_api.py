@@ -267,25 +267,7 @@ class OpenAIApi:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise InvalidArgument("`messages` must be a non-empty list")
-            rendered: list[dict[str, str]] = []
-            for index, message in enumerate(messages):
-                if not isinstance(message, dict) or message.get("role") not in (
-                    "system",
-                    "user",
-                    "assistant",
-                    "tool",
-                ):
-                    raise InvalidArgument(f"messages[{index}] needs a role: system, user, assistant or tool")
-                content = message.get("content") or ""
-                if isinstance(content, list):  # content parts, text only, joined
-                    for part_index, part in enumerate(content):
-                        if not isinstance(part, dict) or part.get("type") != "text":
-                            field = f"messages[{index}].content[{part_index}]"
-                            raise invalid(field, "is not a text part: this endpoint reads text only")
-                    content = "".join(str(p.get("text", "")) for p in content)
-                if not isinstance(content, str):
-                    raise InvalidArgument(f"messages[{index}].content must be text")
-                rendered.append({"role": message["role"], "content": content})
+            rendered = [_message(index, message) for index, message in enumerate(messages)]
             kwargs = body.get("chat_template_kwargs") or {}
             if not isinstance(kwargs, dict):
                 raise InvalidArgument("`chat_template_kwargs` must be an object")
@@ -447,6 +429,25 @@ class OpenAIApi:
                     "total_tokens": prompt_tokens + completion,
                 }
             yield f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def _message(index: int, message: object) -> dict[str, str]:
+    """A chat message as the template renders it: its role and its text (content parts, text only, joined)."""
+    if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
+        raise InvalidArgument(f"messages[{index}] needs a role: system, user, assistant or tool")
+    for field in ("tool_calls", "function_call"):  # this endpoint calls no tools (openai_fields)
+        if message.get(field):
+            raise invalid(f"messages[{index}].{field}", "is not supported by this endpoint")
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        for part_index, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                field = f"messages[{index}].content[{part_index}]"
+                raise invalid(field, "is not a text part: this endpoint reads text only")
+        content = "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(content, str):
+        raise InvalidArgument(f"messages[{index}].content must be text")
+    return {"role": message["role"], "content": content}
 
 
 @dataclass(frozen=True)
