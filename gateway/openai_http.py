@@ -1,15 +1,18 @@
 """The gateway's OpenAI-compatible HTTP endpoint (`ServerInfo.openai_base_url`): `GET /v1/models`,
-`POST /v1/chat/completions` and `POST /v1/completions` (with `stream: true` too), authenticated with the
-organization API keys (`Authorization: Bearer tdm_...`) and accepting the model ids of Infer
-(`orgs/{org}/jobs/{job}/checkpoints/{checkpoint}`, `latest` for the newest). Each call is relayed to the
-checkpoint's inference worker (`gateway.inference`); errors are OpenAI-style JSON with the Tandem reason
-as `code`, and 429 / 503 carry `Retry-After`.
+`GET /v1/models/{id}`, `POST /v1/chat/completions` and `POST /v1/completions` (with `stream: true` too),
+authenticated with the organization API keys (`Authorization: Bearer tdm_...`) and accepting the model ids
+of Infer (`orgs/{org}/jobs/{job}/checkpoints/{checkpoint}`, `latest` for the newest). Fields no worker
+honours are refused before a worker is looked for (`trainer.inference.openai_fields`); each other call is
+relayed to the checkpoint's inference worker (`gateway.inference`). Errors, an unknown route under `/v1/`
+included, are OpenAI's `{"error": {"message", "type", "param", "code"}}` with the Tandem reason as `code` and
+a refused field as `param`; 429 / 503 carry `Retry-After`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import re
 import socket
@@ -20,16 +23,19 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
+from tandem.trainer.v1 import checkpoint_pb2
 
 from gateway.dashboard import Dashboard
 from gateway.httpinput import json_object, read_body
-from gateway.inference import Endpoint
+from gateway.inference import STARTING_RETRY_S, Endpoint
 from gateway.orgs import Orgs
-from mesh.errors import NotFound, R, TandemError
+from mesh.errors import NotFound, R, TandemError, Unavailable
 from mesh.identity import Principal
+from trainer.inference.openai_fields import refuse_unsupported
 
 if TYPE_CHECKING:
     from gateway.servicer import GatewayServicer
@@ -53,14 +59,53 @@ HTTP_STATUS = {
 }
 
 
+ERROR_TYPE = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: `type` from the HTTP status, the Tandem reason as `code`, the field as `param`."""
+    kind = ERROR_TYPE.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def _error(error: TandemError) -> JSONResponse:
     status = HTTP_STATUS.get(error.code, 500)
-    kind = "invalid_request_error" if status < 500 else "server_error"
     headers = {}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
-    body = {"error": {"message": error.message, "type": kind, "code": error.reason_name}}
+    param = error.violations[0].field if error.violations else None
+    body = error_body(status, error.message, error.reason_name, param)
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def stream_error(body: dict[str, Any]) -> bytes:
+    """An error after a stream has begun (its status is sent): one `data:` event holding the error object,
+    which the openai client raises as an APIError, then the end of the stream."""
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    """A failure no handler expected: 500 as an OpenAI error (the exception is still logged)."""
+    return JSONResponse(error_body(500, "internal error", "INTERNAL"), status_code=500)
+
+
+async def route_error(request: Request, exc: Exception) -> Response:
+    """An unknown route or method under `/v1/` as an OpenAI error (404 NOT_FOUND, 405 NOT_IMPLEMENTED);
+    elsewhere (the dashboard's pages) Starlette's own answer."""
+    if not isinstance(exc, HTTPException):
+        raise exc
+    if not (request.url.path + "/").startswith("/v1/"):
+        return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
+    if exc.status_code == 405:
+        message = f"{request.method} is not a method of {request.url.path}"
+        return JSONResponse(error_body(405, message, "NOT_IMPLEMENTED"), status_code=405, headers=exc.headers)
+    message = f"{request.method} {request.url.path} is not a route of this endpoint"
+    return JSONResponse(error_body(exc.status_code, message, "NOT_FOUND"), status_code=exc.status_code)
 
 
 class OpenAIEndpoint:
@@ -77,16 +122,17 @@ class OpenAIEndpoint:
             found = await self._servicer.list_models(principal)
         except TandemError as error:
             return _error(error)
-        data = [
-            {
-                "id": c.name,
-                "object": "model",
-                "created": c.create_time.seconds,
-                "owned_by": c.name.split("/")[1],
-            }
-            for c in found
-        ]
+        data = [_model_object(c) for c in found]
         return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{id}`: one checkpoint (`latest` answers the newest one, by its own name)."""
+        try:
+            principal = await self._principal(request)
+            found = await self._servicer.get_model(principal, _model_id(request.path_params["model"]))
+        except TandemError as error:
+            return _error(error)
+        return JSONResponse(_model_object(found))
 
     async def chat(self, request: Request) -> Response:
         return await self._relay(request, "/v1/chat/completions")
@@ -98,12 +144,8 @@ class OpenAIEndpoint:
         try:
             principal = await self._principal(request)
             body = json_object(await read_body(request, MAX_BODY_BYTES))
-            model = body.get("model")
-            if not isinstance(model, str) or not MODEL_ID.fullmatch(model):
-                raise NotFound(
-                    "`model` must be a checkpoint, orgs/{org}/jobs/{job}/checkpoints/{checkpoint}",
-                    reason=R.ERROR_REASON_CHECKPOINT_NOT_FOUND,
-                )
+            model = _model_id(body.get("model"))
+            refuse_unsupported(body)  # before any worker is looked for (or started)
             scope = self._servicer.scope_of(principal, model, R.ERROR_REASON_JOB_NOT_FOUND)
             checkpoint, worker = await self._servicer.worker_for(scope, model)
             body["model"] = checkpoint.name
@@ -116,7 +158,14 @@ class OpenAIEndpoint:
 
     async def _stream(self, worker: Endpoint, route: str, body: dict[str, Any]) -> Response:
         session = self._servicer.http
-        response = await session.post(worker.base_url + route, json=body, headers=worker.headers)
+        try:
+            response = await session.post(worker.base_url + route, json=body, headers=worker.headers)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise Unavailable(
+                f"the inference worker did not answer: {type(exc).__name__}",
+                reason=R.ERROR_REASON_DEPENDENCY_UNAVAILABLE,
+                retry_after_s=STARTING_RETRY_S,
+            ) from None
         if response.status != 200:
             answer = await response.read()
             response.release()
@@ -126,8 +175,9 @@ class OpenAIEndpoint:
             try:
                 async for chunk in response.content.iter_any():
                     yield chunk
-            except aiohttp.ClientError:
-                return
+            except (aiohttp.ClientError, TimeoutError) as exc:  # the client raises an APIError on this event
+                message = f"the inference worker stopped answering: {type(exc).__name__}"
+                yield stream_error(error_body(503, message, "DEPENDENCY_UNAVAILABLE"))
             finally:
                 response.release()
 
@@ -135,13 +185,33 @@ class OpenAIEndpoint:
 
     def app(self, extra: list[BaseRoute] | None = None) -> Starlette:
         return Starlette(
+            exception_handlers={HTTPException: route_error, Exception: internal_error},
             routes=[
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 *(extra or []),
-            ]
+            ],
         )
+
+
+def _model_id(model: object) -> str:
+    if not isinstance(model, str) or not MODEL_ID.fullmatch(model):
+        raise NotFound(
+            "`model` must be a checkpoint, orgs/{org}/jobs/{job}/checkpoints/{checkpoint}",
+            reason=R.ERROR_REASON_CHECKPOINT_NOT_FOUND,
+        )
+    return model
+
+
+def _model_object(checkpoint: checkpoint_pb2.Checkpoint) -> dict[str, Any]:
+    return {
+        "id": checkpoint.name,
+        "object": "model",
+        "created": checkpoint.create_time.seconds,
+        "owned_by": checkpoint.name.split("/")[1],
+    }
 
 
 @dataclass

@@ -844,6 +844,11 @@ class GatewayServicer(gateway_service_pb2_grpc.GatewayServiceServicer):
             raise NotFound(f"{name} not found", reason=reason)
         return self._tokens.scope(principal)
 
+    async def get_model(self, principal: Principal, model: str) -> checkpoint_pb2.Checkpoint:
+        """The checkpoint a model id names, for `GET /v1/models/{id}` (NOT_FOUND as `Infer` answers it)."""
+        scope = self.scope_of(principal, model, R.ERROR_REASON_JOB_NOT_FOUND)
+        return await self._checkpoints(scope).resolve(model)
+
     async def list_models(self, principal: Principal) -> list[checkpoint_pb2.Checkpoint]:
         """The checkpoints served now and every checkpoint of the organization's newest 100 jobs, for
         `GET /v1/models`."""
@@ -900,11 +905,20 @@ async def setup(server: grpc.aio.Server, deps: Deps) -> Registration:
         )
         servicer.openai_base_url = http.base_url
         on_stop.insert(0, http.stop)
+        announce = [
+            f"OpenAI-compatible endpoint (base_url, with an API key): {http.base_url}",
+            f"Dashboard: {http.base_url.removesuffix('/v1')}/",
+        ]
+    else:
+        announce = [
+            "OpenAI-compatible endpoint and dashboard: off (TANDEM_GATEWAY_HTTP_PORT=8080 turns them on)"
+        ]
     return Registration(
         service_names=[SERVICE_NAME],
         public_methods=PUBLIC_METHODS,
         on_stop=on_stop,
         server_credentials=_public_credentials(config) if public_tls else None,
+        announce=announce,
     )
 
 

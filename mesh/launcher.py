@@ -28,6 +28,9 @@ def print_addresses(out: TextIO) -> Callable[[list[RunningService]], None]:
         out.write("Tandem is up. Services (gRPC, health and reflection on each):\n")
         for service in running:
             out.write(f"  {service.name:<{width}}  {service.address}\n")
+        for service in running:
+            for line in service.registration.announce:
+                out.write(f"{line}\n")
         admin = running[0].deps.settings.state_dir / ADMIN_KEY_FILE
         if any(s.name == "gateway" for s in running) and admin.exists():
             out.write(f"Admin credential (for CreateOrg): {admin.resolve()}\n")

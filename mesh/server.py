@@ -59,6 +59,9 @@ class Registration:
     # Credentials for this service's own port instead of the mesh's (the gateway's public TLS, for clients
     # that have no mesh certificate); None: the mesh's mTLS when configured, else plaintext.
     server_credentials: grpc.ServerCredentials | None = None
+    # Lines `tandem up` prints once the mesh is up: where the service's other listeners are (the gateway's
+    # OpenAI-compatible endpoint), or how to turn them on.
+    announce: Sequence[str] = ()
 
 
 Setup = Callable[[grpc.aio.Server, Deps], Awaitable[Registration]]

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 import httpx
+import openai
 import pytest
 from google.protobuf import duration_pb2, json_format
 from tandem.events.v1 import event_pb2, events_service_pb2, events_service_pb2_grpc, metric_pb2
@@ -556,6 +557,8 @@ async def test_tandem_up_prints_where_the_admin_credential_is(world: World) -> N
     path = (world.mesh.settings.state_dir / ADMIN_KEY_FILE).resolve()
     assert f"Admin credential (for CreateOrg): {path}" in out.getvalue()
     assert path.read_text().strip() not in out.getvalue()
+    # This mesh has no HTTP port: the output says how to turn the OpenAI-compatible endpoint on.
+    assert "OpenAI-compatible endpoint and dashboard: off (TANDEM_GATEWAY_HTTP_PORT=8080" in out.getvalue()
 
 
 # ---- the store, on both databases ---------------------------------------------------------------
@@ -719,6 +722,37 @@ async def test_infer_starts_a_worker_through_the_scheduler(
             assert missing.status_code == 404 and missing.json()["error"]["code"] == "CHECKPOINT_NOT_FOUND"
             wrong = await http.get("/models", headers={"Authorization": "Bearer tdm_nope"})
             assert wrong.status_code == 401
+        # The official openai client, relayed to the worker: n choices, streamed logprobs, refusals.
+        async with openai.AsyncOpenAI(base_url=base, api_key=made.key, max_retries=0) as client:
+            model = "orgs/acme/jobs/rl/checkpoints/step-3"
+            assert (await client.models.retrieve(model)).id == model
+            hi = [{"role": "user", "content": "hi"}]
+            sampled = await client.chat.completions.create(
+                model=model,
+                messages=hi,
+                n=2,
+                max_tokens=2,
+                temperature=1.0,  # type: ignore[arg-type]
+            )
+            assert [c.index for c in sampled.choices] == [0, 1]
+            streamed_chat = await client.chat.completions.create(
+                model=model,
+                messages=hi,
+                max_tokens=3,
+                temperature=0,
+                logprobs=True,
+                stream=True,  # type: ignore[arg-type]
+            )
+            entries = [
+                e
+                async for chunk in streamed_chat
+                for c in chunk.choices
+                for e in (c.logprobs.content or [] if c.logprobs else [])
+            ]
+            assert 1 <= len(entries) <= 3 and all(e.logprob <= 0 for e in entries)
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model=model, messages=hi, max_tokens=0)  # type: ignore[arg-type]
+            assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "max_tokens"
         # Left idle, the worker stops and its job succeeds; the next call starts a new worker.
         async with open_channel(mesh.address("gateway"), mesh.settings, token=made.key) as channel:
             stub = gateway_service_pb2_grpc.GatewayServiceStub(channel)

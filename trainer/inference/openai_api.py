@@ -1,36 +1,44 @@
 """The worker's OpenAI-compatible HTTP API, for Task Apps and any OpenAI client.
 
-Routes: `GET /v1/models`; `POST /v1/chat/completions`; `POST /v1/completions`; and both POST routes under
-`/v1/traces/{correlation_id}/...`, the inference URL the trainer hands each episode. A generation is
-recorded as a turn of its episode's trace when the correlation id comes in the path or in the
-`X-Trace-Correlation-Id` header (the path wins). `stream: true` answers with server-sent events.
+Routes: `GET /v1/models`; `GET /v1/models/{id}`; `POST /v1/chat/completions`; `POST /v1/completions`; and
+both POST routes under `/v1/traces/{correlation_id}/...`, the inference URL the trainer hands each episode.
+A generation is recorded as a turn of its episode's trace when the correlation id comes in the path or in
+the `X-Trace-Correlation-Id` header (the path wins). `stream: true` answers with server-sent events, whose
+chunks carry OpenAI's `choices[].logprobs` for their tokens when asked.
 
 Request fields understood: `model` (must be the served model when set), `messages` / `prompt` (text or
-token ids), `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k` and `min_p` (vLLM's
-extensions, with its meaning: trainer/sampling.py), `stop` (string or list),
-`seed`, `logprobs` + `top_logprobs` (chat) or `logprobs: N` (completions), `n` (1 only),
-`chat_template_kwargs`. The answer adds a `tandem` object: the weight version and the prompt and completion
-token ids. Errors have OpenAI's shape, `{"error": {"message", "type", "code"}}`, with the mesh's stable
-reason as `code`. Each completion is a server span continuing the caller's W3C `traceparent`.
+token ids), `max_tokens` / `max_completion_tokens` (at least 1), `temperature`, `top_p`, `top_k` and `min_p`
+(vLLM's extensions, with its meaning: trainer/sampling.py), `stop` (string or list), `seed`, `logprobs` +
+`top_logprobs` (chat) or `logprobs: N` (completions), `n` (1 to 16: sample 0 in the correlation id's trace,
+sample i in `{id}:{i}`'s; seeds s, s + 1, ...), `chat_template_kwargs`. Fields no engine here honours are
+refused naming them (`trainer.inference.openai_fields`). The answer adds a `tandem` object: the weight
+version and the prompt and completion token ids (and, with n > 1, each sample's as `samples`). Errors have
+OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the mesh's stable reason as `code`
+and the refused field as `param`; an unknown route is 404 NOT_FOUND. Each completion is a server span
+continuing the caller's W3C `traceparent`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mesh.errors import InvalidArgument, R, TandemError
 from trainer.inference.engine import Finished, Sampling, TokenChunk
+from trainer.inference.openai_fields import invalid, refuse_unsupported
 
 if TYPE_CHECKING:
     from trainer.inference.worker import InferenceWorker
@@ -48,16 +56,43 @@ HTTP_STATUS = {
 }
 
 
-def _error(status: int, message: str, code: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status_code=status)
+ERROR_TYPE = {401: "authentication_error", 404: "not_found_error"}
+
+
+def _error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    kind = ERROR_TYPE.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(_error_body(status, message, code, param), status_code=status)
+
+
+def _unauthorized() -> JSONResponse:
+    return _error(401, "a valid API key is required", "INVALID_CREDENTIALS")
 
 
 def _from_domain(error: TandemError) -> JSONResponse:
     status = HTTP_STATUS.get(error.code, 500)
     if error.reason == R.ERROR_REASON_TRACE_FINISHED:
         status = 409
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return _error(status, error.message, error.reason_name, kind)
+    param = error.violations[0].field if error.violations else None
+    return _error(status, error.message, error.reason_name, param)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A failure no handler expected: 500 as an OpenAI error (the exception is still logged)."""
+    return _error(500, "internal error", "INTERNAL")
+
+
+async def _route_error(request: Request, exc: Exception) -> Response:
+    """An unknown route (404 NOT_FOUND) or method (405 NOT_IMPLEMENTED) as an OpenAI error."""
+    if not isinstance(exc, HTTPException):
+        raise exc
+    if exc.status_code == 405:
+        return _error(405, f"{request.method} is not a method of {request.url.path}", "NOT_IMPLEMENTED")
+    message = f"{request.method} {request.url.path} is not a route of this endpoint"
+    return _error(exc.status_code, message, "NOT_FOUND")
 
 
 def _number(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -84,18 +119,17 @@ def _sampling(body: dict[str, Any], chat: bool) -> Sampling:
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > 16:
         raise InvalidArgument("`stop` must be a string or a list of at most 16 strings")
+    refuse_unsupported(body)  # a token budget of 0, `n` out of range, fields no engine here honours
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or 0
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise InvalidArgument("`max_tokens` must be a non-negative integer")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise InvalidArgument("`seed` must be a non-negative integer")
     if chat:
+        if body.get("top_logprobs") and not body.get("logprobs"):
+            raise invalid("top_logprobs", "needs `logprobs: true`")
         top = int(_number(body, "top_logprobs", 0, 0, 20)) if body.get("logprobs") else 0
     else:
         top = int(_number(body, "logprobs", 0, 0, 20))
-    if body.get("n", 1) != 1:
-        raise InvalidArgument("`n` must be 1: ask again for more samples")
     return Sampling(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
@@ -157,24 +191,31 @@ class OpenAIApi:
             {"status": "ok", "idle_s": round(self.worker.idle_s(), 3), "idle_exit_s": settings.idle_exit_s}
         )
 
+    def _model(self) -> dict[str, Any]:
+        model = self.worker.engine.info
+        return {
+            "id": model.model,
+            "object": "model",
+            "created": int(self.worker.start_time),
+            "owned_by": "tandem",
+            "max_model_len": model.max_context_tokens,
+        }
+
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
-            return _error(401, "a valid API key is required", "INVALID_CREDENTIALS", "authentication_error")
-        model = self.worker.engine.info
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": model.model,
-                        "object": "model",
-                        "created": int(self.worker.start_time),
-                        "owned_by": "tandem",
-                        "max_model_len": model.max_context_tokens,
-                    }
-                ],
-            }
-        )
+            return _unauthorized()
+        return JSONResponse({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{id}`: the served model; 404 MODEL_NOT_FOUND for any other id."""
+        if not self._authorized(request):
+            return _unauthorized()
+        model = request.path_params["model"]
+        if model != self.worker.engine.info.model:
+            return _error(
+                404, f"this worker serves {self.worker.engine.info.model!r}, not {model!r}", "MODEL_NOT_FOUND"
+            )
+        return JSONResponse(self._model())
 
     async def chat(self, request: Request) -> Response:
         with _server_span(request, "openai.chat_completions"):
@@ -186,43 +227,39 @@ class OpenAIApi:
 
     async def _complete(self, request: Request, *, chat: bool) -> Response:
         if not self._authorized(request):
-            return _error(401, "a valid API key is required", "INVALID_CREDENTIALS", "authentication_error")
+            return _unauthorized()
         try:
             body = await self._body(request)
             cid = self._correlation_id(request)
             self.worker.check_model(str(body.get("model") or ""))
             sampling = _sampling(body, chat)
             prompt = self._prompt(body, chat)
-            stream = bool(body.get("stream"))
-            generation = self.worker.generate(prompt, sampling, cid)
-            first = await anext(generation)  # errors before the first token still get a status
+            samples = _samples(sampling, cid, int(body.get("n") or 1))
+            generations = [self.worker.generate(prompt, s.sampling, s.correlation_id) for s in samples]
+            firsts = await _first_items(generations)  # errors before the first token still get a status
         except TandemError as error:
             return _from_domain(error)
         except StopAsyncIteration:
-            return _error(500, "the engine ended without an answer", "INTERNAL", "server_error")
+            return _error(500, "the engine ended without an answer", "INTERNAL")
         created = int(time.time())
         ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         model = self.worker.engine.info.model
-        if stream:
+        want_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+        runs = [_Run(s, f, g) for s, f, g in zip(samples, firsts, generations, strict=True)]
+        if body.get("stream"):
             return StreamingResponse(
-                self._events(first, generation, ident, created, model, chat, len(prompt)),
+                self._events(runs, ident, created, model, chat, len(prompt), want_logprobs),
                 media_type="text/event-stream",
             )
-        chunks: list[TokenChunk] = []
-        finished: Finished | None = None
-        item: TokenChunk | Finished = first
-        while True:
-            if isinstance(item, Finished):
-                finished = item
-                break
-            chunks.append(item)
-            try:
-                item = await anext(generation)
-            except StopAsyncIteration:
-                break
-        want_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+        collected = await asyncio.gather(*(run.collect() for run in runs), return_exceptions=True)
+        results = [c for c in collected if not isinstance(c, BaseException)]
+        for failed in collected:
+            if isinstance(failed, TandemError):  # the engine failed mid-generation
+                return _from_domain(failed)
+            if isinstance(failed, BaseException):
+                raise failed
         return JSONResponse(
-            self._answer(chunks, finished, ident, created, model, chat, prompt, want_logprobs)
+            self._answer(results, samples, ident, created, model, chat, prompt, want_logprobs)
         )
 
     def _prompt(self, body: dict[str, Any], chat: bool) -> list[int]:
@@ -230,21 +267,7 @@ class OpenAIApi:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise InvalidArgument("`messages` must be a non-empty list")
-            rendered: list[dict[str, str]] = []
-            for index, message in enumerate(messages):
-                if not isinstance(message, dict) or message.get("role") not in (
-                    "system",
-                    "user",
-                    "assistant",
-                    "tool",
-                ):
-                    raise InvalidArgument(f"messages[{index}] needs a role: system, user, assistant or tool")
-                content = message.get("content") or ""
-                if isinstance(content, list):  # content parts: the text ones, joined
-                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-                if not isinstance(content, str):
-                    raise InvalidArgument(f"messages[{index}].content must be text")
-                rendered.append({"role": message["role"], "content": content})
+            rendered = [_message(index, message) for index, message in enumerate(messages)]
             kwargs = body.get("chat_template_kwargs") or {}
             if not isinstance(kwargs, dict):
                 raise InvalidArgument("`chat_template_kwargs` must be an object")
@@ -279,8 +302,8 @@ class OpenAIApi:
 
     def _answer(
         self,
-        chunks: list[TokenChunk],
-        finished: Finished | None,
+        results: list[tuple[list[TokenChunk], Finished | None]],
+        samples: list[_Sample],
         ident: str,
         created: int,
         model: str,
@@ -288,71 +311,109 @@ class OpenAIApi:
         prompt: list[int],
         want_logprobs: bool,
     ) -> dict[str, Any]:
-        text = "".join(c.text for c in chunks)
-        reason = finished.reason if finished else "abort"
-        completion_ids = [t for c in chunks for t in c.token_ids]
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(chunks, chat) if want_logprobs else None
+        choices: list[dict[str, Any]] = []
+        extras: list[dict[str, Any]] = []
+        for index, (chunks, finished) in enumerate(results):
+            text = "".join(c.text for c in chunks)
+            choice: dict[str, Any] = {
+                "index": index,
+                "finish_reason": finished.reason if finished else "abort",
+            }
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice["logprobs"] = self._logprobs(chunks, chat) if want_logprobs else None
+            choices.append(choice)
+            extra: dict[str, Any] = {
+                "weight_version": finished.weight_version if finished else self.worker.engine.weight_version,
+                "last_weight_version": finished.last_weight_version if finished else 0,
+                "completion_token_ids": [t for c in chunks for t in c.token_ids],
+                "completion_logprobs": [p for c in chunks for p in c.logprobs],
+            }
+            if samples[index].correlation_id:
+                extra["correlation_id"] = samples[index].correlation_id
+            extras.append(extra)
+        completion = sum(len(e["completion_token_ids"]) for e in extras)
+        tandem: dict[str, Any] = {**extras[0], "prompt_token_ids": prompt}
+        tandem.pop("correlation_id", None)
+        if len(extras) > 1:
+            tandem["samples"] = [{"index": i, **e} for i, e in enumerate(extras)]
         return {
             "id": ident,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": model,
-            "choices": [choice],
+            "choices": choices,
             "usage": {
                 "prompt_tokens": len(prompt),
-                "completion_tokens": len(completion_ids),
-                "total_tokens": len(prompt) + len(completion_ids),
+                "completion_tokens": completion,
+                "total_tokens": len(prompt) + completion,
             },
-            "tandem": {
-                "weight_version": finished.weight_version if finished else self.worker.engine.weight_version,
-                "last_weight_version": finished.last_weight_version if finished else 0,
-                "prompt_token_ids": prompt,
-                "completion_token_ids": completion_ids,
-                "completion_logprobs": [p for c in chunks for p in c.logprobs],
-            },
+            "tandem": tandem,
         }
 
     async def _events(
         self,
-        first: TokenChunk | Finished,
-        generation: AsyncIterator[TokenChunk | Finished],
+        runs: list[_Run],
         ident: str,
         created: int,
         model: str,
         chat: bool,
         prompt_tokens: int,
+        want_logprobs: bool,
+    ) -> AsyncIterator[bytes]:
+        """Server-sent events: a chunk per engine chunk of each sample (its choice `index`), each with its
+        tokens' `logprobs` when asked and a `tandem` object; the usage comes with the last sample's finish."""
+        try:
+            async for event in self._chunks(runs, ident, created, model, chat, prompt_tokens, want_logprobs):
+                yield event
+        except TandemError as error:  # after the status went out: an error event, which the client raises
+            body = _error_body(HTTP_STATUS.get(error.code, 500), error.message, error.reason_name)
+            yield f"data: {json.dumps(body)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    async def _chunks(
+        self,
+        runs: list[_Run],
+        ident: str,
+        created: int,
+        model: str,
+        chat: bool,
+        prompt_tokens: int,
+        want_logprobs: bool,
     ) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         completion = 0
-        item: TokenChunk | Finished | None = first
-        while item is not None:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": None}
+        left = len(runs)
+        async for index, item in _merged(runs):
+            choice: dict[str, Any] = {"index": index, "finish_reason": None}
             if isinstance(item, TokenChunk):
                 completion += len(item.token_ids)
                 if chat:
                     choice["delta"] = {"role": "assistant", "content": item.text}
                 else:
                     choice["text"] = item.text
-                extra = {
+                choice["logprobs"] = self._logprobs([item], chat) if want_logprobs else None
+                extra: dict[str, Any] = {
                     "token_ids": item.token_ids,
                     "logprobs": item.logprobs,
                     "weight_version": item.weight_version,
                 }
             else:
+                left -= 1
                 choice["finish_reason"] = item.reason
                 if chat:
                     choice["delta"] = {}
                 else:
                     choice["text"] = ""
+                choice["logprobs"] = None
                 extra = {
                     "weight_version": item.weight_version,
                     "last_weight_version": item.last_weight_version,
                 }
+                if runs[index].sample.correlation_id:
+                    extra["correlation_id"] = runs[index].sample.correlation_id
             payload: dict[str, Any] = {
                 "id": ident,
                 "object": kind,
@@ -361,26 +422,138 @@ class OpenAIApi:
                 "choices": [choice],
                 "tandem": extra,
             }
-            if isinstance(item, Finished):
+            if isinstance(item, Finished) and not left:
                 payload["usage"] = {
                     "prompt_tokens": prompt_tokens,
                     "completion_tokens": completion,
                     "total_tokens": prompt_tokens + completion,
                 }
             yield f"data: {json.dumps(payload)}\n\n".encode()
-            item = await anext(generation, None)
-        yield b"data: [DONE]\n\n"
+
+
+def _message(index: int, message: object) -> dict[str, str]:
+    """A chat message as the template renders it: its role and its text (content parts, text only, joined)."""
+    if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "tool"):
+        raise InvalidArgument(f"messages[{index}] needs a role: system, user, assistant or tool")
+    for field in ("tool_calls", "function_call"):  # this endpoint calls no tools (openai_fields)
+        if message.get(field):
+            raise invalid(f"messages[{index}].{field}", "is not supported by this endpoint")
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        for part_index, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                field = f"messages[{index}].content[{part_index}]"
+                raise invalid(field, "is not a text part: this endpoint reads text only")
+        content = "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(content, str):
+        raise InvalidArgument(f"messages[{index}].content must be text")
+    return {"role": message["role"], "content": content}
+
+
+@dataclass(frozen=True)
+class _Sample:
+    sampling: Sampling
+    correlation_id: str
+
+
+def _samples(sampling: Sampling, cid: str, n: int) -> list[_Sample]:
+    """The `n` samples of one request: sample 0 is recorded in the trace of the request's correlation id and
+    sample i > 0 in `{id}:{i}`'s, each its own trace; a seed s samples them with seeds s, s + 1, ..."""
+    found = []
+    for index in range(n):
+        own = cid if not index or not cid else f"{cid}:{index}"
+        if len(own) > 128:
+            raise invalid("n", "gives correlation ids past 128 characters: use a shorter correlation id")
+        seed = sampling.seed + index if sampling.seed is not None else None
+        found.append(_Sample(replace(sampling, seed=seed), own))
+    return found
+
+
+async def _first_items(
+    generations: list[AsyncIterator[TokenChunk | Finished]],
+) -> list[TokenChunk | Finished]:
+    """The first item of each generation, all started at once; when one fails, every one is closed."""
+
+    async def first(generation: AsyncIterator[TokenChunk | Finished]) -> TokenChunk | Finished:
+        return await anext(generation)
+
+    found = await asyncio.gather(*(first(g) for g in generations), return_exceptions=True)
+    failed = [f for f in found if isinstance(f, BaseException)]
+    if failed:
+        for generation in generations:
+            await generation.aclose()  # type: ignore[attr-defined]
+        raise failed[0]
+    return [f for f in found if not isinstance(f, BaseException)]
+
+
+@dataclass
+class _Run:
+    """One sample's generation, its first item already taken."""
+
+    sample: _Sample
+    first: TokenChunk | Finished
+    generation: AsyncIterator[TokenChunk | Finished]
+
+    async def items(self) -> AsyncIterator[TokenChunk | Finished]:
+        yield self.first
+        async for item in self.generation:
+            yield item
+
+    async def collect(self) -> tuple[list[TokenChunk], Finished | None]:
+        chunks: list[TokenChunk] = []
+        async for item in self.items():
+            if isinstance(item, Finished):
+                return chunks, item
+            chunks.append(item)
+        return chunks, None
+
+
+async def _merged(runs: list[_Run]) -> AsyncIterator[tuple[int, TokenChunk | Finished]]:
+    """The items of every run as they come, each with its run's index; one run reads inline, more through
+    a task each, cancelled (ending their generations as aborted turns) when the reader stops early."""
+    if len(runs) == 1:
+        async for item in runs[0].items():
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, TokenChunk | Finished | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, run: _Run) -> None:
+        try:
+            async for item in run.items():
+                await queue.put((index, item))
+        except Exception as exc:
+            await queue.put((index, exc))
+        else:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
+    try:
+        running = len(tasks)
+        while running:
+            index, got = await queue.get()
+            if got is None:
+                running -= 1
+            elif isinstance(got, BaseException):
+                raise got
+            else:
+                yield index, got
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def openai_app(worker: InferenceWorker) -> Starlette:
     api = OpenAIApi(worker)
     return Starlette(
+        exception_handlers={HTTPException: _route_error, Exception: _internal_error},
         routes=[
             Route("/health", api.health, methods=["GET"]),
             Route("/v1/models", api.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", api.model, methods=["GET"]),
             Route("/v1/chat/completions", api.chat, methods=["POST"]),
             Route("/v1/completions", api.completions, methods=["POST"]),
             Route("/v1/traces/{correlation_id}/chat/completions", api.chat, methods=["POST"]),
             Route("/v1/traces/{correlation_id}/completions", api.completions, methods=["POST"]),
-        ]
+        ],
     )
