@@ -2,7 +2,7 @@
 `GET /v1/models/{id}`, `POST /v1/chat/completions` and `POST /v1/completions` (with `stream: true` too),
 authenticated with the organization API keys (`Authorization: Bearer tdm_...`) and accepting the model ids
 of Infer (`orgs/{org}/jobs/{job}/checkpoints/{checkpoint}`, `latest` for the newest). Fields no worker
-honours are refused before a worker is looked for (`trainer.inference.openai_fields`); each other call is
+honours are refused before a worker is looked for (`tandem_jobs.openai_fields`); each other call is
 relayed to the checkpoint's inference worker (`gateway.inference`). Errors, an unknown route under `/v1/`
 included, are OpenAI's `{"error": {"message", "type", "param", "code"}}` with the Tandem reason as `code` and
 a refused field as `param`; 429 / 503 carry `Retry-After`.
@@ -35,7 +35,7 @@ from gateway.inference import STARTING_RETRY_S, Endpoint
 from gateway.orgs import Orgs
 from mesh.errors import NotFound, R, TandemError, Unavailable
 from mesh.identity import Principal
-from trainer.inference.openai_fields import refuse_unsupported
+from tandem_jobs.openai_fields import refuse_unsupported
 
 if TYPE_CHECKING:
     from gateway.servicer import GatewayServicer

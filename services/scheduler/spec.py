@@ -859,12 +859,23 @@ _RESOURCE_KEYS = (
     "priority_class",
     "ephemeral_storage",
     "labels",
+    "disk_tier",
+    "network_tier",
 )
+# SkyPilot's tiers; on Kubernetes and Slurm it takes them and they choose nothing (no cloud disk or network
+# product to pick), which is what they mean here too.
+_DISK_TIERS = ("low", "medium", "high", "ultra", "best")
+_NETWORK_TIERS = ("standard", "best")
 
 # SkyPilot's keys (its task and resources schema) that Tandem does not take, each with the reason; SPEC.md has
 # the whole table. A key here is refused naming why; any other unknown key names the nearest known one.
 _NOT_YET = "not yet in Tandem"
-_GROUP_KEYS = ("primary_tasks", "termination_delay", "inter_connection")  # SkyPilot's job-group header keys
+_GROUP_KEYS = (
+    "primary_tasks",
+    "termination_delay",
+    "inter_connection",
+    "placement",
+)  # SkyPilot's job-group header keys
 _SKY_JOB_KEYS = {
     "primary_tasks": "names the primary tasks of a job group; a one-task file's task is its primary",
     "inter_connection": "says whether a job group's tasks reach each other by host name; a one-task file's "
@@ -897,12 +908,8 @@ _SKY_RESOURCE_KEYS = {
     "max_hourly_cost": "there are no prices here",
     "accelerator_args": "configures Google Cloud TPUs; Tandem places NVIDIA GPUs",
     "autostop": "nodes are not kept as clusters here: a task's nodes are released when it ends",
-    "disk_tier": "chooses a cloud's disk product; the nodes here have the disks the deployment gave them "
-    "(ask for space with disk_size)",
-    "local_disk": "chooses a cloud instance's local NVMe or SSD; the nodes here have the disks the deployment "
-    "gave them (ask for space with disk_size)",
-    "network_tier": "chooses a cloud's network product (its GPUDirect or InfiniBand offer); the nodes here have "
-    "the network the deployment gave them",
+    "local_disk": "asks for a cloud instance's local NVMe or SSD, which SkyPilot does not offer on Kubernetes or "
+    "Slurm either; the nodes here have the disks the deployment gave them (ask for space with disk_size)",
     "volumes": "attaches a public cloud's disks to its instances (SkyPilot's older form); mount the "
     "deployment's volumes with the task's `volumes: {/path: name}`",
     "_no_missing_accel_warnings": "is SkyPilot's internal setting",
@@ -1179,6 +1186,12 @@ class _Reader:
     def group_header(self, doc: dict[str, Any]) -> None:
         """SkyPilot's job-group keys: `primary_tasks` (the others are auxiliary) and `termination_delay` (one
         duration, or one per task name with a `default`), applied to the tasks in `finish`."""
+        if "placement" in doc:  # SkyPilot's SAME_INFRA: every task on one infrastructure, as a group is here
+            placement = doc["placement"]
+            if not isinstance(placement, str) or placement.upper() != "SAME_INFRA":
+                self.fail(
+                    "placement", f"must be SAME_INFRA (a job group runs on one backend), not {placement!r}"
+                )
         if "primary_tasks" in doc:
             names = doc["primary_tasks"]
             if not isinstance(names, list):
@@ -1545,6 +1558,13 @@ class _Reader:
         for key in ("job_recovery", "priority", "priority_class"):
             if key in doc:
                 self.guard(lambda k=key: self.job_value(k, doc.pop(k), f"{at}.{k}"))
+        for key, tiers in (("disk_tier", _DISK_TIERS), ("network_tier", _NETWORK_TIERS)):
+            if key in doc:  # checked as SkyPilot checks it, then it chooses nothing (see _DISK_TIERS)
+                value = doc.pop(key)
+                if not isinstance(value, str) or value.lower() not in tiers:
+                    self.found.append(
+                        FieldViolation(f"{at}.{key}", f"must be one of {', '.join(tiers)}, not {value!r}")
+                    )
         if "ephemeral_storage" in doc:
             if "disk_size" in doc:
                 self.found.append(
@@ -1598,6 +1618,7 @@ class _Reader:
             for r in (rest, rest_first):
                 r.ClearField("gpus")
                 r.ClearField("gpu_alternatives")
+                r.ClearField("preemptible")
             if rest != rest_first:
                 differ = sorted(
                     f.name
@@ -1612,6 +1633,9 @@ class _Reader:
                     )
                 )
         resources.CopyFrom(first)
+        # spot or not: `any_of` takes the cheapest (SkyPilot's rule), which is spot where any may be; `ordered`
+        # the first
+        resources.preemptible = any(c.preemptible for c in choices) if key == "any_of" else first.preemptible
         requests = list(dict.fromkeys(g for c in choices for g in (c.gpus, *c.gpu_alternatives) if g))
         del resources.gpu_alternatives[:]
         resources.gpu_alternatives.extend(requests[1:])
@@ -1704,7 +1728,9 @@ class _Reader:
             )
         if "image_id" in doc:
             self.aliases[f"{at}.image"] = f"{at}.image_id"
-            self.guard(lambda: self.image(resources, doc["image_id"], f"{at}.image_id"))
+            where = str(doc.get("infra") or doc.get("cloud") or "").split("/", 1)[0].lower()
+            container = _CLOUD_BACKENDS.get(where) == js.BACKEND_KUBERNETES
+            self.guard(lambda: self.image(resources, doc["image_id"], f"{at}.image_id", container=container))
         if "labels" in doc:
             labels = self.table(doc["labels"], f"{at}.labels", None)
             for key, item in labels.items():
@@ -1719,12 +1745,15 @@ class _Reader:
                 self.fail(where, f"must be a port or a range such as 10000-10010, not {_type(item)}")
             resources.ports.append(str(item).strip())
 
-    def image(self, resources: types_pb2.Resources, value: Any, at: str) -> None:
-        """`docker:IMAGE` is a container image; any other image id (a cloud's machine image, a table by
-        region) names a public cloud's."""
+    def image(self, resources: types_pb2.Resources, value: Any, at: str, *, container: bool = False) -> None:
+        """`docker:IMAGE` is a container image, and so is any image id of a task on Kubernetes (`container`),
+        as SkyPilot reads it there; any other (a cloud's machine image, a table by region) names a public
+        cloud's."""
         if isinstance(value, dict):
             self.fail(at, _CLOUD_ONLY.format(what="machine images by region"))
         text = self.text(value, at).strip()
+        if container and not text.startswith("docker:"):
+            text = f"docker:{text}"
         if not text.startswith("docker:"):
             self.fail(at, f"{text!r} " + _CLOUD_ONLY.format(what="machine image") + "; write docker:IMAGE")
         resources.image = text.removeprefix("docker:").strip()
@@ -1896,10 +1925,8 @@ class _Reader:
                     self.guard(lambda m=mount, s=source, w=where: self.bucket_url(m, s, w))
                     mount.bucket.mode = js.Bucket.MODE_COPY
                     continue
-                mount.local_path = source
                 self.aliases[f"{proto}.local_path"] = where
-                if not source.startswith("/"):
-                    self.found.append(FieldViolation(where, "the local path must be absolute"))
+                self.guard(lambda m=mount, s=source, w=where: setattr(m, "local_path", self.host_path(s, w)))
                 continue
             self.guard(lambda m=mount, s=source, w=where, p=proto: self.mount(m, s, w, p))
 
@@ -1926,10 +1953,8 @@ class _Reader:
         elif "volume" in doc:
             mount.volume = self.text(doc["volume"], f"{at}.volume")
         else:
-            mount.local_path = self.text(doc["source"], f"{at}.source")
             self.aliases[f"{proto}.local_path"] = f"{at}.source"
-            if not mount.local_path.startswith("/"):
-                self.fail(f"{at}.source", "the local path must be absolute")
+            mount.local_path = self.host_path(self.text(doc["source"], f"{at}.source"), f"{at}.source")
         if "read_only" in doc:
             mount.read_only = self.boolean(doc["read_only"], f"{at}.read_only")
 
@@ -1942,6 +1967,18 @@ class _Reader:
             store = self.text(doc["store"], f"{at}.store")
             if store.lower() != "s3":
                 self.fail(f"{at}.store", f"{store!r}: {_BUCKET_SCHEMES}")
+        self.bucket_source(mount, doc, at)
+        if "mode" in doc:
+            mount.bucket.mode = self.choice(doc["mode"], f"{at}.mode", _MODES)
+        if "type" in doc or "config" in doc:
+            self.guard(lambda: self.mount_tuning(mount, doc, at))
+        if "persistent" in doc and not self.boolean(doc["persistent"], f"{at}.persistent"):
+            self.fail(
+                f"{at}.persistent", f"{_NOT_YET}: deleting a bucket when the job ends; buckets are kept"
+            )
+
+    def bucket_source(self, mount: js.FileMount, doc: dict[str, Any], at: str) -> None:
+        """The bucket's URL: `name` (created when missing, filled from a local `source`) or a `source` URI."""
         source = doc.get("source")
         if "name" in doc:
             name = self.text(doc["name"], f"{at}.name")
@@ -1957,16 +1994,14 @@ class _Reader:
             self.fail(
                 f"{at}.name", "is required with a list of local sources: the bucket they are uploaded to"
             )
+        elif "://" not in self.text(source, f"{at}.source"):
+            self.fail(
+                f"{at}.name",
+                "is required with a local source and a bucket's keys (mode, store): the bucket the folder is "
+                "uploaded into (SkyPilot names one itself; here name it)",
+            )
         else:
             self.bucket_url(mount, self.text(source, f"{at}.source"), f"{at}.source")
-        if "mode" in doc:
-            mount.bucket.mode = self.choice(doc["mode"], f"{at}.mode", _MODES)
-        if "type" in doc or "config" in doc:
-            self.guard(lambda: self.mount_tuning(mount, doc, at))
-        if "persistent" in doc and not self.boolean(doc["persistent"], f"{at}.persistent"):
-            self.fail(
-                f"{at}.persistent", f"{_NOT_YET}: deleting a bucket when the job ends; buckets are kept"
-            )
 
     def mount_tuning(self, mount: js.FileMount, doc: dict[str, Any], at: str) -> None:
         """SkyPilot's `type` (MOUNT_CACHED presets) and `config` (`mount` / `mount_cached` settings): what is
@@ -1997,6 +2032,18 @@ class _Reader:
                     self.found.append(FieldViolation(f"{where}.{name}", _RCLONE))
             if "read_only" in settings and self.boolean(settings["read_only"], f"{where}.read_only"):
                 mount.read_only = True
+
+    def host_path(self, text: str, at: str) -> str:
+        """A host path mount's source: absolute, or (in a job file on disk) relative to the current directory
+        or `~`, as `sky launch` reads it."""
+        path = Path(text).expanduser() if self.base_dir is not None else Path(text)
+        if path.is_absolute():
+            return posixpath.normpath(str(path))
+        if self.base_dir is None:
+            self.fail(
+                at, "the local path must be absolute (a relative one is read only from a job file on disk)"
+            )
+        return posixpath.normpath(str(Path.cwd() / path))
 
     def upload(self, url: str, source: Any, at: str) -> None:
         """SkyPilot's local `source` of a named bucket: uploaded into it at launch, by the submitting client

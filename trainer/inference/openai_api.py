@@ -11,7 +11,7 @@ token ids), `max_tokens` / `max_completion_tokens` (at least 1), `temperature`, 
 (vLLM's extensions, with its meaning: trainer/sampling.py), `stop` (string or list), `seed`, `logprobs` +
 `top_logprobs` (chat) or `logprobs: N` (completions), `n` (1 to 16: sample 0 in the correlation id's trace,
 sample i in `{id}:{i}`'s; seeds s, s + 1, ...), `chat_template_kwargs`. Fields no engine here honours are
-refused naming them (`trainer.inference.openai_fields`). The answer adds a `tandem` object: the weight
+refused naming them (`tandem_jobs.openai_fields`). The answer adds a `tandem` object: the weight
 version and the prompt and completion token ids (and, with n > 1, each sample's as `samples`). Errors have
 OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the mesh's stable reason as `code`
 and the refused field as `param`; an unknown route is 404 NOT_FOUND. Each completion is a server span
@@ -37,8 +37,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mesh.errors import InvalidArgument, R, TandemError
+from tandem_jobs.openai_fields import invalid, refuse_unsupported
 from trainer.inference.engine import Finished, Sampling, TokenChunk
-from trainer.inference.openai_fields import invalid, refuse_unsupported
 
 if TYPE_CHECKING:
     from trainer.inference.worker import InferenceWorker

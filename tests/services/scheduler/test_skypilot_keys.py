@@ -554,3 +554,45 @@ def test_bucket_tuning_that_cannot_mean_anything_says_why(extra: str, field: str
     key = f'file_mounts["/ckpt"]{field}'
     assert key in found, found
     assert words in found[key], found[key]
+
+
+def test_tiers_and_same_infra_are_taken_as_skypilot_takes_them_on_kubernetes_and_slurm() -> None:
+    task = parse("run: x\nresources: {disk_tier: best, network_tier: standard, disk_size: 100}\n").tasks[0]
+    assert task.resources.disk_gib == 100  # the tiers choose nothing: there is no cloud product to pick
+    group = parse("name: g\nplacement: same_infra\n---\nname: a\nrun: x\n---\nname: b\nrun: x\n")
+    assert [t.name for t in group.tasks] == ["a", "b"]
+    assert "SAME_INFRA" in refusals("name: g\nplacement: spread\n---\nname: a\nrun: x\n")["placement"]
+
+
+def test_an_image_id_on_kubernetes_is_a_container_image_without_docker() -> None:
+    task = parse("run: x\nresources: {infra: k8s, image_id: rocm/pytorch:latest}\n").tasks[0]
+    assert task.resources.image == "rocm/pytorch:latest"
+    assert (
+        "machine image"
+        in refusals("run: x\nresources: {image_id: rocm/pytorch:latest}\n")["resources.image_id"]
+    )
+
+
+def test_relative_host_paths_are_read_from_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "task.yaml").write_text("run: x\nfile_mounts: {/code: ./code, /data: {source: data/v1}}\n")
+    mounts = {m.path: m.local_path for m in S.load_yaml(tmp_path / "task.yaml").tasks[0].file_mounts}
+    assert mounts == {"/code": str(tmp_path / "code"), "/data": str(tmp_path / "data" / "v1")}
+    assert (
+        "read only from a job file on disk"
+        in refusals("run: x\nfile_mounts: {/code: ./code}\n")['file_mounts["/code"]']
+    )
+    found = refusals("run: x\nfile_mounts: {/data: {source: ./data, mode: MOUNT}}\n")
+    assert "the bucket the folder is uploaded into" in found['file_mounts["/data"].name']
+
+
+def test_any_of_spot_or_not_is_spot_and_ordered_takes_the_first() -> None:
+    def preemptible(key: str, alternatives: str) -> bool:
+        text = f"run: x\nresources: {{accelerators: A100:8, {key}: {alternatives}}}\n"
+        return parse(text).tasks[0].resources.preemptible
+
+    assert preemptible("any_of", "[{use_spot: false}, {use_spot: true}]")  # the cheapest: SkyPilot's rule
+    assert preemptible("ordered", "[{use_spot: true}, {use_spot: false}]")
+    assert not preemptible("ordered", "[{use_spot: false}, {use_spot: true}]")

@@ -1,6 +1,7 @@
 """The request fields of OpenAI's completions APIs that Tandem refuses instead of ignoring, checked the same
 way by the worker's endpoint (`trainer.inference.openai_api`) and by the gateway's relay
-(`gateway.openai_http`, before it looks for a worker). Without torch, so the gateway can import it.
+(`gateway.openai_http`, before it looks for a worker). In tandem_jobs, without torch, so the gateway imports
+nothing of trainer/.
 
 A refused field is INVALID_ARGUMENT with a field violation naming it, which the HTTP endpoints answer as 400
 with the field as the error's `param`.
