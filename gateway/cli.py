@@ -1143,6 +1143,13 @@ def main(argv: list[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     if len(words) >= 2 and words[0] == "infer" and words[1] in INFER_ACTIONS:
         words = [f"infer-{words[1]}", *words[2:]]
+    if (
+        words[:1] == ["taskapp"]
+        and words[1:2] in (["serve"], ["check"])
+        and words[2:3] not in ([], ["-h"], ["--help"], ["--"])
+    ):
+        # Everything after `serve` / `check` is the tool's own, options first included (`--verifiers ENV`).
+        words = [*words[:2], "--", *words[2:]]
     args = build_parser().parse_args(words)
     try:
         code: int = args.func(args)
