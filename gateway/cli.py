@@ -856,7 +856,7 @@ def _add_taskapp(sub: Any, gw: argparse.ArgumentParser) -> None:
     for action, summary, example in (
         (
             "serve",
-            "run a Task App written with the SDK",
+            "run a Task App written with the SDK, or a verifiers environment (--verifiers ENV)",
             "  tandem taskapp serve my_app.py --port 8001 --key-from-stdin",
         ),
         (

@@ -146,6 +146,21 @@ def test_a_multi_turn_episode_that_never_finds_the_number_scores_zero(multi_turn
 
 
 @needs_verifiers
+def test_the_env_config_sets_the_seats_turn_limit_and_hitting_it_aborts_the_episode() -> None:
+    policy = FakePolicyServer("1")
+    with (
+        verifiers_app(MULTI_TURN, KEY, "--verifiers-config", '{"agent": {"max_turns": 2}}') as url,
+        serve_in_thread(policy.app) as policy_url,
+    ):
+        inference = FakePolicyServer.inference_url(policy_url, "vf-limit-1")
+        answer = _rollout(url, rollout_body("vf-limit-1", inference, seed=10)).json()
+    assert answer["aborted"] is True
+    assert answer["metrics"]["details"]["abort_reason"] == "max_turns"
+    assert answer["metrics"]["outcome_reward"] == 0.0
+    assert len(answer["trajectory"]["turns"]) == 2 and len(policy.requests_for("vf-limit-1")) == 2
+
+
+@needs_verifiers
 def test_a_failing_policy_answers_policy_unavailable(single_turn: str) -> None:
     policy = FakePolicyServer("B", status_code=503)
     with serve_in_thread(policy.app) as policy_url:
