@@ -96,7 +96,7 @@ def _verifiers_app(env: str, config: str | None) -> TaskApp:
 
     parsed: dict[str, Any] = {}
     if config is not None:
-        text = Path(config).read_text() if not config.lstrip().startswith("{") else config
+        text = config if config.lstrip().startswith(("{", "[")) else Path(config).read_text()
         try:
             loaded = json.loads(text)
         except ValueError as e:

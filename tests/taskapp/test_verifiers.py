@@ -282,6 +282,33 @@ async def test_both_envs_register_with_the_proxy_and_play_through_it(
     ]
 
 
+@needs_verifiers
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["--verifiers", "no-such-taskset"], "taskset 'no-such-taskset' not found"),
+        (
+            ["--verifiers", str(MULTI_TURN), "--verifiers-config", '{"agent": {"max_turns": "many"}}'],
+            "not valid",
+        ),
+        (["--verifiers", str(MULTI_TURN), "--verifiers-config", "[1]"], "must be a JSON object"),
+        (["--verifiers", "examples/verifiers/missing.py"], "no such verifiers environment file"),
+    ],
+    ids=["unknown-id", "bad-config", "config-not-object", "missing-file"],
+)
+def test_serve_refuses_an_env_it_cannot_load(arguments: list[str], said: str) -> None:
+    done = subprocess.run(
+        [str(VF_PYTHON), "-m", "gateway.cli", "taskapp", "serve", *arguments, "--no-auth"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert said in done.stderr
+
+
 # ---- the command line where verifiers is not installed (.venv) ----------------------------------------------
 
 
