@@ -10,10 +10,12 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 NPM_STAMP := node_modules/.installed
 SKY_VENV := .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
+VF_VENV := .venv-verifiers
+VF_STAMP := $(VF_VENV)/.installed
 HAND_WRITTEN := $(wildcard mesh services gateway trainer tandem_jobs tandem_taskapp tandem_client examples scripts benchmarks tests)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-skypilot gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast setup-vllm test-vllm up demo train-demo bench-events bench-vault bench-weights bench-async bench-scheduler bench-gateway clean
+.PHONY: help setup setup-skypilot setup-verifiers gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast setup-vllm test-vllm up demo train-demo bench-events bench-vault bench-weights bench-async bench-scheduler bench-gateway clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -49,6 +51,17 @@ $(SKY_STAMP): pyproject.toml
 	$(SKY_VENV)/bin/python -c 'import sky; print("skypilot", sky.__version__)'
 	touch $(SKY_STAMP)
 
+# verifiers (the `verifiers` extra) with Tandem's own package in a venv of its own: its openai<3 pin would
+# downgrade an openai 3 in .venv. The verifiers tests (tests/taskapp/test_verifiers.py) serve their
+# environments from it as Task Apps (`tandem taskapp serve --verifiers`) and skip without it.
+$(VF_STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (Python 3.11+)"; exit 1; }
+	test -d $(VF_VENV) || $(PYTHON) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VF_VENV)/bin/python -m pip install -q -e '.[verifiers]'
+	$(VF_VENV)/bin/python -c 'import verifiers; print("verifiers", verifiers.__version__)'
+	touch $(VF_STAMP)
+
 $(NPM_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $(NPM_STAMP)
@@ -56,6 +69,8 @@ $(NPM_STAMP): package.json package-lock.json
 setup: $(STAMP) $(NPM_STAMP)  ## create .venv with every Python extra CI needs, and the Node tools (buf, grpc-js)
 
 setup-skypilot: $(SKY_STAMP)  ## create .venv-sky with SkyPilot, the job-spec tests' oracle (they skip without it)
+
+setup-verifiers: $(VF_STAMP)  ## create .venv-verifiers with verifiers, where the verifiers tests serve their envs (they skip without it)
 
 gen: $(STAMP) $(NPM_STAMP)  ## regenerate gen/python from protos/ (commit the result)
 	npx buf lint
@@ -91,7 +106,7 @@ docs-check: $(STAMP)
 
 check: lint typecheck buf-lint buf-breaking gen-check docs-check  ## every static check CI runs
 
-test: setup setup-skypilot  ## set up (SkyPilot in .venv-sky too: the job-spec tests' oracle), then run the whole test suite (PostgreSQL is started by the tests themselves)
+test: setup setup-skypilot setup-verifiers  ## set up (SkyPilot in .venv-sky, verifiers in .venv-verifiers too), then run the whole test suite (PostgreSQL is started by the tests themselves)
 	$(PY) -m pytest
 
 test-fast: setup  ## the suite without tests marked slow
@@ -130,4 +145,4 @@ bench-gateway: setup  ## gateway: ListJobs of 50 jobs against GetServerInfo at 1
 	$(PY) benchmarks/gateway.py
 
 clean:  ## remove the virtual environment, Node tools and local state
-	rm -rf $(VENV) $(VLLM_VENV) node_modules .tandem .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VF_VENV) node_modules .tandem .pytest_cache .mypy_cache .ruff_cache

@@ -854,7 +854,7 @@ def _add_taskapp(sub: Any, gw: argparse.ArgumentParser) -> None:
     for action, summary, example in (
         (
             "serve",
-            "run a Task App written with the SDK",
+            "run a Task App written with the SDK, or a verifiers environment (--verifiers ENV)",
             "  tandem taskapp serve my_app.py --port 8001 --key-from-stdin",
         ),
         (
@@ -1146,6 +1146,13 @@ def main(argv: list[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     if len(words) >= 2 and words[0] == "infer" and words[1] in INFER_ACTIONS:
         words = [f"infer-{words[1]}", *words[2:]]
+    if (
+        words[:1] == ["taskapp"]
+        and words[1:2] in (["serve"], ["check"])
+        and words[2:3] not in ([], ["-h"], ["--help"], ["--"])
+    ):
+        # Everything after `serve` / `check` is the tool's own, options first included (`--verifiers ENV`).
+        words = [*words[:2], "--", *words[2:]]
     args = build_parser().parse_args(words)
     try:
         code: int = args.func(args)

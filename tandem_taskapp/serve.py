@@ -1,5 +1,6 @@
 """Serve a Task App: `python -m tandem_taskapp.serve path/to/app.py --port 8001` (also
-`tandem taskapp serve path/to/app.py`).
+`tandem taskapp serve path/to/app.py`), or a verifiers environment:
+`tandem taskapp serve --verifiers my-taskset` (see `tandem_taskapp.verifiers_env`).
 
 The file (or a dotted module name, optionally `module:attribute`) must define a module-level
 `app: TaskApp`. The environment key comes from `ENVIRONMENT_API_KEY`, or from the first line of standard
@@ -11,16 +12,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import os
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import uvicorn
+from pydantic import ValidationError
 
 from tandem_taskapp.app import TaskApp, create_app
+from tandem_taskapp.errors import TaskAppError
 
 KEY_ENV = "ENVIRONMENT_API_KEY"
 DEFAULT_HOST = "127.0.0.1"
@@ -87,6 +91,25 @@ def configure_tracing(service_name: str) -> None:
         configure(f"taskapp-{service_name}", endpoint, Path(trace_file or "traces.jsonl"))
 
 
+def _verifiers_app(env: str, config: str | None) -> TaskApp:
+    from tandem_taskapp.verifiers_env import verifiers_task_app  # noqa: PLC0415 - verifiers is optional
+
+    parsed: dict[str, Any] = {}
+    if config is not None:
+        text = config if config.lstrip().startswith(("{", "[")) else Path(config).read_text()
+        try:
+            loaded = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--verifiers-config is not JSON: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ValueError("--verifiers-config must be a JSON object")
+        parsed = loaded
+    try:
+        return verifiers_task_app(env, config=parsed)
+    except ValidationError as e:
+        raise ValueError(f"the verifiers env config is not valid: {e}") from None
+
+
 def _read_key(stream: TextIO) -> str:
     key = stream.readline().strip()
     if not key:
@@ -97,7 +120,21 @@ def _read_key(stream: TextIO) -> str:
 def build_parser(prog: str = "tandem taskapp serve") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Serve a Task App over the Tandem Task App contract.")
     p.add_argument(
-        "path", help="the app file (path/to/app.py[:attr]) or module (pkg.mod[:attr]); attr defaults to app"
+        "path",
+        nargs="?",
+        help="the app file (path/to/app.py[:attr]) or module (pkg.mod[:attr]); attr defaults to app",
+    )
+    p.add_argument(
+        "--verifiers",
+        metavar="ENV",
+        help="serve a verifiers environment instead: an installed taskset id (my-taskset,"
+        " owner/my-taskset@1.0) or a path/to/env.py that defines one",
+    )
+    p.add_argument(
+        "--verifiers-config",
+        metavar="JSON",
+        help="the verifiers env config laid over it, as JSON or a path to a JSON file"
+        ' (e.g. \'{"agent": {"max_turns": 4}}\')',
     )
     p.add_argument("--host", default=DEFAULT_HOST, help=f"interface to listen on (default {DEFAULT_HOST})")
     p.add_argument(
@@ -117,15 +154,22 @@ def build_parser(prog: str = "tandem taskapp serve") -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "tandem taskapp serve") -> int:
-    """The command line: `serve PATH [--host H] [--port P] [--key-from-stdin] [--no-auth]`. Answers the exit
-    status: 0 after a clean shutdown, 2 for a usage or loading error."""
+    """The command line: `serve PATH|--verifiers ENV [--host H] [--port P] [--key-from-stdin] [--no-auth]`.
+    Answers the exit status: 0 after a clean shutdown, 2 for a usage or loading error."""
     args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
+        if (args.path is None) == (args.verifiers is None):
+            raise ValueError("name the app: a PATH, or --verifiers ENV (one of the two)")
+        if args.verifiers_config is not None and args.verifiers is None:
+            raise ValueError("--verifiers-config goes with --verifiers")
         key: str | None = _read_key(sys.stdin) if args.key_from_stdin else os.environ.get(KEY_ENV) or None
         if key is None and not args.no_auth:
             raise ValueError(f"no environment key: set {KEY_ENV}, pass --key-from-stdin, or --no-auth")
-        task_app = load_task_app(args.path)
-    except (ValueError, OSError, ImportError, TypeError, SyntaxError) as e:
+        if args.verifiers is not None:
+            task_app = _verifiers_app(args.verifiers, args.verifiers_config)
+        else:
+            task_app = load_task_app(args.path)
+    except (ValueError, OSError, ImportError, TypeError, SyntaxError, TaskAppError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     if key is None:
