@@ -1468,7 +1468,7 @@ class _Reader:
             mount.path = str(path)
             self.aliases[f"{at.rsplit('.', 1)[0]}.{proto}"] = where
             if not mount.path.startswith("/"):
-                self.found.append(FieldViolation(where, "the path inside the task must be absolute"))
+                self.found.append(FieldViolation(where, _mount_path_problem(str(path))))
             if isinstance(item, str):
                 mount.volume = item
                 continue
@@ -1916,7 +1916,7 @@ class _Reader:
             if "$" in mount.path or (isinstance(source, str) and "$" in source):
                 self.found.append(FieldViolation(where, _ENV_IN_MOUNT))
             if not mount.path.startswith("/"):
-                self.found.append(FieldViolation(where, "the path inside the task must be absolute"))
+                self.found.append(FieldViolation(where, _mount_path_problem(str(path))))
             self.aliases[f"{proto}.path"] = where
             self.aliases[proto] = where
             if isinstance(source, str):
@@ -2267,6 +2267,15 @@ class _Reader:
         if match is None or match[2].lower() not in _MEMORY_UNITS:
             self.fail(at, f"{value!r} is not an amount of memory such as 64Gi, 32GB or 512Mi")
         return float(match[1]) * _MEMORY_UNITS[match[2].lower()]
+
+
+def _mount_path_problem(path: str) -> str:
+    if path.startswith("~"):
+        return (
+            "is under ~, the remote user's home in SkyPilot's clusters; a task's home here depends on the "
+            "backend and its user settings, so a mount goes at an absolute path"
+        )
+    return "the path inside the task must be absolute"
 
 
 def _fill_envs(value: Any, envs: Mapping[str, str]) -> Any:

@@ -596,3 +596,8 @@ def test_any_of_spot_or_not_is_spot_and_ordered_takes_the_first() -> None:
     assert preemptible("any_of", "[{use_spot: false}, {use_spot: true}]")  # the cheapest: SkyPilot's rule
     assert preemptible("ordered", "[{use_spot: true}, {use_spot: false}]")
     assert not preemptible("ordered", "[{use_spot: false}, {use_spot: true}]")
+
+
+def test_a_mount_under_home_says_why_it_is_refused() -> None:
+    found = refusals("run: x\nfile_mounts: {~/.ssh/id_rsa: /keys/id_rsa}\n")
+    assert "under ~" in found['file_mounts["~/.ssh/id_rsa"]']
