@@ -369,11 +369,14 @@ def secret_env(task: js.TaskSpec) -> dict[str, str]:
 def file_mounts(task: js.TaskSpec) -> list[tuple[str, str, bool]]:
     """`LaunchSpec.file_mounts`: (path in the task, source, read-only). A source starting with `/` is a
     host path; an empty one is an empty folder of the task's own (a bucket's, filled by `task_buckets`);
-    anything else is a volume name (the contract's patterns keep the three apart)."""
+    anything else is a volume name, with its `sub_path` after a `/` (the contract's patterns keep them
+    apart)."""
     out: list[tuple[str, str, bool]] = []
     for mount in task.file_mounts:
         which = mount.WhichOneof("source")
         source = mount.local_path if which == "local_path" else mount.volume if which == "volume" else ""
+        if which == "volume" and mount.sub_path:  # `VOLUME/SUB/PATH`: the folder inside the volume
+            source = f"{source}/{mount.sub_path}"
         out.append((mount.path, source, mount.read_only))
     return out
 

@@ -632,6 +632,10 @@ def _mounts(task: TaskSpec, at: str) -> list[FieldViolation]:
             found.append(FieldViolation(f"{where}.path", "must not contain '..'"))
         if mount.WhichOneof("source") == "local_path" and ".." in mount.local_path.split("/"):
             found.append(FieldViolation(f"{where}.local_path", "must not contain '..'"))
+        if mount.sub_path and mount.WhichOneof("source") != "volume":
+            found.append(FieldViolation(f"{where}.sub_path", "is only for a volume"))
+        elif {".", ".."} & set(mount.sub_path.split("/")):
+            found.append(FieldViolation(f"{where}.sub_path", "must not contain '.' or '..'"))
         path = posixpath.normpath(mount.path)
         if path in seen:
             found.append(FieldViolation(f"{where}.path", f"{path} is also file_mounts[{seen[path]}]"))
@@ -941,7 +945,6 @@ _STRATEGIES = ("EAGER_NEXT_REGION", "FAILOVER")
 _SKY_VOLUME_KEYS = {
     "size": "asks SkyPilot to create a volume for the task; the volumes here are the deployment's, named by "
     "`name` (for scratch space ask for disk_size)",
-    "sub_path": f"{_NOT_YET}: a volume is mounted whole; mount it and use the folder inside it",
 }
 # The task keys SkyPilot fills the task's envs into (`$NAME` and `${NAME}`, for the names the task has).
 _FILLED = frozenset({"file_mounts", "workdir", "volumes"})
@@ -1457,7 +1460,9 @@ class _Reader:
             proto = f"file_mounts[{len(task.file_mounts)}]"
             item = value_of_path
             if isinstance(item, dict):
-                item = self.table(item, where, ("name", "host_path", "read_only"), _SKY_VOLUME_KEYS)
+                item = self.table(
+                    item, where, ("name", "host_path", "read_only", "sub_path"), _SKY_VOLUME_KEYS
+                )
                 if ("name" in item) == ("host_path" in item):
                     self.found.append(FieldViolation(where, "set exactly one of name and host_path"))
                     continue
@@ -1490,6 +1495,13 @@ class _Reader:
                 self.guard(
                     lambda m=mount, i=item, w=where: setattr(
                         m, "read_only", self.boolean(i["read_only"], f"{w}.read_only")
+                    )
+                )
+            if "sub_path" in item:
+                self.aliases[f"{at.rsplit('.', 1)[0]}.{proto}.sub_path"] = f"{where}.sub_path"
+                self.guard(
+                    lambda m=mount, i=item, w=where: setattr(
+                        m, "sub_path", self.text(i["sub_path"], f"{w}.sub_path")
                     )
                 )
 

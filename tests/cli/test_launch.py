@@ -172,3 +172,27 @@ run: |
     assert "the file holds the variable's value" in out, out
     code, out, err = await cli.run("launch", str(task), "--dryrun")
     assert json.loads(out)["tasks"][0]["secrets"] == [{"secret": "wandb-api-key", "file": str(path)}]
+
+
+async def test_a_volumes_sub_path_is_that_folder_of_the_volume(cli: Cli, tmp_path: Path) -> None:
+    group = tmp_path / "group.yaml"
+    group.write_text(
+        """name: runs
+execution: serial
+---
+name: writer
+volumes:
+  /ckpt: {name: shared, sub_path: runs/r1}
+run: echo weights > "$TANDEM_MOUNT_CKPT/step-1.bin"
+---
+name: reader
+volumes:
+  /all: shared
+run: cat "$TANDEM_MOUNT_ALL/runs/r1/step-1.bin"
+"""
+    )
+    code, out, err = await cli.run("launch", str(group), "--job-id", "runs", "--json")
+    assert code == 0, err
+    code, out, err = await cli.run("logs", "runs", "reader", "--follow")
+    assert code == 0, err
+    assert "weights" in out, out

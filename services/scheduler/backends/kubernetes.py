@@ -623,11 +623,7 @@ class KubernetesBackend:
             container["workingDir"] = str(spec.workdir)
         if spec.ports:
             container["ports"] = [{"containerPort": p, "protocol": "TCP"} for p in task_ports(spec.ports)]
-        mounts = [  # a bucket's folder is written by the copy down, whatever the task may do
-            {"name": f"mount-{index}", "mountPath": path, "readOnly": read_only and bool(source)}
-            for index, (path, source, read_only) in enumerate(spec.file_mounts)
-        ]
-        mounts += [{"name": volume, "mountPath": path} for volume, path in self._scratch(spec)]
+        mounts = self._volume_mounts(spec)
         if mounts:
             container["volumeMounts"] = mounts
         return container
@@ -643,6 +639,20 @@ class KubernetesBackend:
             wanted.append(("tandem-work", str(spec.workdir)))
         return [(volume, path) for volume, path in wanted if path.rstrip("/") not in taken]
 
+    def _volume_mounts(self, spec: LaunchSpec) -> list[Json]:
+        mounts: list[Json] = []
+        for index, (path, source, read_only) in enumerate(spec.file_mounts):
+            # a bucket's folder is written by the copy down, whatever the task may do
+            mount: Json = {
+                "name": f"mount-{index}",
+                "mountPath": path,
+                "readOnly": read_only and bool(source),
+            }
+            if source and not source.startswith("/") and "/" in source:
+                mount["subPath"] = source.split("/", 1)[1]  # a volume's sub_path
+            mounts.append(mount)
+        return mounts + [{"name": volume, "mountPath": path} for volume, path in self._scratch(spec)]
+
     def _volumes(self, spec: LaunchSpec) -> list[Json]:
         volumes: list[Json] = [{"name": volume, "emptyDir": {}} for volume, _path in self._scratch(spec)]
         for index, (_path, source, read_only) in enumerate(spec.file_mounts):
@@ -650,8 +660,8 @@ class KubernetesBackend:
                 volumes.append({"name": f"mount-{index}", "emptyDir": {}})
             elif source.startswith("/"):
                 volumes.append({"name": f"mount-{index}", "hostPath": {"path": source}})
-            else:  # a named volume is a PersistentVolumeClaim in the namespace
-                claim = {"claimName": source, "readOnly": read_only}
+            else:  # a named volume is a PersistentVolumeClaim in the namespace (`NAME/SUB` mounts SUB of it)
+                claim = {"claimName": source.split("/", 1)[0], "readOnly": read_only}
                 volumes.append({"name": f"mount-{index}", "persistentVolumeClaim": claim})
         return volumes
 

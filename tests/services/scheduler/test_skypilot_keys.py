@@ -393,13 +393,13 @@ def test_volumes_mount_the_deployments_volumes_and_node_folders() -> None:
     assert mounts["/ckpt"].volume == "shared-ckpt" and not mounts["/ckpt"].read_only
     assert mounts["/data"].volume == "datasets" and mounts["/data"].read_only
     assert mounts["/scratch"].local_path == "/mnt/nvme"
-    found = refusals(
-        "run: x\nvolumes: {data: v, /x: {name: a, host_path: /b}, /y: 3, /z: {name: a, sub_path: b}}\n"
-    )
+    (sub,) = parse("run: x\nvolumes: {/ckpt: {name: shared, sub_path: runs/r1}}\n").tasks[0].file_mounts
+    assert (sub.volume, sub.sub_path) == ("shared", "runs/r1")
+    assert "'.' or '..'" in str(refusals("run: x\nvolumes: {/c: {name: shared, sub_path: ../other}}\n"))
+    found = refusals("run: x\nvolumes: {data: v, /x: {name: a, host_path: /b}, /y: 3}\n")
     assert "absolute" in found['volumes["data"]']
     assert "exactly one of name and host_path" in found['volumes["/x"]']
     assert "a volume's name" in found['volumes["/y"]']
-    assert "mounted whole" in found['volumes["/z"].sub_path']
 
 
 def test_managed_secrets_are_vault_secrets_in_their_variables() -> None:

@@ -544,6 +544,7 @@ class FileMount(_message.Message):
     VOLUME_FIELD_NUMBER: _builtins.int
     BUCKET_FIELD_NUMBER: _builtins.int
     READ_ONLY_FIELD_NUMBER: _builtins.int
+    SUB_PATH_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """Required. The absolute path inside the task, at most 1024 characters."""
     local_path: _builtins.str
@@ -557,6 +558,10 @@ class FileMount(_message.Message):
     """
     read_only: _builtins.bool
     """Optional. Mount read-only; the default is read-write."""
+    sub_path: _builtins.str
+    """Optional. With `volume`: the folder inside the volume that is mounted instead of all of it (SkyPilot's
+    `sub_path`), created when missing; relative, without `.` or `..` segments, at most 512 characters.
+    """
     @_builtins.property
     def bucket(self) -> Global___Bucket:
         """Optional. An object-store bucket (SkyPilot's storage), copied to and from the task's folder at `path`."""
@@ -569,10 +574,11 @@ class FileMount(_message.Message):
         volume: _builtins.str = ...,
         bucket: Global___Bucket | None = ...,
         read_only: _builtins.bool = ...,
+        sub_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "local_path", b"local_path", "source", b"source", "volume", b"volume"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "local_path", b"local_path", "path", b"path", "read_only", b"read_only", "source", b"source", "volume", b"volume"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "local_path", b"local_path", "path", b"path", "read_only", b"read_only", "source", b"source", "sub_path", b"sub_path", "volume", b"volume"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_source: _TypeAlias = _typing.Literal["local_path", "volume", "bucket"]  # noqa: Y015
     _WhichOneofArgType_source: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
