@@ -59,7 +59,13 @@ from services.scheduler.backends.base import (
     RegistryLogin,
     Resources,
 )
-from services.scheduler.backends.task_buckets import BUCKETS_ENV, CREDENTIAL_ENVS, bucket_plan
+from services.scheduler.backends.task_buckets import (
+    BUCKETS_ENV,
+    CREDENTIAL_ENVS,
+    bucket_plan,
+    delete_made_bucket,
+    store_with,
+)
 from services.scheduler.backends.task_image import LOGIN_ENVS
 from services.scheduler.expand import SETUP_FAILED_EXIT
 from services.scheduler.lifecycle import FailureClass, JobState, TaskState
@@ -374,6 +380,7 @@ class Engine:
         self._lock = asyncio.Lock()
         self.unavailable: dict[str, str] = {}  # backend -> why, while it lasts
         self.inventories: dict[str, list[NodeInventory]] = {}
+        self._cleanups: set[asyncio.Task[None]] = set()  # deleting `persistent: false` buckets of ended jobs
 
     # ---- life -------------------------------------------------------------------------------------
 
@@ -388,6 +395,8 @@ class Engine:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._cleanups:  # a bucket being deleted is deleted to the end, within a bound
+            await asyncio.wait(self._cleanups, timeout=30.0)
         await self.outbox.stop()
 
     def wake(self) -> None:
@@ -1207,6 +1216,66 @@ class Engine:
         if new is JobState.SUCCEEDED:
             job.failure = None
         await self.store.save(job, events=[job_event(job, old)])
+        spec = JobSpec.FromString(job.spec)
+        if any(m.bucket.delete_at_end for t in spec.tasks for m in t.file_mounts if m.HasField("bucket")):
+            cleanup = asyncio.create_task(self._delete_made_buckets(job, spec), name=f"buckets-{job.name}")
+            self._cleanups.add(cleanup)
+            cleanup.add_done_callback(self._cleanups.discard)
+
+    async def _delete_made_buckets(self, job: JobRow, spec: JobSpec) -> None:
+        """SkyPilot's `persistent: false` once the job has ended: each such bucket the job made is deleted, with
+        the credentials of the task that mounts it, opened from the vault with a token for that alone (short,
+        and not revoked with the job, which has ended). Each outcome is an event of the job's."""
+        for task in spec.tasks:
+            urls = [m.bucket.url for m in task.file_mounts if m.HasField("bucket") and m.bucket.delete_at_end]
+            if not urls:
+                continue
+            try:
+                store = await self._bucket_store(job, task)
+                for url in urls:
+                    deleted = await asyncio.to_thread(delete_made_bucket, store, url, job.name)
+                    what = "deleted (persistent: false)" if deleted else "kept: the job did not make it"
+                    await self._log_event(job, f"bucket {url} {what}", types_pb2.LEVEL_INFO)
+            except Exception as error:  # the store's or the vault's: reported, the job's outcome stays
+                message = f"could not delete the buckets of task {task.name} (persistent: false): {error}"
+                log.warning("%s: %s", job.name, message)
+                await self._log_event(job, message, types_pb2.LEVEL_WARNING)
+
+    async def _bucket_store(self, job: JobRow, task: TaskSpec) -> Any:
+        secrets = {
+            env: f"orgs/{job.org}/secrets/{secret}"
+            for env, secret in expand.secret_env(task).items()
+            if env in CREDENTIAL_ENVS.values()
+        }
+        given: dict[str, str] = {}
+        if secrets and self._open_secrets is not None:
+            token = self.signer.issue(
+                "job",
+                job.name,
+                org=job.org,
+                ttl_s=120,
+                extra={
+                    "task": task.name,
+                    "attempt": -1,
+                    "secrets": sorted(secrets.values()),
+                    "task_apps": [],
+                },
+            )
+            opened = await self._open_secrets(list(secrets.values()), token)
+            given = {
+                field: opened[secrets[env]].decode()
+                for field, env in CREDENTIAL_ENVS.items()
+                if env in secrets
+            }
+        envs = task.envs
+        endpoint = envs.get("AWS_ENDPOINT_URL_S3") or envs.get("AWS_ENDPOINT_URL", "")
+        region = envs.get("AWS_REGION") or envs.get("AWS_DEFAULT_REGION", "")
+        return await asyncio.to_thread(store_with, given, endpoint, region)
+
+    async def _log_event(self, job: JobRow, message: str, level: types_pb2.Level.ValueType) -> None:
+        event = event_pb2.Event(type="log", level=level, message=message[:MAX_MESSAGE])
+        event.time.FromNanoseconds(time.time_ns())
+        await self.store.save(job, events=[(job.name, False, event.SerializeToString())])
 
     async def _note(self, live: _Live, message: str) -> None:
         """A message on the job saying why it is not moving (a backend down), stored once per change."""

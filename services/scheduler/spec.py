@@ -1985,9 +1985,12 @@ class _Reader:
         if "type" in doc or "config" in doc:
             self.guard(lambda: self.mount_tuning(mount, doc, at))
         if "persistent" in doc and not self.boolean(doc["persistent"], f"{at}.persistent"):
-            self.fail(
-                f"{at}.persistent", f"{_NOT_YET}: deleting a bucket when the job ends; buckets are kept"
-            )
+            if not mount.bucket.create:
+                self.fail(
+                    f"{at}.persistent",
+                    "false deletes a bucket the job makes (`name`); a `source` bucket is someone's own and kept",
+                )
+            mount.bucket.delete_at_end = True
 
     def bucket_source(self, mount: js.FileMount, doc: dict[str, Any], at: str) -> None:
         """The bucket's URL: `name` (created when missing, filled from a local `source`) or a `source` URI."""

@@ -51,6 +51,10 @@ CREDENTIAL_ENVS = {
     "token": "AWS_SESSION_TOKEN",
 }
 Snapshot = dict[str, tuple[int, int]]  # relative path -> (size, mtime_ns)
+# The object a bucket made for a job holds at its root: the job's name. The scheduler deletes a bucket of a
+# `persistent: false` mount when the job ends only if it holds this job's name (`delete_made_bucket`). Never
+# copied down, so no task sees it.
+MADE_BY = ".tandem-made-by"
 
 
 @dataclass(frozen=True)
@@ -102,23 +106,48 @@ def read_plan(text: str) -> tuple[list[BucketMount], dict[str, Any]]:
 
 def open_store(plan: Mapping[str, Any], environ: Mapping[str, str]) -> Any:
     """An s3fs filesystem with only the plan's credentials (from `environ`, the vault's values)."""
-    import s3fs  # noqa: PLC0415 - only tasks with buckets need it (the `storage` extra)
-
     for name in [n for n in os.environ if n.startswith("AWS_")]:
         del os.environ[name]  # nothing of the node's own: no profile, key, region or endpoint
     given = {
         field: environ.get(env, "") for field, env in CREDENTIAL_ENVS.items() if env in plan["credentials"]
     }
+    return store_with(given, plan.get("endpoint_url", ""), plan.get("region", ""))
+
+
+def store_with(given: Mapping[str, str], endpoint_url: str, region: str) -> Any:
+    """An s3fs filesystem with exactly these credentials (`key`, `secret`, `token`), else anonymous."""
+    import s3fs  # noqa: PLC0415 - only tasks with buckets need it (the `storage` extra)
+
     client: dict[str, str] = {}
-    if plan.get("endpoint_url"):
-        client["endpoint_url"] = plan["endpoint_url"]
-    if plan.get("region"):
-        client["region_name"] = plan["region"]
+    if endpoint_url:
+        client["endpoint_url"] = endpoint_url
+    if region:
+        client["region_name"] = region
     if given.get("key") and given.get("secret"):
         return s3fs.S3FileSystem(
-            key=given["key"], secret=given["secret"], token=given.get("token") or None, client_kwargs=client
+            key=given["key"],
+            secret=given["secret"],
+            token=given.get("token") or None,
+            client_kwargs=client,
+            skip_instance_cache=True,
         )
-    return s3fs.S3FileSystem(anon=True, client_kwargs=client)
+    return s3fs.S3FileSystem(anon=True, client_kwargs=client, skip_instance_cache=True)
+
+
+def delete_made_bucket(store: Any, url: str, job: str) -> bool:
+    """SkyPilot's `persistent: false` at the job's end: delete the bucket with everything in it if `job` made
+    it (its MADE_BY object says so); True when deleted, False when it is not this job's (kept)."""
+    bucket = _root(url).split("/", 1)[0]
+    try:
+        made_by = store.cat_file(f"{bucket}/{MADE_BY}").decode()
+    except FileNotFoundError:
+        return False
+    if made_by != job:
+        return False
+    for key in store.find(bucket):
+        store.rm_file(key)
+    store.rmdir(bucket)
+    return True
 
 
 def _root(url: str) -> str:
@@ -134,7 +163,10 @@ def pull(store: Any, mount: BucketMount) -> Snapshot:
     if mount.create and not store.exists(bucket):
         with contextlib.suppress(FileExistsError):  # another task of the group made it a moment ago
             store.mkdir(bucket)
+            store.pipe_file(f"{bucket}/{MADE_BY}", os.environ.get("TANDEM_JOB", "").encode())
     for key in store.find(root):
+        if key == f"{bucket}/{MADE_BY}":
+            continue
         relative = key[len(root) :].lstrip("/")
         if not relative:  # the URL names one object: it lands in the folder under its own name
             relative = root.rsplit("/", 1)[-1]
@@ -177,7 +209,8 @@ def fetch_new(store: Any, mount: BucketMount, seen: Snapshot) -> Snapshot:
     root = _root(mount.url)
     added = dict(seen)
     store.invalidate_cache(root)  # the listing, not one remembered from the last look
-    listed = {key[len(root) :].lstrip("/") for key in store.find(root)}
+    bucket = root.split("/", 1)[0]
+    listed = {key[len(root) :].lstrip("/") for key in store.find(root) if key != f"{bucket}/{MADE_BY}"}
     if "" in listed:  # the URL names one object, copied down at the start: nothing more comes of it
         return added
     for relative in sorted(seen.keys() - listed):

@@ -126,6 +126,44 @@ async def test_workdir_and_buckets_as_skypilot_writes_them(
     assert store.cat_file("finetune-ckpts/step-1.bin") == b"weights\n"
 
 
+async def test_a_non_persistent_bucket_the_job_made_is_deleted_when_it_ends(
+    acme: Acme, s3_server: S3Server, tmp_path: Path
+) -> None:
+    await store_key(acme, s3_server)
+    store = s3_server.store()
+    store.mkdir("kept-scratch")  # there before the job: someone's own, kept
+    store.pipe_file("kept-scratch/theirs.txt", b"theirs\n")
+    job_file = write_job(
+        tmp_path,
+        f"""\
+        name: scratch
+        envs:
+          AWS_ENDPOINT_URL: {s3_server.endpoint}
+          PYTHONPATH: {ROOT}
+        secrets:
+          AWS_ACCESS_KEY_ID: null
+          AWS_SECRET_ACCESS_KEY: null
+        file_mounts:
+          /scratch: {{name: job-scratch, mode: MOUNT, persistent: false}}
+          /kept: {{name: kept-scratch, mode: MOUNT, persistent: false}}
+        run: |
+          echo partial > "$TANDEM_MOUNT_SCRATCH/part-1.bin"
+          ls -a "$TANDEM_MOUNT_SCRATCH" "$TANDEM_MOUNT_KEPT"
+        """,
+    )
+    job = await submit(acme, load_yaml(job_file))
+    done = await wait_for(acme, job.name, *TERMINAL, within_s=180)
+    logs = await log_text(acme, job.name)
+    assert done.state == State.STATE_SUCCEEDED, (done.failure.message, logs)
+    assert ".tandem-made-by" not in logs  # the job's own mark is never the task's to see
+    deadline = asyncio.get_running_loop().time() + 60
+    while await asyncio.to_thread(store.exists, "job-scratch"):
+        assert asyncio.get_running_loop().time() < deadline, "the job's bucket was not deleted"
+        await asyncio.sleep(0.5)
+        store.invalidate_cache()
+    assert store.cat_file("kept-scratch/theirs.txt") == b"theirs\n"
+
+
 async def test_a_git_workdir_is_checked_out_at_its_ref(acme: Acme, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()

@@ -631,22 +631,29 @@ class Bucket(_message.Message):
     URL_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     CREATE_FIELD_NUMBER: _builtins.int
+    DELETE_AT_END_FIELD_NUMBER: _builtins.int
     url: _builtins.str
     """Required. `s3://bucket` or `s3://bucket/prefix`, at most 1024 characters."""
     mode: Global___Bucket.Mode.ValueType
     """Optional. How the task sees the bucket; the default is MOUNT."""
     create: _builtins.bool
     """Optional. Create the bucket when it does not exist (SkyPilot's `name` + `store`), at the task's start."""
+    delete_at_end: _builtins.bool
+    """Optional. With `create`: SkyPilot's `persistent: false`. When the job ends (succeeded, failed or
+    cancelled) the scheduler deletes the bucket with everything in it, if this job made it; a bucket that
+    existed before is kept.
+    """
     def __init__(
         self,
         *,
         url: _builtins.str = ...,
         mode: Global___Bucket.Mode.ValueType = ...,
         create: _builtins.bool = ...,
+        delete_at_end: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create", b"create", "mode", b"mode", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create", b"create", "delete_at_end", b"delete_at_end", "mode", b"mode", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
