@@ -942,6 +942,11 @@ _SKY_SERVICE_KEYS = dict.fromkeys(
 )
 # SkyPilot's recovery strategies (its registry's names); each means "relaunch on the cluster" here.
 _STRATEGIES = ("EAGER_NEXT_REGION", "FAILOVER")
+_ELASTIC = (
+    f"DYNAMIC_NODE_SET (elastic: a recovered job goes on with fewer nodes, down to min_nodes) is {_NOT_YET}: "
+    "a task is always placed and recovered on all its num_nodes"
+)
+_ELASTIC_KEYS = {"min_nodes": _ELASTIC}
 _SKY_VOLUME_KEYS = {
     "size": "asks SkyPilot to create a volume for the task; the volumes here are the deployment's, named by "
     "`name` (for scratch space ask for disk_size)",
@@ -1673,9 +1678,13 @@ class _Reader:
         doc = (
             {"strategy": value}
             if isinstance(value, str)
-            else self.table(value, at, ("strategy", "max_restarts_on_errors", "recover_on_exit_codes"))
+            else self.table(
+                value, at, ("strategy", "max_restarts_on_errors", "recover_on_exit_codes"), _ELASTIC_KEYS
+            )
         )
         strategy = doc.get("strategy")
+        if strategy is not None and self.text(strategy, f"{at}.strategy").upper() == "DYNAMIC_NODE_SET":
+            self.fail(f"{at}.strategy", _ELASTIC)
         if strategy is not None and self.text(strategy, f"{at}.strategy").upper() not in _STRATEGIES:
             self.fail(f"{at}.strategy", f"must be one of {', '.join(_STRATEGIES)}, not {strategy!r}")
         if "max_restarts_on_errors" in doc:

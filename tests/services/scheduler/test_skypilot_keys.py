@@ -601,3 +601,13 @@ def test_any_of_spot_or_not_is_spot_and_ordered_takes_the_first() -> None:
 def test_a_mount_under_home_says_why_it_is_refused() -> None:
     found = refusals("run: x\nfile_mounts: {~/.ssh/id_rsa: /keys/id_rsa}\n")
     assert "under ~" in found['file_mounts["~/.ssh/id_rsa"]']
+
+
+def test_elastic_recovery_says_what_is_missing() -> None:
+    found = refusals(
+        "run: x\nnum_nodes: 4\nresources: {job_recovery: {strategy: DYNAMIC_NODE_SET, min_nodes: 2}}\n"
+    )
+    assert (
+        "a task is always placed and recovered on all its num_nodes"
+        in found["resources.job_recovery.strategy"]
+    )
