@@ -114,7 +114,7 @@ def test_buckets_in_every_skypilot_form(value: str, url: str, mode: int, create:
         ("{name: bkt, source: /local/dir}", ".source", "tandem launch"),
         ("{name: bkt, source: 's3://c'}", ".name", "not both"),
         ("{source: [/a, /b]}", ".name", "is required with a list of local sources"),
-        ("{name: bkt, persistent: false}", ".persistent", "deleting a bucket"),
+        ("{source: 's3://theirs', persistent: false}", ".persistent", "someone's own and kept"),
         ("{source: 's3://bkt', mode: STREAM}", ".mode", "must be one of mount, copy, mount_cached"),
         (
             "{source: 's3://bkt', config: {mount_cached: {}}}",
