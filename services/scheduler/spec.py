@@ -873,7 +873,6 @@ _NETWORK_TIERS = ("standard", "best")
 
 # SkyPilot's keys (its task and resources schema) that Tandem does not take, each with the reason; SPEC.md has
 # the whole table. A key here is refused naming why; any other unknown key names the nearest known one.
-_NOT_YET = "not yet in Tandem"
 _GROUP_KEYS = (
     "primary_tasks",
     "termination_delay",
@@ -943,8 +942,9 @@ _SKY_SERVICE_KEYS = dict.fromkeys(
 # SkyPilot's recovery strategies (its registry's names); each means "relaunch on the cluster" here.
 _STRATEGIES = ("EAGER_NEXT_REGION", "FAILOVER")
 _ELASTIC = (
-    f"DYNAMIC_NODE_SET (elastic: a recovered job goes on with fewer nodes, down to min_nodes) is {_NOT_YET}: "
-    "a task is always placed and recovered on all its num_nodes"
+    "DYNAMIC_NODE_SET and its min_nodes come from a SkyPilot server plugin (elastic recovery on fewer nodes), "
+    "not from SkyPilot itself, whose jobs controller knows only EAGER_NEXT_REGION and FAILOVER and refuses "
+    "any other strategy; here a task is placed and recovered on all its num_nodes"
 )
 _ELASTIC_KEYS = {"min_nodes": _ELASTIC}
 _SKY_VOLUME_KEYS = {
