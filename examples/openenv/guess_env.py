@@ -5,7 +5,7 @@ answers "Higher.", "Lower." or "Correct!" with reward 1.0 on the right guess.
 It runs in the venv that has openenv-core (`make setup-openenv` makes `.venv-openenv`), as any OpenEnv
 server does:
 
-    .venv-openenv/bin/python examples/openenv/guess_env.py --port 8010
+    .venv-openenv/bin/python examples/openenv/guess_env.py --port 8010 [--max-sessions 64]
 
 and Tandem plays it with the adapter in guess_adapter.py:
 
@@ -76,13 +76,25 @@ class GuessEnvironment(Environment[GuessAction, GuessObservation, State]):
         return self._state
 
 
-app = create_app(
-    GuessEnvironment, GuessAction, GuessObservation, env_name="guess_number", max_concurrent_envs=64
-)
+def make_app(max_sessions: int = 64) -> Any:
+    """The env server: one environment instance per WebSocket session, at most `max_sessions` at once."""
+    return create_app(
+        GuessEnvironment,
+        GuessAction,
+        GuessObservation,
+        env_name="guess_number",
+        max_concurrent_envs=max_sessions,
+    )
+
+
+app = make_app()
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8010)
+    parser.add_argument(
+        "--max-sessions", type=int, default=64, help="concurrent WebSocket sessions (default 64)"
+    )
     args = parser.parse_args()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(make_app(args.max_sessions), host=args.host, port=args.port, log_level="warning")

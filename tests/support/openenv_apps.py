@@ -31,16 +31,16 @@ needs_openenv = pytest.mark.skipif(
 
 
 @contextmanager
-def openenv_server(env: Path = GUESS_ENV) -> Iterator[str]:
-    """The OpenEnv env server `env` (run as `python ENV --port P`) in .venv-openenv on a free port; yields its
-    base URL once `/health` answers and stops it (SIGTERM) on the way out."""
+def openenv_server(env: Path = GUESS_ENV, *extra: str) -> Iterator[str]:
+    """The OpenEnv env server `env` (run as `python ENV --port P [EXTRA...]`) in .venv-openenv on a free port;
+    yields its base URL once `/health` answers and stops it (SIGTERM) on the way out."""
     port = free_port()
     environment = {**os.environ}
     environment.pop("VIRTUAL_ENV", None)
     environment.pop("PYTHONPATH", None)  # the env server imports openenv, never Tandem
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed below, after the process
     proc = subprocess.Popen(
-        [str(OE_PYTHON), str(env), "--port", str(port)],
+        [str(OE_PYTHON), str(env), "--port", str(port), *extra],
         cwd=ROOT,
         env=environment,
         stdout=log,

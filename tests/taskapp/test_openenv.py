@@ -7,6 +7,9 @@ those skip; the command line's refusals run without it."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 from tandem.taskapp.v1 import rollout_pb2, task_app_pb2, taskapp_service_pb2_grpc
@@ -31,7 +35,7 @@ from tandem_taskapp.openenv_env import OpenEnvAdapter, OpenEnvTaskApp, openenv_t
 from tandem_taskapp.serve import load_openenv_adapter, main
 from tandem_taskapp.testing import FakePolicyServer, serve_in_thread
 from tests.support.mesh import mesh_settings, running_mesh
-from tests.support.openenv_apps import GUESS_ADAPTER, OE_PYTHON, needs_openenv, openenv_server
+from tests.support.openenv_apps import GUESS_ADAPTER, GUESS_ENV, OE_PYTHON, needs_openenv, openenv_server
 from tests.support.postgres import free_port
 from tests.support.processes import ROOT
 from tests.taskapp.conftest import rollout_body
@@ -357,3 +361,79 @@ def test_the_ws_url_follows_the_servers_scheme_and_path() -> None:
     assert ws_url("https://envs.example/guess/") == "wss://envs.example/guess/ws"
     with pytest.raises(ValueError, match="http"):
         ws_url("127.0.0.1:8010")
+
+
+def _binary_search(messages: list[dict[str, Any]], body: dict[str, Any]) -> str:
+    """A policy that plays the game by bisection on the hints of its own conversation."""
+    low, high = 1, 16
+    for said, hint in itertools.pairwise(messages):
+        if said["role"] == "assistant" and hint["role"] == "user":
+            guess = int(said["content"])
+            if hint["content"] == "Higher.":
+                low = guess + 1
+            elif hint["content"] == "Lower.":
+                high = guess - 1
+    return str((low + high) // 2)
+
+
+@needs_openenv
+async def test_concurrent_episodes_each_play_their_own_env_session(guess_app: str) -> None:
+    policy = FakePolicyServer(_binary_search)
+    with serve_in_thread(policy.app) as policy_url:
+        async with httpx.AsyncClient(headers={"X-API-Key": KEY}, timeout=120) as client:
+            answers = await asyncio.gather(
+                *(
+                    client.post(
+                        f"{guess_app}/rollout",
+                        json=rollout_body(
+                            f"oe-many-{seed}",
+                            FakePolicyServer.inference_url(policy_url, f"oe-many-{seed}"),
+                            seed=seed,
+                        ),
+                    )
+                    for seed in range(16)
+                )
+            )
+    for seed, r in enumerate(answers):
+        assert r.status_code == 200, r.text
+        secret = seed + 1
+        messages = [m for t in r.json()["trajectory"]["turns"] for m in t["messages"]]
+        guesses = [int(m["content"]) for m in messages if m["role"] == "assistant"]
+        hints = [m["content"] for m in messages if m["role"] == "user"][1:]
+        # Every hint is this episode's own game's: its secret, its guesses (the last answer ends the game and
+        # is never sent to the policy).
+        assert hints == ["Higher." if g < secret else "Lower." for g in guesses[:-1]]
+        found = secret in guesses
+        assert r.json()["metrics"]["outcome_reward"] == (1.0 if found else 0.0)
+        assert len(guesses) == (guesses.index(secret) + 1 if found else 4)
+
+
+@needs_openenv
+async def test_an_env_server_at_its_session_limit_answers_unavailable_until_a_session_ends() -> None:
+    adapter = load_openenv_adapter(str(GUESS_ADAPTER))
+    with openenv_server(GUESS_ENV, "--max-sessions", "1") as env_url:
+        app = openenv_task_app(env_url, adapter)
+        policy = FakePolicyServer("11")
+        with serve_in_thread(create_app(app, KEY)) as url, serve_in_thread(policy.app) as policy_url:
+            async with (
+                aiohttp.ClientSession() as http,
+                httpx.AsyncClient(headers={"X-API-Key": KEY}, timeout=120) as client,
+            ):
+                held = await http.ws_connect(ws_url(env_url))  # another client holds the only session
+                await held.send_str(json.dumps({"type": "reset", "data": {"seed": 1}}))
+                assert json.loads((await held.receive()).data)["type"] == "observation"
+                body = rollout_body(
+                    "oe-full-1", FakePolicyServer.inference_url(policy_url, "oe-full-1"), seed=10
+                )
+                busy = await client.post(f"{url}/rollout", json=body)
+                await held.send_str(json.dumps({"type": "close"}))
+                assert (await held.receive()).type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+                await held.close()
+                again = await client.post(f"{url}/rollout", json=body)
+    assert busy.status_code == 503, busy.text
+    assert (
+        busy.json()["error"]["code"] == "UNAVAILABLE"
+        and "CAPACITY_REACHED" in busy.json()["error"]["message"]
+    )
+    assert again.status_code == 200, again.text  # the failed episode was not recorded: the retry plays
+    assert again.json()["metrics"]["outcome_reward"] == 1.0
