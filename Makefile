@@ -12,10 +12,12 @@ SKY_VENV := .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
 VF_VENV := .venv-verifiers
 VF_STAMP := $(VF_VENV)/.installed
+OE_VENV := .venv-openenv
+OE_STAMP := $(OE_VENV)/.installed
 HAND_WRITTEN := $(wildcard mesh services gateway trainer tandem_jobs tandem_taskapp tandem_client examples scripts benchmarks tests)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-skypilot setup-verifiers gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast setup-vllm test-vllm up demo train-demo bench-events bench-vault bench-weights bench-async bench-scheduler bench-gateway clean
+.PHONY: help setup setup-skypilot setup-verifiers setup-openenv gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast setup-vllm test-vllm up demo train-demo bench-events bench-vault bench-weights bench-async bench-scheduler bench-gateway clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -62,6 +64,17 @@ $(VF_STAMP): pyproject.toml
 	$(VF_VENV)/bin/python -c 'import verifiers; print("verifiers", verifiers.__version__)'
 	touch $(VF_STAMP)
 
+# openenv-core (the `openenv-server` extra) in a venv of its own, to run OpenEnv env servers: in .venv it would
+# downgrade pillow. Tandem's OpenEnv adapter (tandem_taskapp.openenv_env) imports none of it; the OpenEnv tests
+# (tests/taskapp/test_openenv.py) run examples/openenv/guess_env.py from it and skip without it.
+$(OE_STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (Python 3.11+)"; exit 1; }
+	test -d $(OE_VENV) || $(PYTHON) -m venv $(OE_VENV)
+	$(OE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OE_VENV)/bin/python -m pip install -q $$($(PYTHON) -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["openenv-server"])')
+	$(OE_VENV)/bin/python -c 'import openenv.core, importlib.metadata as m; print("openenv-core", m.version("openenv-core"))'
+	touch $(OE_STAMP)
+
 $(NPM_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $(NPM_STAMP)
@@ -71,6 +84,8 @@ setup: $(STAMP) $(NPM_STAMP)  ## create .venv with every Python extra CI needs, 
 setup-skypilot: $(SKY_STAMP)  ## create .venv-sky with SkyPilot, the job-spec tests' oracle (they skip without it)
 
 setup-verifiers: $(VF_STAMP)  ## create .venv-verifiers with verifiers, where the verifiers tests serve their envs (they skip without it)
+
+setup-openenv: $(OE_STAMP)  ## create .venv-openenv with openenv-core, where the OpenEnv tests run their env server (they skip without it)
 
 gen: $(STAMP) $(NPM_STAMP)  ## regenerate gen/python from protos/ (commit the result)
 	npx buf lint
@@ -106,7 +121,7 @@ docs-check: $(STAMP)
 
 check: lint typecheck buf-lint buf-breaking gen-check docs-check  ## every static check CI runs
 
-test: setup setup-skypilot setup-verifiers  ## set up (SkyPilot in .venv-sky, verifiers in .venv-verifiers too), then run the whole test suite (PostgreSQL is started by the tests themselves)
+test: setup setup-skypilot setup-verifiers setup-openenv  ## set up (SkyPilot in .venv-sky, verifiers in .venv-verifiers, openenv-core in .venv-openenv too), then run the whole test suite (PostgreSQL is started by the tests themselves)
 	$(PY) -m pytest
 
 test-fast: setup  ## the suite without tests marked slow
@@ -145,4 +160,4 @@ bench-gateway: setup  ## gateway: ListJobs of 50 jobs against GetServerInfo at 1
 	$(PY) benchmarks/gateway.py
 
 clean:  ## remove the virtual environment, Node tools and local state
-	rm -rf $(VENV) $(VLLM_VENV) $(VF_VENV) node_modules .tandem .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VF_VENV) $(OE_VENV) node_modules .tandem .pytest_cache .mypy_cache .ruff_cache

@@ -854,7 +854,8 @@ def _add_taskapp(sub: Any, gw: argparse.ArgumentParser) -> None:
     for action, summary, example in (
         (
             "serve",
-            "run a Task App written with the SDK, or a verifiers environment (--verifiers ENV)",
+            "run a Task App written with the SDK, a verifiers environment (--verifiers ENV), or an OpenEnv"
+            " env server through an adapter (--openenv URL --openenv-adapter ADAPTER)",
             "  tandem taskapp serve my_app.py --port 8001 --key-from-stdin",
         ),
         (

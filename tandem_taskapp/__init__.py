@@ -13,13 +13,21 @@ generated protobuf package of the taskapp-proxy contract.
 Serve it with `python -m tandem_taskapp.serve app.py --port 8001` (key from `ENVIRONMENT_API_KEY`)."""
 
 from tandem_taskapp.app import REPLAYED_HEADER, RolloutCache, TaskApp, create_app, error_body
-from tandem_taskapp.errors import InvalidArgument, InvalidResult, PolicyError, TaskAppError, TurnLimitReached
+from tandem_taskapp.errors import (
+    EnvironmentUnavailable,
+    InvalidArgument,
+    InvalidResult,
+    PolicyError,
+    TaskAppError,
+    TurnLimitReached,
+)
 from tandem_taskapp.models import Limits, Message, Mode, PolicyConfig, Result, RolloutRequest, Turn
 from tandem_taskapp.policy import CORRELATION_HEADER, Policy
 
 __all__ = [
     "CORRELATION_HEADER",
     "REPLAYED_HEADER",
+    "EnvironmentUnavailable",
     "InvalidArgument",
     "InvalidResult",
     "Limits",

@@ -38,7 +38,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tandem_taskapp import schema
-from tandem_taskapp.errors import InvalidArgument, InvalidResult, PolicyError, TurnLimitReached
+from tandem_taskapp.errors import (
+    EnvironmentUnavailable,
+    InvalidArgument,
+    InvalidResult,
+    PolicyError,
+    TurnLimitReached,
+)
 from tandem_taskapp.models import MAX_SEED, Result, RolloutRequest, Turn, is_finite_number, normalize_mode
 from tandem_taskapp.policy import DEFAULT_TIMEOUT_S, Policy, episode_context, policy_session
 
@@ -470,6 +476,9 @@ class _Server:
                 raise InvalidResult("the task description breaks the TaskInfo schema: " + _summary(problems))
         except InvalidArgument as e:
             return _error(400, "INVALID_ARGUMENT", str(e))
+        except EnvironmentUnavailable as e:
+            log.warning("task_info of %s: %s", self.task_app.name, e)
+            return _error(503, "UNAVAILABLE", str(e))
         except InvalidResult as e:
             log.error("task_info of %s: %s", self.task_app.name, e)
             return _error(500, "INVALID_RESULT", str(e))
@@ -500,6 +509,8 @@ class _Server:
             return _error(400, "INVALID_ARGUMENT", str(e))
         except PolicyError as e:
             return _error(502, "POLICY_UNAVAILABLE", str(e))
+        except EnvironmentUnavailable as e:
+            return _error(503, "UNAVAILABLE", str(e))
         except InvalidResult as e:
             return _error(500, "INVALID_RESULT", str(e))
         except asyncio.CancelledError:
@@ -547,7 +558,9 @@ class _Server:
             self.cache.finish(cid, entry, None)
             return
         exc = task.exception()
-        if exc is not None and not isinstance(exc, InvalidArgument | PolicyError | InvalidResult):
+        if isinstance(exc, EnvironmentUnavailable):
+            log.warning("rollout %s of %s: %s", cid, self.task_app.name, exc)
+        elif exc is not None and not isinstance(exc, InvalidArgument | PolicyError | InvalidResult):
             log.error("rollout %s of %s failed", cid, self.task_app.name, exc_info=exc)
         self.cache.finish(cid, entry, None if exc is not None else task.result())
 

@@ -35,3 +35,9 @@ class InvalidArgument(TaskAppError):
 class InvalidResult(TaskAppError):
     """The app produced a result or task description that breaks the contract (a non-finite reward, a body
     the schema rejects, details over 64 KiB). The server answers 500 `INVALID_RESULT`."""
+
+
+class EnvironmentUnavailable(TaskAppError):
+    """The environment the app plays (a separate server, such as an OpenEnv env server) cannot be reached or
+    cannot take the episode now. The server answers 503 `UNAVAILABLE` (retryable) with the message, which
+    must not contain credentials."""

@@ -1,6 +1,8 @@
 """Serve a Task App: `python -m tandem_taskapp.serve path/to/app.py --port 8001` (also
 `tandem taskapp serve path/to/app.py`), or a verifiers environment:
-`tandem taskapp serve --verifiers my-taskset` (see `tandem_taskapp.verifiers_env`).
+`tandem taskapp serve --verifiers my-taskset` (see `tandem_taskapp.verifiers_env`), or an OpenEnv env server
+through an adapter: `tandem taskapp serve --openenv http://127.0.0.1:8010 --openenv-adapter my_adapter.py`
+(see `tandem_taskapp.openenv_env`).
 
 The file (or a dotted module name, optionally `module:attribute`) must define a module-level
 `app: TaskApp`. The environment key comes from `ENVIRONMENT_API_KEY`, or from the first line of standard
@@ -18,6 +20,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TextIO
 
 import uvicorn
@@ -34,14 +37,27 @@ DEFAULT_PORT = 8001
 def load_task_app(path_or_module: str) -> TaskApp:
     """The `TaskApp` named by a file path (`path/to/app.py[:attr]`) or module (`pkg.mod[:attr]`);
     `attr` defaults to `app`."""
-    target, attr = path_or_module, "app"
+    target, attr = _split_target(path_or_module, "app")
+    module = _import_target(target, "Task App")
+    app = getattr(module, attr, None)
+    if not isinstance(app, TaskApp):
+        raise TypeError(f"{target} must define a module-level `{attr}: TaskApp` (found {type(app).__name__})")
+    return app
+
+
+def _split_target(path_or_module: str, default_attr: str) -> tuple[str, str]:
+    target, attr = path_or_module, default_attr
     head, sep, tail = path_or_module.rpartition(":")
     if sep and tail.isidentifier() and not (len(head) == 1 and head.isalpha()):
         target, attr = head, tail
+    return target, attr
+
+
+def _import_target(target: str, what: str) -> ModuleType:
     if target.endswith(".py") or os.sep in target or "/" in target:
         path = Path(target).resolve()
         if not path.is_file():
-            raise FileNotFoundError(f"no such Task App file: {target}")
+            raise FileNotFoundError(f"no such {what} file: {target}")
         mod_name = "tandem_taskapp_user_" + re.sub(r"\W", "_", path.stem)
         spec = importlib.util.spec_from_file_location(mod_name, path)
         if spec is None or spec.loader is None:
@@ -49,12 +65,8 @@ def load_task_app(path_or_module: str) -> TaskApp:
         module = importlib.util.module_from_spec(spec)
         sys.modules[mod_name] = module
         spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    app = getattr(module, attr, None)
-    if not isinstance(app, TaskApp):
-        raise TypeError(f"{target} must define a module-level `{attr}: TaskApp` (found {type(app).__name__})")
-    return app
+        return module
+    return importlib.import_module(target)
 
 
 def serve(
@@ -110,6 +122,27 @@ def _verifiers_app(env: str, config: str | None) -> TaskApp:
         raise ValueError(f"the verifiers env config is not valid: {e}") from None
 
 
+def load_openenv_adapter(path_or_module: str) -> Any:
+    """The `OpenEnvAdapter` named by a file path (`path/to/adapter.py[:attr]`) or module (`pkg.mod[:attr]`);
+    `attr` defaults to `adapter`."""
+    from tandem_taskapp.openenv_env import OpenEnvAdapter  # noqa: PLC0415
+
+    target, attr = _split_target(path_or_module, "adapter")
+    module = _import_target(target, "OpenEnv adapter")
+    adapter = getattr(module, attr, None)
+    if not isinstance(adapter, OpenEnvAdapter):
+        raise TypeError(
+            f"{target} must define a module-level `{attr}: OpenEnvAdapter` (found {type(adapter).__name__})"
+        )
+    return adapter
+
+
+def _openenv_app(url: str, adapter: str) -> TaskApp:
+    from tandem_taskapp.openenv_env import openenv_task_app  # noqa: PLC0415
+
+    return openenv_task_app(url, load_openenv_adapter(adapter))
+
+
 def _read_key(stream: TextIO) -> str:
     key = stream.readline().strip()
     if not key:
@@ -136,6 +169,18 @@ def build_parser(prog: str = "tandem taskapp serve") -> argparse.ArgumentParser:
         help="the verifiers env config laid over it, as JSON or a path to a JSON file"
         ' (e.g. \'{"agent": {"max_turns": 4}}\')',
     )
+    p.add_argument(
+        "--openenv",
+        metavar="URL",
+        help="serve an OpenEnv environment instead: the base URL of its env server (http://host:port);"
+        " each episode holds one /ws session on it",
+    )
+    p.add_argument(
+        "--openenv-adapter",
+        metavar="ADAPTER",
+        help="with --openenv: the file (path/to/adapter.py[:attr]) or module (pkg.mod[:attr]) defining the"
+        " OpenEnvAdapter (observation -> prompt, reply -> action); attr defaults to adapter",
+    )
     p.add_argument("--host", default=DEFAULT_HOST, help=f"interface to listen on (default {DEFAULT_HOST})")
     p.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})"
@@ -154,19 +199,25 @@ def build_parser(prog: str = "tandem taskapp serve") -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "tandem taskapp serve") -> int:
-    """The command line: `serve PATH|--verifiers ENV [--host H] [--port P] [--key-from-stdin] [--no-auth]`.
+    """The command line: `serve PATH|--verifiers ENV|--openenv URL --openenv-adapter A [--host H] [--port P]
+    [--key-from-stdin] [--no-auth]`.
     Answers the exit status: 0 after a clean shutdown, 2 for a usage or loading error."""
     args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        if (args.path is None) == (args.verifiers is None):
-            raise ValueError("name the app: a PATH, or --verifiers ENV (one of the two)")
+        named = [x for x in (args.path, args.verifiers, args.openenv) if x is not None]
+        if len(named) != 1:
+            raise ValueError("name the app: a PATH, --verifiers ENV or --openenv URL (one of them)")
         if args.verifiers_config is not None and args.verifiers is None:
             raise ValueError("--verifiers-config goes with --verifiers")
+        if (args.openenv_adapter is None) != (args.openenv is None):
+            raise ValueError("--openenv URL and --openenv-adapter ADAPTER go together")
         key: str | None = _read_key(sys.stdin) if args.key_from_stdin else os.environ.get(KEY_ENV) or None
         if key is None and not args.no_auth:
             raise ValueError(f"no environment key: set {KEY_ENV}, pass --key-from-stdin, or --no-auth")
         if args.verifiers is not None:
             task_app = _verifiers_app(args.verifiers, args.verifiers_config)
+        elif args.openenv is not None:
+            task_app = _openenv_app(args.openenv, args.openenv_adapter)
         else:
             task_app = load_task_app(args.path)
     except (ValueError, OSError, ImportError, TypeError, SyntaxError, TaskAppError) as e:

@@ -329,9 +329,9 @@ def test_serve_takes_a_path_or_verifiers_not_both(
 ) -> None:
     monkeypatch.setenv("ENVIRONMENT_API_KEY", KEY)
     assert main(["examples/taskapps/single_turn.py", "--verifiers", str(SINGLE_TURN)]) == 2
-    assert "one of the two" in capsys.readouterr().err
+    assert "one of them" in capsys.readouterr().err
     assert main([]) == 2
-    assert "one of the two" in capsys.readouterr().err
+    assert "one of them" in capsys.readouterr().err
     assert main(["examples/taskapps/single_turn.py", "--verifiers-config", "{}"]) == 2
     assert "--verifiers-config goes with --verifiers" in capsys.readouterr().err
 
