@@ -122,7 +122,7 @@ def generate_prompts(body: dict[str, Any]) -> tuple[list[list[int]], bool]:
     whether it was a batch. The ids are checked to be whole and non-negative; their vocabulary and length
     are the worker's to check."""
     ids = body.get("token_ids")
-    if isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
+    if isinstance(ids, list) and any(isinstance(p, list) for p in ids):
         if len(ids) > MAX_PROMPTS:
             raise invalid("token_ids", f"holds more than {MAX_PROMPTS} prompts")
         return [_check_ids(prompt, f"token_ids[{index}]") for index, prompt in enumerate(ids)], True
