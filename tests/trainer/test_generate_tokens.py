@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -21,6 +22,7 @@ from tandem.inference.v1 import inference_service_pb2 as pb
 from tandem.inference.v1 import trace_pb2
 from transformers import AutoTokenizer
 
+from mesh.status import RpcError
 from tests.support.workers import Worker, start_worker, stop_worker, worker_stub
 from trainer.models import build_tiny_model
 
@@ -284,3 +286,29 @@ async def test_the_model_key_and_route_are_checked(served: Served, http: httpx.A
         "/inference/v1/generate", content=b"{", headers={"content-type": "application/json"}
     )
     assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "MALFORMED_REQUEST"
+
+
+async def test_ids_outside_the_vocabulary_are_refused_on_the_other_routes_too(
+    served: Served, http: httpx.AsyncClient
+) -> None:
+    vocab = vocabulary(served)
+    completion = await http.post("/v1/completions", json={"prompt": [1, 2, vocab], "max_tokens": 2})
+    assert completion.status_code == 400, completion.text
+    assert completion.json()["error"]["param"] == "prompt[2]"
+    channel, stub = worker_stub(served.worker, served.mesh_key)
+    try:
+        request = pb.GenerateRequest(prompt_token_ids=[1, vocab + 1, 2])
+        request.sampling.max_tokens = 2
+        with pytest.raises(RpcError) as caught:
+            async for _ in stub.Generate(request):
+                pass
+        assert (caught.value.code, caught.value.reason) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_ARGUMENT",
+        )
+        assert [v.field for v in caught.value.violations] == ["prompt_token_ids[1]"]
+        request.prompt_token_ids[1] = vocab - 1  # the last id of the vocabulary is served
+        answers = [answer async for answer in stub.Generate(request)]
+        assert answers[-1].HasField("finished")
+    finally:
+        await channel.close()

@@ -389,6 +389,13 @@ class OpenAIApi:
         if isinstance(prompt, str) and prompt:
             return self.worker.engine.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
+            vocab = self.worker.engine.info.vocab_size
+            for index, token in enumerate(prompt if vocab else ()):
+                if token >= vocab:
+                    raise invalid(
+                        f"prompt[{index}]",
+                        f"is {token}, outside the model's vocabulary (ids 0 to {vocab - 1})",
+                    )
             return [int(t) for t in prompt]
         raise InvalidArgument("`prompt` must be non-empty text or a list of token ids")
 
