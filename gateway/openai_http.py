@@ -1,6 +1,7 @@
 """The gateway's OpenAI-compatible HTTP endpoint (`ServerInfo.openai_base_url`): `GET /v1/models`,
 `GET /v1/models/{id}`, `POST /v1/chat/completions` and `POST /v1/completions` (with `stream: true` too),
-authenticated with the organization API keys (`Authorization: Bearer tdm_...`) and accepting the model ids
+and the worker's token-in/token-out `POST /inference/v1/generate` (at the root, beside `/v1`, as vLLM serves
+it), authenticated with the organization API keys (`Authorization: Bearer tdm_...`) and accepting the model ids
 of Infer (`orgs/{org}/jobs/{job}/checkpoints/{checkpoint}`, `latest` for the newest). Fields no worker
 honours are refused before a worker is looked for (`tandem_jobs.openai_fields`); each other call is
 relayed to the checkpoint's inference worker (`gateway.inference`). Errors, an unknown route under `/v1/`
@@ -16,7 +17,7 @@ import json
 import math
 import re
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,7 @@ from gateway.inference import STARTING_RETRY_S, Endpoint
 from gateway.orgs import Orgs
 from mesh.errors import NotFound, R, TandemError, Unavailable
 from mesh.identity import Principal
-from tandem_jobs.openai_fields import refuse_unsupported
+from tandem_jobs.openai_fields import check_generate, refuse_unsupported
 
 if TYPE_CHECKING:
     from gateway.servicer import GatewayServicer
@@ -95,11 +96,11 @@ async def internal_error(request: Request, exc: Exception) -> Response:
 
 
 async def route_error(request: Request, exc: Exception) -> Response:
-    """An unknown route or method under `/v1/` as an OpenAI error (404 NOT_FOUND, 405 NOT_IMPLEMENTED);
-    elsewhere (the dashboard's pages) Starlette's own answer."""
+    """An unknown route or method under `/v1/` or `/inference/` as an OpenAI error (404 NOT_FOUND, 405
+    NOT_IMPLEMENTED); elsewhere (the dashboard's pages) Starlette's own answer."""
     if not isinstance(exc, HTTPException):
         raise exc
-    if not (request.url.path + "/").startswith("/v1/"):
+    if not (request.url.path + "/").startswith(("/v1/", "/inference/")):
         return PlainTextResponse(exc.detail, status_code=exc.status_code, headers=exc.headers)
     if exc.status_code == 405:
         message = f"{request.method} is not a method of {request.url.path}"
@@ -140,12 +141,21 @@ class OpenAIEndpoint:
     async def completions(self, request: Request) -> Response:
         return await self._relay(request, "/v1/completions")
 
-    async def _relay(self, request: Request, route: str) -> Response:
+    async def generate(self, request: Request) -> Response:
+        """`POST /inference/v1/generate`, token ids in and out (the worker's route, relayed)."""
+        return await self._relay(request, "/inference/v1/generate", check_generate)
+
+    async def _relay(
+        self,
+        request: Request,
+        route: str,
+        check: Callable[[dict[str, Any]], object] = refuse_unsupported,
+    ) -> Response:
         try:
             principal = await self._principal(request)
             body = json_object(await read_body(request, MAX_BODY_BYTES))
             model = _model_id(body.get("model"))
-            refuse_unsupported(body)  # before any worker is looked for (or started)
+            check(body)  # before any worker is looked for (or started)
             scope = self._servicer.scope_of(principal, model, R.ERROR_REASON_JOB_NOT_FOUND)
             checkpoint, worker = await self._servicer.worker_for(scope, model)
             body["model"] = checkpoint.name
@@ -191,6 +201,7 @@ class OpenAIEndpoint:
                 Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/inference/v1/generate", self.generate, methods=["POST"]),
                 *(extra or []),
             ],
         )

@@ -722,6 +722,24 @@ async def test_infer_starts_a_worker_through_the_scheduler(
             assert missing.status_code == 404 and missing.json()["error"]["code"] == "CHECKPOINT_NOT_FOUND"
             wrong = await http.get("/models", headers={"Authorization": "Bearer tdm_nope"})
             assert wrong.status_code == 401
+            # Token ids in and out, relayed at the root beside /v1 (where vLLM serves the route).
+            generated = await http.post(
+                base.removesuffix("/v1") + "/inference/v1/generate",
+                json={
+                    "model": body["model"],
+                    "token_ids": [[5, 6, 7], [8, 9]],
+                    "sampling_params": {"max_tokens": 2},
+                },
+            )
+            assert generated.status_code == 200, generated.text
+            assert generated.json()["prompt_token_ids"] == [[5, 6, 7], [8, 9]]
+            for choice in generated.json()["choices"]:
+                assert 1 <= len(choice["token_ids"]) <= 2 and choice["weight_version"] == 3
+            out_of_vocab = await http.post(
+                base.removesuffix("/v1") + "/inference/v1/generate",
+                json={"model": body["model"], "token_ids": [5, 300]},
+            )
+            assert out_of_vocab.status_code == 400 and out_of_vocab.json()["error"]["param"] == "token_ids[1]"
         # The official openai client, relayed to the worker: n choices, streamed logprobs, refusals.
         async with openai.AsyncOpenAI(base_url=base, api_key=made.key, max_retries=0) as client:
             model = "orgs/acme/jobs/rl/checkpoints/step-3"

@@ -226,3 +226,53 @@ async def test_tandem_up_prints_the_endpoint_a_client_uses(endpoint: Endpoint) -
     assert f"OpenAI-compatible endpoint (base_url, with an API key): {endpoint.base_url}\n" in out.getvalue()
     assert f"Dashboard: {endpoint.base_url.removesuffix('/v1')}/\n" in out.getvalue()
     assert out.getvalue().endswith("Press Ctrl-C to stop.\n")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"token_ids": []}, "token_ids"),
+        ({"token_ids": [1, -1]}, "token_ids[1]"),
+        ({"token_ids": [[1], "x"]}, "token_ids[1]"),
+        ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens"),
+        ({"token_ids": [1], "sampling_params": {"n": 17}}, "sampling_params.n"),
+        (
+            {"token_ids": [1], "sampling_params": {"repetition_penalty": 1.2}},
+            "sampling_params.repetition_penalty",
+        ),
+        ({"token_ids": [1], "stream": True}, "stream"),
+        ({"token_ids": [1], "messages": []}, "messages"),
+    ],
+)
+async def test_generate_is_relayed_and_its_refusals_come_before_a_worker_is_looked_for(
+    endpoint: Endpoint, fields: dict[str, Any], param: str
+) -> None:
+    root = endpoint.base_url.removesuffix("/v1")
+    headers = {"authorization": f"Bearer {endpoint.acme.api_key}"}
+    async with httpx.AsyncClient(base_url=root, headers=headers) as http:
+        answer = await http.post("/inference/v1/generate", json={"model": CHECKPOINT, **fields})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param and answer.json()["error"]["code"] == "INVALID_ARGUMENT"
+
+
+async def test_generate_needs_a_key_and_a_checkpoint_and_unknown_inference_routes_are_openai_errors(
+    endpoint: Endpoint,
+) -> None:
+    root = endpoint.base_url.removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=root) as http:
+        keyless = await http.post("/inference/v1/generate", json={"model": CHECKPOINT, "token_ids": [1]})
+        assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "MISSING_CREDENTIALS"
+        http.headers["authorization"] = f"Bearer {endpoint.acme.api_key}"
+        for model in ("orgs/acme/jobs/rl/checkpoints/step-9", "gpt-4o", None):
+            missing = await http.post("/inference/v1/generate", json={"model": model, "token_ids": [1]})
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == "CHECKPOINT_NOT_FOUND"
+        other = await http.post(
+            "/inference/v1/generate",
+            json={"model": CHECKPOINT, "token_ids": [1]},
+            headers={"authorization": f"Bearer {endpoint.globex.api_key}"},
+        )
+        assert other.status_code == 404 and other.json()["error"]["code"] == "JOB_NOT_FOUND"
+        unknown = await http.post("/inference/v1/embed", json={})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "NOT_FOUND"
+        wrong_method = await http.get("/inference/v1/generate")
+        assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "NOT_IMPLEMENTED"

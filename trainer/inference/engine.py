@@ -93,6 +93,7 @@ class EngineInfo:
     tensor_parallel_size: int
     device: str
     dtype: str
+    vocab_size: int = 0  # the token ids the model embeds, 0 to vocab_size - 1 (0: not known, not checked)
 
 
 class Engine(abc.ABC):

@@ -1,10 +1,13 @@
 """The worker's OpenAI-compatible HTTP API, for Task Apps and any OpenAI client.
 
-Routes: `GET /v1/models`; `GET /v1/models/{id}`; `POST /v1/chat/completions`; `POST /v1/completions`; and
-both POST routes under `/v1/traces/{correlation_id}/...`, the inference URL the trainer hands each episode.
-A generation is recorded as a turn of its episode's trace when the correlation id comes in the path or in
-the `X-Trace-Correlation-Id` header (the path wins). `stream: true` answers with server-sent events, whose
-chunks carry OpenAI's `choices[].logprobs` for their tokens when asked.
+Routes: `GET /v1/models`; `GET /v1/models/{id}`; `POST /v1/chat/completions`; `POST /v1/completions`;
+`POST /inference/v1/generate` (token ids in, token ids and log-probs out, vLLM's token-in/token-out shape);
+and each of them under `/v1/traces/{correlation_id}/...`, the inference URL the trainer hands each episode
+(`/v1/traces/{id}/inference/v1/generate` for the last, where a client that drops a trailing `/v1` from its
+base URL and appends the route lands). A generation is recorded as a turn of its episode's trace when the
+correlation id comes in the path or in the `X-Trace-Correlation-Id` header (the path wins). `stream: true`
+answers with server-sent events, whose chunks carry OpenAI's `choices[].logprobs` for their tokens when
+asked (not on the generate route, which refuses it).
 
 Request fields understood: `model` (must be the served model when set), `messages` / `prompt` (text or
 token ids), `max_tokens` / `max_completion_tokens` (at least 1), `temperature`, `top_p`, `top_k` and `min_p`
@@ -16,6 +19,12 @@ version and the prompt and completion token ids (and, with n > 1, each sample's 
 OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the mesh's stable reason as `code`
 and the refused field as `param`; an unknown route is 404 NOT_FOUND. Each completion is a server span
 continuing the caller's W3C `traceparent`.
+
+The generate route takes `token_ids` (one prompt, or a list of prompts: a batch) and `sampling_params`
+(`tandem_jobs.openai_fields.check_generate` lists what it honours and what it refuses), tokenises nothing
+and answers each choice's `token_ids`, their log-probs (tokens named `token_id:<id>`), finish reason and
+weight versions; choice k = b * n + i is sample i of prompt b, recorded in the trace `{id}` for k = 0 and
+`{id}:{k}` otherwise.
 """
 
 from __future__ import annotations
@@ -36,9 +45,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mesh.errors import InvalidArgument, R, TandemError
-from tandem_jobs.openai_fields import invalid, refuse_unsupported
-from trainer.inference.engine import Finished, Sampling, TokenChunk
+from mesh.errors import FieldViolation, InvalidArgument, R, TandemError
+from tandem_jobs.openai_fields import check_generate, generate_prompts, invalid, refuse_unsupported
+from trainer.inference.engine import Finished, PromptTooLong, Sampling, TokenChunk
 
 if TYPE_CHECKING:
     from trainer.inference.worker import InferenceWorker
@@ -139,6 +148,20 @@ def _sampling(body: dict[str, Any], chat: bool) -> Sampling:
         stop=tuple(stops),
         seed=seed,
         top_logprobs=top,
+    )
+
+
+def _generate_sampling(params: dict[str, Any]) -> Sampling:
+    """The engine's sampling of a generate request's `sampling_params`, already checked (`check_generate`)."""
+    return Sampling(
+        temperature=float(params["temperature"]) if params.get("temperature") is not None else 1.0,
+        top_p=float(params.get("top_p") or 1.0),
+        top_k=max(int(params.get("top_k") or 0), 0),
+        min_p=float(params.get("min_p") or 0.0),
+        max_tokens=int(params.get("max_tokens") or 0),
+        stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+        seed=params.get("seed"),
+        top_logprobs=int(params.get("logprobs") or 0),
     )
 
 
@@ -262,6 +285,96 @@ class OpenAIApi:
             self._answer(results, samples, ident, created, model, chat, prompt, want_logprobs)
         )
 
+    async def generate(self, request: Request) -> Response:
+        """`POST /inference/v1/generate`: token ids in, token ids and their log-probs out (vLLM's
+        token-in/token-out shape); nothing is tokenised or detokenised."""
+        with _server_span(request, "inference.generate"):
+            return await self._generate(request)
+
+    async def _generate(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return _unauthorized()
+        try:
+            body = await self._body(request)
+            cid = self._correlation_id(request)
+            self.worker.check_model(str(body.get("model") or ""))
+            params = check_generate(body)
+            prompts, batch = generate_prompts(body)
+            for index, prompt in enumerate(prompts):
+                self._check_prompt(prompt, f"token_ids[{index}]" if batch else "token_ids")
+            choices = _generate_choices(
+                _generate_sampling(params), cid, len(prompts), int(params.get("n") or 1)
+            )
+            generations = [
+                self.worker.generate(prompts[c.prompt], c.sample.sampling, c.sample.correlation_id)
+                for c in choices
+            ]
+            firsts = await _first_items(generations)
+            runs = [_Run(c.sample, f, g) for c, f, g in zip(choices, firsts, generations, strict=True)]
+            collected = await asyncio.gather(*(run.collect() for run in runs), return_exceptions=True)
+            for failed in collected:
+                if isinstance(failed, BaseException):  # the engine failed mid-generation
+                    raise failed
+        except TandemError as error:
+            return _from_domain(error)
+        except StopAsyncIteration:
+            return _error(500, "the engine ended without an answer", "INTERNAL")
+        results = [c for c in collected if not isinstance(c, BaseException)]
+        want_top = bool(params.get("logprobs"))
+        answers = []
+        completion = 0
+        for index, (choice, (chunks, finished)) in enumerate(zip(choices, results, strict=True)):
+            tokens = [t for c in chunks for t in c.token_ids]
+            completion += len(tokens)
+            answer: dict[str, Any] = {
+                "index": index,
+                "prompt_index": choice.prompt,
+                "token_ids": tokens,
+                "logprobs": {"content": _token_logprobs(chunks, want_top)},
+                "finish_reason": finished.reason if finished else "abort",
+                "weight_version": finished.weight_version if finished else self.worker.engine.weight_version,
+                "last_weight_version": finished.last_weight_version if finished else 0,
+            }
+            if choice.sample.correlation_id:
+                answer["correlation_id"] = choice.sample.correlation_id
+            answers.append(answer)
+        prompt_tokens = sum(len(prompts[c.prompt]) for c in choices)
+        return JSONResponse(
+            {
+                "request_id": body.get("request_id") or "gen-" + secrets.token_hex(12),
+                "model": self.worker.engine.info.model,
+                "choices": answers,
+                "prompt_token_ids": prompts if batch else prompts[0],
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion,
+                    "total_tokens": prompt_tokens + completion,
+                },
+            }
+        )
+
+    def _check_prompt(self, prompt: list[int], field: str) -> None:
+        """A prompt's ids inside the model's vocabulary, and room left in the context to generate."""
+        info = self.worker.engine.info
+        if info.vocab_size:
+            for index, token in enumerate(prompt):
+                if token >= info.vocab_size:
+                    raise invalid(
+                        f"{field}[{index}]",
+                        f"is {token}, outside the model's vocabulary (ids 0 to {info.vocab_size - 1})",
+                    )
+        if len(prompt) >= info.max_context_tokens:
+            message = str(PromptTooLong(len(prompt), info.max_context_tokens))
+            raise InvalidArgument(
+                f"`{field}`: {message}",
+                reason=R.ERROR_REASON_CONTEXT_LENGTH_EXCEEDED,
+                violations=[FieldViolation(field, message)],
+                metadata={
+                    "max_context_tokens": str(info.max_context_tokens),
+                    "prompt_tokens": str(len(prompt)),
+                },
+            )
+
     def _prompt(self, body: dict[str, Any], chat: bool) -> list[int]:
         if chat:
             messages = body.get("messages")
@@ -276,6 +389,13 @@ class OpenAIApi:
         if isinstance(prompt, str) and prompt:
             return self.worker.engine.encode(prompt)
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
+            vocab = self.worker.engine.info.vocab_size
+            for index, token in enumerate(prompt if vocab else ()):
+                if token >= vocab:
+                    raise invalid(
+                        f"prompt[{index}]",
+                        f"is {token}, outside the model's vocabulary (ids 0 to {vocab - 1})",
+                    )
             return [int(t) for t in prompt]
         raise InvalidArgument("`prompt` must be non-empty text or a list of token ids")
 
@@ -469,6 +589,51 @@ def _samples(sampling: Sampling, cid: str, n: int) -> list[_Sample]:
     return found
 
 
+@dataclass(frozen=True)
+class _Choice:
+    """One choice of a generate request: which prompt of the batch, and its sample."""
+
+    prompt: int
+    sample: _Sample
+
+
+def _generate_choices(sampling: Sampling, cid: str, prompts: int, n: int) -> list[_Choice]:
+    """Choice k = b * n + i of a generate request is sample i of prompt b: recorded in the correlation id's
+    trace for k = 0 and in `{id}:{k}`'s for k > 0, each its own trace; a seed s samples prompt b's n samples
+    with seeds s, s + 1, ..., as `n` does alone."""
+    found = []
+    for prompt in range(prompts):
+        for index in range(n):
+            k = prompt * n + index
+            own = cid if not k or not cid else f"{cid}:{k}"
+            if len(own) > 128:
+                raise invalid(
+                    "sampling_params.n",
+                    "gives correlation ids past 128 characters: use a shorter correlation id",
+                )
+            seed = sampling.seed + index if sampling.seed is not None else None
+            found.append(_Choice(prompt, _Sample(replace(sampling, seed=seed), own)))
+    return found
+
+
+def _token_logprobs(chunks: list[TokenChunk], top: bool) -> list[dict[str, Any]]:
+    """Each sampled token's log-prob as vLLM's generate route answers them, tokens named `token_id:<id>`
+    (nothing is detokenised), with its `top_logprobs` when asked."""
+    tokens = [t for c in chunks for t in c.token_ids]
+    values = [p for c in chunks for p in c.logprobs]
+    tops = [candidates for c in chunks for candidates in c.top_logprobs]
+    content = []
+    for index, (token, value) in enumerate(zip(tokens, values, strict=True)):
+        entry: dict[str, Any] = {"token": f"token_id:{token}", "logprob": value, "bytes": None}
+        if top:
+            entry["top_logprobs"] = [
+                {"token": f"token_id:{t}", "logprob": p, "bytes": None}
+                for t, p in (tops[index] if index < len(tops) else [])
+            ]
+        content.append(entry)
+    return content
+
+
 async def _first_items(
     generations: list[AsyncIterator[TokenChunk | Finished]],
 ) -> list[TokenChunk | Finished]:
@@ -553,7 +718,11 @@ def openai_app(worker: InferenceWorker) -> Starlette:
             Route("/v1/models/{model:path}", api.model, methods=["GET"]),
             Route("/v1/chat/completions", api.chat, methods=["POST"]),
             Route("/v1/completions", api.completions, methods=["POST"]),
+            Route("/v1/traces/{correlation_id}/models", api.models, methods=["GET"]),
+            Route("/v1/traces/{correlation_id}/models/{model:path}", api.model, methods=["GET"]),
             Route("/v1/traces/{correlation_id}/chat/completions", api.chat, methods=["POST"]),
             Route("/v1/traces/{correlation_id}/completions", api.completions, methods=["POST"]),
+            Route("/inference/v1/generate", api.generate, methods=["POST"]),
+            Route("/v1/traces/{correlation_id}/inference/v1/generate", api.generate, methods=["POST"]),
         ],
     )

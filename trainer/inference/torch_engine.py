@@ -224,6 +224,7 @@ class TorchEngine(Engine):
             tensor_parallel_size=1,
             device=str(next(model.parameters()).device),
             dtype=dtype_name(model.dtype),
+            vocab_size=_embedding_rows(model),
         )
         engine = cls(model, tokenizer, info, max_batch=max_batch, eos_token_ids=eos)
         engine._scheduler = asyncio.create_task(engine._schedule(), name="torch-engine-scheduler")

@@ -224,6 +224,7 @@ class VllmEngine(Engine):
             tensor_parallel_size=tensor_parallel_size,
             device=devices,
             dtype=str(llm.model_config.dtype).removeprefix("torch.") or str(config.get("torch_dtype", "")),
+            vocab_size=int(llm.model_config.get_vocab_size()),
         )
         engine = cls(llm, tokenizer, info, manifest)
         engine.transfer_backends = (backend,)

@@ -39,7 +39,7 @@ from tandem.inference.v1 import (
     worker_pb2,
 )
 
-from mesh.errors import FailedPrecondition, InvalidArgument, R, Unavailable
+from mesh.errors import FailedPrecondition, FieldViolation, InvalidArgument, R, Unavailable
 from mesh.files import write_atomic
 from mesh.observability import configure_logging
 from mesh.server import Deps, Registration, serve
@@ -187,11 +187,17 @@ class InferenceWorker:
             self._in_flight -= 1
             self._last_active = time.monotonic()
 
-    async def _generate(
-        self, prompt_token_ids: Sequence[int], sampling: Sampling, correlation_id: str
-    ) -> AsyncIterator[TokenChunk | Finished]:
+    def _check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        """Refuse an empty prompt, an id outside the model's vocabulary, and one that leaves no room in the
+        context to generate."""
         if not prompt_token_ids:
             raise InvalidArgument("the prompt is empty")
+        vocab = self.engine.info.vocab_size
+        if vocab and max(prompt_token_ids) >= vocab:
+            index = next(i for i, t in enumerate(prompt_token_ids) if t >= vocab)
+            field = f"prompt_token_ids[{index}]"
+            problem = f"is {prompt_token_ids[index]}, outside the model's vocabulary (ids 0 to {vocab - 1})"
+            raise InvalidArgument(f"`{field}` {problem}", violations=[FieldViolation(field, problem)])
         context = self.engine.info.max_context_tokens
         if len(prompt_token_ids) >= context:
             raise InvalidArgument(
@@ -199,6 +205,11 @@ class InferenceWorker:
                 reason=R.ERROR_REASON_CONTEXT_LENGTH_EXCEEDED,
                 metadata={"max_context_tokens": str(context), "prompt_tokens": str(len(prompt_token_ids))},
             )
+
+    async def _generate(
+        self, prompt_token_ids: Sequence[int], sampling: Sampling, correlation_id: str
+    ) -> AsyncIterator[TokenChunk | Finished]:
+        self._check_prompt(prompt_token_ids)
         if not self._resumed.is_set():
             try:
                 await asyncio.wait_for(self._resumed.wait(), timeout=self.settings.pause_queue_s)
