@@ -69,7 +69,7 @@ from services.scheduler.backends.task_buckets import (
 from services.scheduler.backends.task_image import LOGIN_ENVS
 from services.scheduler.expand import SETUP_FAILED_EXIT
 from services.scheduler.lifecycle import FailureClass, JobState, TaskState
-from services.scheduler.spec import resource_choices, resources_of
+from services.scheduler.spec import resource_choices, resources_of, s3_location
 from services.scheduler.store import AttemptRow, FailureInfo, JobRecord, JobRow, JobStore, TaskRow
 
 log = logging.getLogger("tandem.scheduler")
@@ -1267,10 +1267,7 @@ class Engine:
                 for field, env in CREDENTIAL_ENVS.items()
                 if env in secrets
             }
-        envs = task.envs
-        endpoint = envs.get("AWS_ENDPOINT_URL_S3") or envs.get("AWS_ENDPOINT_URL", "")
-        region = envs.get("AWS_REGION") or envs.get("AWS_DEFAULT_REGION", "")
-        return await asyncio.to_thread(store_with, given, endpoint, region)
+        return await asyncio.to_thread(store_with, given, *s3_location(task.envs))
 
     async def _log_event(self, job: JobRow, message: str, level: types_pb2.Level.ValueType) -> None:
         event = event_pb2.Event(type="log", level=level, message=message[:MAX_MESSAGE])
@@ -1524,12 +1521,12 @@ class Engine:
         buckets = expand.buckets(task, [path for path, _source, _read_only in mounts])
         if not buckets:
             return command
-        envs = task.envs
+        endpoint_url, region = s3_location(task.envs)
         env[BUCKETS_ENV] = bucket_plan(
             buckets,
             credentials=[e for e in secret_env if e in CREDENTIAL_ENVS.values()],
-            endpoint_url=envs.get("AWS_ENDPOINT_URL_S3") or envs.get("AWS_ENDPOINT_URL", ""),
-            region=envs.get("AWS_REGION") or envs.get("AWS_DEFAULT_REGION", ""),
+            endpoint_url=endpoint_url,
+            region=region,
             sync_interval_s=self.config.bucket_sync_interval_s,
         )
         return (

@@ -155,6 +155,13 @@ class BucketUpload:
     region: str = ""  # the task's AWS_REGION / AWS_DEFAULT_REGION
 
 
+def s3_location(envs: Mapping[str, str]) -> tuple[str, str]:
+    """The S3 endpoint and region a task's `envs` name (`AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`,
+    `AWS_REGION` / `AWS_DEFAULT_REGION`); empty where they name none."""
+    endpoint = envs.get("AWS_ENDPOINT_URL_S3") or envs.get("AWS_ENDPOINT_URL", "")
+    return endpoint, envs.get("AWS_REGION") or envs.get("AWS_DEFAULT_REGION", "")
+
+
 def load_yaml(
     path: Path, *, envs: Mapping[str, str] | None = None, uploads: list[BucketUpload] | None = None
 ) -> JobSpec:
@@ -2092,16 +2099,8 @@ class _Reader:
             if not path.exists():
                 self.fail(where, f"{text!r} is not a local file or folder")
             paths.append(posixpath.normpath(str(path)))
-        envs = self.task_envs
-        self.uploads.append(
-            BucketUpload(
-                url=url,
-                sources=tuple(paths),
-                listed=isinstance(source, list),
-                endpoint_url=envs.get("AWS_ENDPOINT_URL_S3") or envs.get("AWS_ENDPOINT_URL", ""),
-                region=envs.get("AWS_REGION") or envs.get("AWS_DEFAULT_REGION", ""),
-            )
-        )
+        endpoint_url, region = s3_location(self.task_envs)
+        self.uploads.append(BucketUpload(url, tuple(paths), isinstance(source, list), endpoint_url, region))
 
     def bucket_url(self, mount: js.FileMount, url: str, at: str) -> None:
         scheme, _, rest = url.partition("://")
