@@ -71,6 +71,7 @@ from services.scheduler.backends.task_image import (
     ATTEMPT_DIR_ENV,
     DEFAULT_PULL_TIMEOUT_S,
     PULL_TIMEOUT_ENV,
+    RUNTIME_CONFIG_ENVS,
     RUNTIME_ENV,  # the docker or podman CLI a task with an image runs through
 )
 
@@ -563,6 +564,7 @@ class LocalBackend:
             env[RUNTIME_ENV] = runtime
             env[PULL_TIMEOUT_ENV] = f"{self.image_pull_timeout_s:g}"
             env[ATTEMPT_DIR_ENV] = str(attempt_dir)
+            env.update({k: os.environ[k] for k in RUNTIME_CONFIG_ENVS if k in os.environ})
         user: dict[str, Any] = {}
         argv = [self._bash, "-c", _WRAPPER, "tandem-rank", spec.command, str(exit_file)]
         if account is not None:

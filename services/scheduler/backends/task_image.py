@@ -53,6 +53,18 @@ from services.scheduler.backends.base import RegistryLogin
 RUNTIME_ENV = "TANDEM_CONTAINER_RUNTIME"  # the docker or podman CLI (a path), set by the local backend
 PULL_TIMEOUT_ENV = "TANDEM_IMAGE_PULL_TIMEOUT_S"  # the bound of login and pull together, in seconds
 ATTEMPT_DIR_ENV = "TANDEM_ATTEMPT_DIR"  # the attempt's private folder, where the auth file lives a while
+# The runtime's own configuration as the operator sets it for the scheduler (a containers.conf, registries,
+# storage, a docker daemon's address): the runtime runs with it for a task as for the backend's `info` check,
+# so a runtime found working is the one the task gets.
+RUNTIME_CONFIG_ENVS = (
+    "CONTAINERS_CONF",
+    "CONTAINERS_REGISTRIES_CONF",
+    "CONTAINERS_STORAGE_CONF",
+    "DOCKER_HOST",
+    "DOCKER_CONTEXT",
+    "DOCKER_CERT_PATH",
+    "DOCKER_TLS_VERIFY",
+)
 DEFAULT_PULL_TIMEOUT_S = 600.0
 PRECHECK_EXIT = 223  # services.scheduler.expand.SETUP_FAILED_EXIT: a PRECHECK failure
 USERNAME_ENV = "SKYPILOT_DOCKER_USERNAME"

@@ -40,6 +40,7 @@ from tests.services.scheduler.test_kubernetes_jobs import acme as kube_acme
 from tests.services.scheduler.test_kubernetes_jobs import cluster
 from tests.services.scheduler.test_scheduler import ORG, TERMINAL, Clients, log_text, put_secret, wait_for
 from tests.services.scheduler.test_skypilot_files import submit
+from tests.support.images import containers_conf_that_runs, import_image
 from tests.support.kube_api import FakeKubeApi, running_kube_api
 from tests.support.mesh import mesh_settings, running_mesh
 from tests.support.registry import private_registry
@@ -318,6 +319,73 @@ async def test_the_registry_login_comes_from_the_vault(acme_local: Clients, tmp_
     assert PASSWORD not in done.failure.message + logs
     attempts = list((tmp_path / "mesh").rglob(".registry-auth-*"))
     assert attempts == []  # nothing of the login is left on the machine
+
+
+@pytest.fixture
+def runnable_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An image made here (bash, busybox, a file of its own) that podman runs; where this machine's podman
+    needs a containers.conf for that, CONTAINERS_CONF names it for the scheduler about to start."""
+    assert PODMAN is not None
+    image = import_image(
+        PODMAN,
+        tmp_path,
+        f"localhost/tandem-task-test:{os.getpid()}",
+        {"etc/tandem-image": b"only in the image\n"},
+    )
+    try:
+        try:
+            conf = containers_conf_that_runs(PODMAN, image, tmp_path)
+        except RuntimeError as exc:
+            pytest.skip(str(exc))
+        if conf is not None:
+            monkeypatch.setenv("CONTAINERS_CONF", str(conf))
+        yield image
+    finally:
+        subprocess.run([PODMAN, "rmi", "-f", image], capture_output=True, check=False)
+
+
+@needs_podman
+async def test_a_task_runs_in_its_image(
+    runnable_image: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole way: a job file's `image_id` through CreateJob to the local backend, whose task runs in that
+    image under podman, as the caller's uid, in its working directory and with its variables."""
+    from mesh.identity import TokenSigner, load_signing_key  # noqa: PLC0415
+
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__CPUS", "2")
+    monkeypatch.setenv("TANDEM_SCHEDULER_LOCAL__CONTAINER_RUNTIMES", '["podman"]')
+    path = tmp_path / "task.yaml"
+    path.write_text(
+        textwrap.dedent(
+            f"""\
+            envs:
+              PYTHONPATH: {ROOT}
+              GREETING: from-the-job-file
+            resources:
+              image_id: docker:{runnable_image}
+            run: |
+              cat /etc/tandem-image
+              test ! -e /etc/debian_version && echo not-the-hosts-root
+              echo "uid=$(id -u) greeting=$GREETING"
+              echo written-in-the-image > made-here.txt
+            """
+        )
+    )
+    async with running_mesh(
+        mesh_settings(tmp_path / "mesh"), services=["events", "vault", "taskapp_proxy", "scheduler"]
+    ) as mesh:
+        signer = TokenSigner(load_signing_key("", mesh.settings.state_dir))
+        clients = Clients(mesh, signer.issue("user", "alice", org="acme", ttl_s=600))
+        job = await submit(clients, load_yaml(path))
+        done = await wait_for(clients, job.name, *TERMINAL, within_s=180)
+        logs = await log_text(clients, job.name)
+        await clients.close()
+    assert done.state == State.STATE_SUCCEEDED, (done.failure.message, logs)
+    assert "only in the image" in logs
+    assert "not-the-hosts-root" in logs
+    assert f"uid={os.getuid()} greeting=from-the-job-file" in logs
+    # The working directory is the task's folder on the host, at its own path.
+    assert [p.read_text() for p in (tmp_path / "mesh").rglob("made-here.txt")] == ["written-in-the-image\n"]
 
 
 # ---- Slurm: the batch shell opens the login for pyxis/enroot or Apptainer ----------------------------
