@@ -215,8 +215,11 @@ class StubPolicyServer:
         if request.method != "POST" or not path.endswith("/chat/completions"):
             return JSONResponse({"error": {"message": "not found", "type": "not_found"}}, status_code=404)
         if path.startswith("/slow/"):
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), timeout=self.slow_delay_s)
+            with contextlib.suppress(
+                TimeoutError
+            ):  # asyncio.timeout: wait_for may lose a cancel (mesh/aio.py)
+                async with asyncio.timeout(self.slow_delay_s):
+                    await self._stop.wait()
         model = body.get("model") if isinstance(body, dict) else None
         model = model if isinstance(model, str) else STUB_MODEL
         created = int(time.time())

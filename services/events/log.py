@@ -12,7 +12,6 @@ listener wakes its own subscribers, so a subscriber on any replica sees every ev
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -25,6 +24,7 @@ from google.protobuf import timestamp_pb2
 from tandem.events.v1 import event_pb2, job_stream_pb2, metric_pb2
 from tandem.scheduler.v1 import job_pb2
 
+from mesh.aio import cancel_and_wait
 from mesh.errors import FailedPrecondition, InvalidArgument, NotFound, R, Unavailable
 from mesh.store import Database, Execute, ExecuteMany, Fetch, Program, Row
 from services.events.store import (
@@ -331,9 +331,7 @@ class EventLog:
     async def stop(self) -> None:
         for task in (self._writer, self._listener, self._retention):
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)
 
     # ---- writes -------------------------------------------------------------------------------
 

@@ -7,7 +7,6 @@ another organization's job exists (NOT_FOUND, the same answer as for a job that 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -24,6 +23,7 @@ from tandem.events.v1 import (
 )
 
 from mesh import jobtokens, paging
+from mesh.aio import wait_set
 from mesh.errors import InvalidArgument, NotFound, OutOfRange, PermissionDenied, R
 from mesh.interceptors import current_principal
 from mesh.server import Deps, Registration
@@ -300,9 +300,7 @@ class EventServiceServicer(events_service_pb2_grpc.EventServiceServicer):
                 state: Any = terminal_state
                 yield pb.SubscribeResponse(end=pb.StreamEnd(terminal_seq=last_seq, terminal_state=state))
                 return
-            try:
-                await asyncio.wait_for(waiter.wait(), heartbeat)
-            except TimeoutError:
+            if not await wait_set(waiter, heartbeat):
                 # Idle: refresh from storage (a NOTIFY lost while the listener reconnected is found here).
                 info = await self._log.info(job)
                 first_retained = info.first_retained_seq
@@ -351,9 +349,7 @@ class EventServiceServicer(events_service_pb2_grpc.EventServiceServicer):
                     )
             if progressed:
                 continue
-            try:
-                await asyncio.wait_for(waiter.wait(), heartbeat)
-            except TimeoutError:
+            if not await wait_set(waiter, heartbeat):
                 yield pb.SubscribeOrgResponse(
                     heartbeat=pb.OrgHeartbeat(
                         time=_now(),

@@ -40,6 +40,7 @@ from tandem.common.v1 import types_pb2
 from tandem.events.v1 import event_pb2, events_service_pb2
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
 
+from mesh.aio import cancel_and_wait, wait_set
 from mesh.errors import R
 from mesh.identity import TokenSigner
 from mesh.secrets import JOB_TOKEN_ENV
@@ -263,9 +264,7 @@ class EventOutbox:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
     def wake(self) -> None:
         self._wake.set()
@@ -309,8 +308,7 @@ class EventOutbox:
 
     async def _loop(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._interval)
+            await wait_set(self._wake, self._interval)
             self._wake.clear()
             try:
                 await self.flush()
@@ -392,9 +390,7 @@ class Engine:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
         if self._cleanups:  # a bucket being deleted is deleted to the end, within a bound
             await asyncio.wait(self._cleanups, timeout=30.0)
         await self.outbox.stop()
@@ -410,8 +406,7 @@ class Engine:
 
     async def _loop(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.pass_interval_s)
+            await wait_set(self._wake, self.config.pass_interval_s)
             self._wake.clear()
             try:
                 await self.run_pass()

@@ -25,6 +25,7 @@ from tandem.taskapp.v1 import rollout_pb2, task_app_pb2, taskapp_service_pb2, ta
 from tandem.vault.v1 import vault_service_pb2_grpc
 
 from mesh import jobtokens, paging
+from mesh.aio import cancel_and_wait
 from mesh.errors import AlreadyExists, FailedPrecondition, NotFound, R, Unavailable
 from mesh.interceptors import current_principal
 from mesh.secrets import open_secrets
@@ -85,9 +86,7 @@ class RolloutEvents:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
     def record(self, job: str, app: str, result: rollout_pb2.RolloutResult) -> None:
         failed = result.HasField("error")

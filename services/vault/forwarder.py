@@ -11,7 +11,6 @@ is still forwarded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -22,6 +21,7 @@ from tandem.common.v1 import types_pb2
 from tandem.events.v1 import event_pb2, events_service_pb2
 from tandem.vault.v1 import audit_pb2
 
+from mesh.aio import cancel_and_wait
 from mesh.store import Database
 
 log = logging.getLogger("tandem.vault.audit")
@@ -76,9 +76,7 @@ class AuditForwarder:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
     async def forward_once(self, settle_s: float = SETTLE_S) -> int:
         """Publish the records of the window after the cursor, then move the cursor to the newest record

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from google.protobuf import timestamp_pb2
 from tandem.inference.v1 import generation_pb2, trace_pb2
 
+from mesh.aio import wait_set
 from mesh.errors import InvalidArgument, NotFound, OutOfRange, R
 
 FINISH_REASONS = {
@@ -222,7 +223,5 @@ class TraceStore:
                 yield trace
             if batch:
                 continue
-            try:
-                await asyncio.wait_for(waiter.wait(), timeout=heartbeat_s)
-            except TimeoutError:
+            if not await wait_set(waiter, heartbeat_s):
                 yield None

@@ -39,6 +39,7 @@ from tandem.inference.v1 import (
     worker_pb2,
 )
 
+from mesh.aio import wait_set
 from mesh.errors import FailedPrecondition, FieldViolation, InvalidArgument, R, Unavailable
 from mesh.files import write_atomic
 from mesh.observability import configure_logging
@@ -210,15 +211,12 @@ class InferenceWorker:
         self, prompt_token_ids: Sequence[int], sampling: Sampling, correlation_id: str
     ) -> AsyncIterator[TokenChunk | Finished]:
         self._check_prompt(prompt_token_ids)
-        if not self._resumed.is_set():
-            try:
-                await asyncio.wait_for(self._resumed.wait(), timeout=self.settings.pause_queue_s)
-            except TimeoutError:
-                raise Unavailable(
-                    "generation is paused for a weight update; retry shortly",
-                    reason=R.ERROR_REASON_GENERATION_PAUSED,
-                    retry_after_s=1.0,
-                ) from None
+        if not self._resumed.is_set() and not await wait_set(self._resumed, self.settings.pause_queue_s):
+            raise Unavailable(
+                "generation is paused for a weight update; retry shortly",
+                reason=R.ERROR_REASON_GENERATION_PAUSED,
+                retry_after_s=1.0,
+            )
         handle = (
             self.traces.begin_turn(
                 correlation_id,

@@ -81,12 +81,25 @@ def _local(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
 
 def _slurm(request: pytest.FixtureRequest, tmp_path: Path, fixture: str = "slurm_cluster") -> Iterator[Case]:
     cluster: SlurmCluster = request.getfixturevalue(fixture)
+    requeued: dict[str, float] = {}  # job id -> when it was requeued
 
     def requeue(handle: Handle) -> None:
-        cluster.run("scontrol", "requeue", str(handle["job_id"]))
+        # Slurm shows a job RUNNING while slurmd is still launching its batch script; the preemption the
+        # test means hits a task that runs, so it waits for the job's srun step.
+        job, deadline = str(handle["job_id"]), time.monotonic() + WAIT_S
+        while f"{job}.0" not in cluster.run("squeue", "-h", "-s", "-j", job, "-o", "%i", check=False).stdout:
+            assert time.monotonic() < deadline, f"job {job}'s step never started"
+            time.sleep(0.1)
+        cluster.run("scontrol", "requeue", job)
+        requeued[job] = time.time()
 
     def release(handle: Handle) -> None:  # Slurm holds a requeued job back for a while (BeginTime)
-        cluster.run("scontrol", "update", f"jobid={handle['job_id']}", "StartTime=now")
+        # slurmd refuses to launch a job whose credential it revoked in the same second ("Job N already
+        # killed, do not launch batch job": the job then ends FAILED, exit 1); Slurm's own hold after a
+        # requeue is far longer, so a release that soon is the test's doing, not a preemption's.
+        job = str(handle["job_id"])
+        time.sleep(max(0.0, requeued.pop(job, 0.0) + 1.5 - time.time()))
+        cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
 
     def make() -> Backend:
         return SlurmBackend(env=cluster.env)
