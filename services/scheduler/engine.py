@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shlex
@@ -1437,6 +1438,10 @@ class Engine:
             preemptible=preemptible(spec),
             image=spec_task.resources.image,
             labels=dict(spec_task.resources.labels),
+            pod_config=json.loads(spec_task.config.pod_config_json or "{}"),
+            custom_labels=dict(spec_task.config.labels),
+            custom_annotations=dict(spec_task.config.annotations),
+            queue_name=spec_task.config.kueue_queue,
             sibling_tasks=siblings,
             sibling_hosts_required=required,
         )

@@ -8,16 +8,25 @@ import json
 import os
 import subprocess
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tandem.scheduler.v1 import job_pb2
 from tandem.scheduler.v1 import job_spec_pb2 as js
+from tandem.scheduler.v1 import scheduler_service_pb2 as pb
 
 from mesh.errors import InvalidArgument
 from services.scheduler import spec as S
-from services.scheduler import task_config as C
+from services.scheduler.backends import pod_config as C
+from tests.services.scheduler.test_kubernetes_jobs import acme
+from tests.services.scheduler.test_scheduler import ORG, TERMINAL, Clients, State, wait_for
 from tests.services.scheduler.test_skypilot import SKY_PYTHON, needs_skypilot, parse, refusals
+from tests.services.scheduler.test_skypilot_kubernetes import created
+from tests.support.kube_api import FakeKubeApi, running_kube_api, validate
+
+__all__ = ["acme"]
 
 
 def on_k8s(config: str) -> str:
@@ -476,3 +485,107 @@ def test_merge_pod_is_skypilots_merge(tmp_path: Path) -> None:
     ours = [C.merge_pod(POD, override) for override in OVERRIDES]
     assert ours == theirs
     assert POD["spec"]["containers"][0]["env"] == [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]
+
+
+# -- on the Kubernetes stand-in --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cluster() -> Iterator[FakeKubeApi]:
+    with running_kube_api(run_pods=False) as api:
+        api.add_node("node-a")
+        yield api
+
+
+@pytest.fixture
+def with_ipc_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_SCHEDULER_KUBERNETES__ALLOWED_CAPABILITIES", '["IPC_LOCK"]')
+
+
+POD_CONFIG_TASK = """\
+name: nccl-test
+resources: {infra: k8s, cpus: 1}
+run: echo hi
+config:
+  kubernetes:
+    pod_config:
+      metadata:
+        labels: {team: rl, tandem.dev/job: mine}
+      spec:
+        tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
+        containers:
+          - env: [{name: NCCL_DEBUG, value: INFO}, {name: TANDEM_NUM_NODES, value: "7"}]
+            volumeMounts: [{name: dshm, mountPath: /dev/shm}]
+            securityContext: {capabilities: {add: [IPC_LOCK]}}
+          - name: sidecar
+            image: busybox
+            command: [sleep, infinity]
+        volumes: [{name: dshm, emptyDir: {medium: Memory}}]
+    custom_metadata:
+      labels: {cost-center: "1234"}
+      annotations: {example.com/owner: alice}
+    kueue: {local_queue_name: team-a}
+"""
+
+
+@pytest.mark.timeout(120)
+async def test_pod_config_is_merged_into_the_tasks_pod(
+    with_ipc_lock: None, acme: Clients, cluster: FakeKubeApi, tmp_path: Path
+) -> None:
+    path = tmp_path / "task.yaml"
+    path.write_text(POD_CONFIG_TASK.replace(", tandem.dev/job: mine", ""))
+    spec = S.load_yaml(path)
+    await acme.scheduler.CreateJob(pb.CreateJobRequest(parent=ORG, spec=spec))
+    [job] = await created(cluster, "jobs")
+    validate(job)
+    template = job["spec"]["template"]
+    pod = template["spec"]
+    task, sidecar = pod["containers"]
+    # the nameless container merged into Tandem's own, by SkyPilot's rule; Tandem's variables kept
+    env = {e["name"]: e.get("value") for e in task["env"]}
+    assert env["NCCL_DEBUG"] == "INFO"
+    assert env["TANDEM_NUM_NODES"] == "7"  # an env item by name: the task's value, as SkyPilot merges it
+    assert "TANDEM_JOB" in env and task["command"][:2] == ["bash", "-euo"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in task["volumeMounts"]
+    assert task["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert task["securityContext"]["allowPrivilegeEscalation"] is False
+    assert sidecar == {"name": "sidecar", "image": "busybox", "command": ["sleep", "infinity"]}
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["automountServiceAccountToken"] is False
+    # custom_metadata on the Job and its pods; Tandem's labels stay; the Kueue queue on the Job
+    labels = template["metadata"]["labels"]
+    assert labels["team"] == "rl" and labels["cost-center"] == "1234"
+    assert labels["app.kubernetes.io/managed-by"] == job["metadata"]["labels"]["app.kubernetes.io/managed-by"]
+    assert template["metadata"]["annotations"]["example.com/owner"] == "alice"
+    assert job["metadata"]["labels"]["cost-center"] == "1234"
+    assert job["metadata"]["annotations"]["example.com/owner"] == "alice"
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert "kueue.x-k8s.io/queue-name" not in labels
+
+
+@pytest.mark.timeout(120)
+async def test_a_capability_the_deployment_does_not_allow_refuses_the_launch(
+    acme: Clients, cluster: FakeKubeApi, tmp_path: Path
+) -> None:
+    path = tmp_path / "task.yaml"
+    path.write_text(POD_CONFIG_TASK.replace(", tandem.dev/job: mine", ""))
+    reply = await acme.scheduler.CreateJob(pb.CreateJobRequest(parent=ORG, spec=S.load_yaml(path)))
+    done = await wait_for(acme, reply.job.name, *TERMINAL)
+    assert done.state == State.STATE_FAILED
+    assert done.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK
+    assert "config.kubernetes.pod_config.spec.containers[0].securityContext.capabilities.add[0]" in (
+        done.failure.message
+    )
+    assert "IPC_LOCK" in done.failure.message
+    assert not [key for key in cluster.objects if key[0] == "jobs"]
+
+
+def test_tandems_own_pod_labels_are_refused_in_pod_config(tmp_path: Path) -> None:
+    path = tmp_path / "task.yaml"
+    path.write_text(POD_CONFIG_TASK)
+    with pytest.raises(InvalidArgument) as caught:
+        S.load_yaml(path)
+    assert [v.field for v in caught.value.violations] == [
+        'config.kubernetes.pod_config.metadata.labels["tandem.dev/job"]'
+    ]
