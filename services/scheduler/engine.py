@@ -1115,6 +1115,11 @@ class Engine:
     ) -> None:
         backend = self._backend(attempt.backend)
         try:
+            if spec_task.config.container_run_options and attempt.backend != "local":
+                raise LaunchRefused(  # a job without a backend of its own, on a scheduler whose default is another
+                    "config.docker.run_options are options of the local backend's docker or podman run, and the "
+                    f"task runs on {attempt.backend}"
+                )
             spec = self.launch_spec(live, spec_task, attempt, slots)
             if attempt.backend in LOGIN_BACKENDS:
                 spec = await self.with_registry_login(spec)

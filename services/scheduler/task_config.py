@@ -402,7 +402,7 @@ def config_rules(task: js.TaskSpec, at: str, backend: int) -> list[FieldViolatio
             )
         for index, option in enumerate(config.container_run_options):
             bad: list[FieldViolation] = []
-            if run_options(option, f"{options}[{index}]", bad) != [option]:
+            if _run_tokens([option], f"{options}[{index}]", bad) != [option]:
                 found.extend(bad or [FieldViolation(f"{options}[{index}]", "is not --OPTION=VALUE")])
     return found
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import shlex
 import subprocess
 import textwrap
 from collections.abc import Iterator
@@ -18,15 +20,18 @@ from tandem.scheduler.v1 import job_spec_pb2 as js
 from tandem.scheduler.v1 import scheduler_service_pb2 as pb
 
 from mesh.errors import InvalidArgument
+from services.scheduler import expand
 from services.scheduler import spec as S
 from services.scheduler.backends import pod_config as C
 from tests.services.scheduler.test_kubernetes_jobs import acme
-from tests.services.scheduler.test_scheduler import ORG, TERMINAL, Clients, State, wait_for
+from tests.services.scheduler.test_scheduler import ORG, TERMINAL, Clients, State, log_text, wait_for
 from tests.services.scheduler.test_skypilot import SKY_PYTHON, needs_skypilot, parse, refusals
+from tests.services.scheduler.test_skypilot_files import submit
 from tests.services.scheduler.test_skypilot_kubernetes import created
+from tests.services.scheduler.test_task_image import ROOT, acme_local, needs_podman, runnable_image
 from tests.support.kube_api import FakeKubeApi, running_kube_api, validate
 
-__all__ = ["acme"]
+__all__ = ["acme", "acme_local", "runnable_image"]  # fixtures
 
 
 def on_k8s(config: str) -> str:
@@ -581,6 +586,25 @@ async def test_a_capability_the_deployment_does_not_allow_refuses_the_launch(
     assert not [key for key in cluster.objects if key[0] == "jobs"]
 
 
+@pytest.fixture
+def kubernetes_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_SCHEDULER_DEFAULT_BACKEND", "kubernetes")
+
+
+@pytest.mark.timeout(120)
+async def test_run_options_of_a_job_that_lands_on_kubernetes_refuse_its_launch(
+    kubernetes_by_default: None, acme: Clients, cluster: FakeKubeApi
+) -> None:
+    spec = parse(in_image("--shm-size=1g"))  # no backend of its own: the scheduler's default, Kubernetes
+    assert spec.backend == js.BACKEND_UNSPECIFIED
+    reply = await acme.scheduler.CreateJob(pb.CreateJobRequest(parent=ORG, spec=spec))
+    done = await wait_for(acme, reply.job.name, *TERMINAL)
+    assert done.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK
+    assert "config.docker.run_options" in done.failure.message
+    assert "runs on kubernetes" in done.failure.message
+    assert not [key for key in cluster.objects if key[0] == "jobs"]
+
+
 def test_tandems_own_pod_labels_are_refused_in_pod_config(tmp_path: Path) -> None:
     path = tmp_path / "task.yaml"
     path.write_text(POD_CONFIG_TASK)
@@ -589,3 +613,55 @@ def test_tandems_own_pod_labels_are_refused_in_pod_config(tmp_path: Path) -> Non
     assert [v.field for v in caught.value.violations] == [
         'config.kubernetes.pod_config.metadata.labels["tandem.dev/job"]'
     ]
+
+
+# -- on the local backend's container runtime ----------------------------------------------------------
+
+
+def test_run_options_follow_tandems_own_in_the_containers_run() -> None:
+    [task] = parse(in_image("--shm-size 96m --env 'GREETING=hello there'")).tasks
+    script = expand.in_container(task, "true", image="busybox", env_names=["A"], folders=[])
+    argv = shlex.split(script.split("task_image", 1)[1])
+    assert argv[argv.index("--network") : argv.index("--network") + 2] == ["--network", "host"]
+    at = argv.index("--shm-size=96m")
+    assert argv[at : at + 2] == ["--shm-size=96m", "--env=GREETING=hello there"]
+    assert at > argv.index("A") and at < argv.index("--user")
+
+
+def host_nproc() -> int:
+    """An nproc limit this host allows: podman's --ulimit replaces containers.conf's default_ulimits
+    (tests/support/images.py), so a test that sets one sets nproc within the host's too."""
+    return min(
+        resource.getrlimit(resource.RLIMIT_NPROC)[1], int(Path("/proc/sys/kernel/pid_max").read_text())
+    )
+
+
+@needs_podman
+async def test_run_options_reach_the_tasks_container(runnable_image: str, acme_local: Clients) -> None:
+    """A job file's `config.docker.run_options` through CreateJob to the local backend's podman: the
+    container has the shared memory, the open-files limit and the variable they ask for."""
+    nproc = host_nproc()
+    spec = parse(
+        f"""\
+        envs:
+          PYTHONPATH: {ROOT}
+        resources:
+          image_id: docker:{runnable_image}
+        config:
+          docker:
+            run_options:
+              - --shm-size=96m
+              - --ulimit nofile=512:512 --ulimit nproc={nproc}:{nproc} -e FROM_RUN_OPTIONS=yes
+        run: |
+          while read -r what where kind options rest; do
+            if [ "$where" = /dev/shm ]; then echo "shm $options"; fi
+          done < /proc/mounts
+          echo "nofile=$(ulimit -n) from=$FROM_RUN_OPTIONS"
+        """
+    )
+    job = await submit(acme_local, spec)
+    done = await wait_for(acme_local, job.name, *TERMINAL, within_s=180)
+    logs = await log_text(acme_local, job.name)
+    assert done.state == State.STATE_SUCCEEDED, (done.failure.message, logs)
+    assert "size=98304k" in logs, logs
+    assert "nofile=512 from=yes" in logs, logs
