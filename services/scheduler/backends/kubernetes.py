@@ -84,7 +84,12 @@ from services.scheduler.backends.base import (
     Phase,
     RegistryLogin,
 )
-from services.scheduler.backends.pod_config import KUEUE_QUEUE_LABEL, merge_pod, pod_config_problems
+from services.scheduler.backends.pod_config import (
+    KUEUE_QUEUE_LABEL,
+    merge_pod,
+    overridden_own_parts,
+    pod_config_problems,
+)
 from services.scheduler.backends.task_image import with_server
 from services.scheduler.backends.task_secrets import SECRETS_ENV, format_secrets
 
@@ -434,6 +439,7 @@ class KubernetesBackend:
         (checked again here, with this deployment's allowed capabilities: LaunchRefused naming each field),
         its labels and annotations; Tandem's own labels and annotations, which `find` reads, win."""
         problems = pod_config_problems(dict(spec.pod_config), self.allowed_capabilities)
+        problems += overridden_own_parts(template, spec.pod_config)
         if problems:
             raise LaunchRefused(
                 "; ".join(f"config.kubernetes.pod_config.{path}: {why}" for path, why in problems)

@@ -36,10 +36,30 @@ _MERGE_KEYS: dict[str, str | None] = {
     "command": None,
     "imagePullSecrets": None,
 }
+# The volume sources a pod's own: scratch space, its own claim, facts about itself. Any other reaches what
+# the namespace holds for every organization's jobs (its Secrets, ConfigMaps, claims), or the node.
+_VOLUME_SOURCES = ("name", "emptyDir", "ephemeral", "downwardAPI")
+_VOLUME_REFUSED = {
+    "hostPath": "mounts a folder of the node, where other organizations' tasks run; mount the deployment's "
+    "volumes with the task's volumes",
+    "secret": "mounts a Secret of the namespace, which other organizations' jobs share; a task's secrets are "
+    "its vault secrets (secrets:)",
+    "projected": "mounts Secrets, ConfigMaps or a service account token of the namespace",
+    "persistentVolumeClaim": "mounts a claim of the namespace, which other organizations' jobs share; mount "
+    "the deployment's volumes with the task's volumes",
+}
+_VOLUME_OTHER = (
+    "is a volume source reaching past the pod (the namespace's objects, the node, a network store); a task "
+    "mounts emptyDir, ephemeral and downwardAPI volumes here, and the deployment's volumes with its volumes"
+)
 _CONTAINER_LISTS = ("containers", "initContainers", "ephemeralContainers")
 _POD_TOP = ("apiVersion", "kind", "metadata", "spec")
 # Pod fields a task may not set: each would reach past its organization, or undo what Tandem's Job needs.
 _POD_REFUSED = {
+    "runtimeClassName": "chooses another container runtime than the one the deployment gave the pods",
+    "schedulerName": "hands the pod to another scheduler; placement is Tandem's",
+    "imagePullSecrets": "pulls with a Secret of the namespace, which other organizations' jobs share; a "
+    "private registry's login is the task's own secrets (SKYPILOT_DOCKER_USERNAME, _PASSWORD, _SERVER)",
     "hostNetwork": "puts the pod on the node's network, beside every other organization's traffic",
     "hostPID": "shows the pod every process of the node",
     "hostIPC": "shares the node's IPC namespace with the pod",
@@ -89,15 +109,12 @@ def pod_config_problems(
             found.append((f"spec.{key}", why))
     found.extend(_security_problems(spec.get("securityContext"), "spec.securityContext", pod_level=True))
     volumes = spec.get("volumes")
-    found.extend(
-        (
-            f"spec.volumes[{index}].hostPath",
-            "mounts a folder of the node, where other organizations' tasks run; mount the deployment's "
-            "volumes with the task's volumes",
+    for index, volume in enumerate(volumes if isinstance(volumes, list) else []):
+        found.extend(
+            (f"spec.volumes[{index}].{key}", _VOLUME_REFUSED.get(key, _VOLUME_OTHER))
+            for key in (volume if isinstance(volume, dict) else {})
+            if key not in _VOLUME_SOURCES
         )
-        for index, volume in enumerate(volumes if isinstance(volumes, list) else [])
-        if isinstance(volume, dict) and "hostPath" in volume
-    )
     for kind in _CONTAINER_LISTS:
         found.extend(_container_problems(spec.get(kind), f"spec.{kind}", allowed_capabilities))
     return found
@@ -132,10 +149,23 @@ def _container_problems(containers: Any, at: str, allowed: Iterable[str] | None)
     for index, container in enumerate(containers):
         if not isinstance(container, dict):
             found.append((f"{at}[{index}]", "must be an object"))
-        else:
-            context = container.get("securityContext")
-            found.extend(_security_problems(context, f"{at}[{index}].securityContext", allowed=allowed))
+            continue
+        context = container.get("securityContext")
+        found.extend(_security_problems(context, f"{at}[{index}].securityContext", allowed=allowed))
+        if "envFrom" in container:
+            found.append((f"{at}[{index}].envFrom", _FROM_NAMESPACE))
+        env = container.get("env")
+        for position, variable in enumerate(env if isinstance(env, list) else []):
+            source = variable.get("valueFrom") if isinstance(variable, dict) else None
+            if isinstance(source, dict) and source.keys() & {"secretKeyRef", "configMapKeyRef"}:
+                found.append((f"{at}[{index}].env[{position}].valueFrom", _FROM_NAMESPACE))
     return found
+
+
+_FROM_NAMESPACE = (
+    "reads a Secret or ConfigMap of the namespace, which other organizations' jobs share; a task's secrets "
+    "are its vault secrets (secrets:)"
+)
 
 
 def _security_problems(
@@ -184,6 +214,38 @@ def _capability_problems(capabilities: Json, at: str, allowed: Iterable[str] | N
                         f"{at}.add[{index}]",
                         f"adds the capability {capability}, which this deployment does not allow (its "
                         f"kubernetes.allowed_capabilities: {', '.join(sorted(permitted)) or 'none'})",
+                    )
+                )
+    return found
+
+
+def overridden_own_parts(base: Json, override: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(path, why) for each volume and mount of Tandem's pod `base` that `override` would change: those are
+    the task's mounts as Tandem made them (read-only where the spec says so), not the task's to rewrite."""
+    found: list[tuple[str, str]] = []
+    spec = override.get("spec")
+    if not isinstance(spec, dict):
+        return found
+    own_volumes = {v.get("name") for v in base.get("spec", {}).get("volumes", [])}
+    volumes = spec.get("volumes")
+    for index, volume in enumerate(volumes if isinstance(volumes, list) else []):
+        if isinstance(volume, dict) and volume.get("name") in own_volumes:
+            found.append((f"spec.volumes[{index}]", f"is Tandem's own volume {volume['name']!r} of the task"))
+    containers = spec.get("containers")
+    own = base.get("spec", {}).get("containers", [])
+    for index, container in enumerate(containers if isinstance(containers, list) else []):
+        if not isinstance(container, dict) or not own:
+            continue
+        same = next((c for c in own if c.get("name") == container.get("name")), None)
+        target = same if same is not None or "name" in container else own[0]
+        paths = {m.get("mountPath") for m in (target or {}).get("volumeMounts", [])}
+        mounts = container.get("volumeMounts")
+        for position, mount in enumerate(mounts if isinstance(mounts, list) else []):
+            if isinstance(mount, dict) and mount.get("mountPath") in paths:
+                found.append(
+                    (
+                        f"spec.containers[{index}].volumeMounts[{position}]",
+                        f"is Tandem's own mount of the task at {mount['mountPath']}",
                     )
                 )
     return found

@@ -245,6 +245,42 @@ def test_config_keys_without_a_meaning_here_are_refused_naming_them(
             "system calls",
         ),
         (
+            {"spec": {"volumes": [{"name": "s", "secret": {"secretName": "scheduler-token"}}]}},
+            "spec.volumes[0].secret",
+            "Secret of the namespace",
+        ),
+        (
+            {"spec": {"volumes": [{"name": "c", "persistentVolumeClaim": {"claimName": "other-org"}}]}},
+            "spec.volumes[0].persistentVolumeClaim",
+            "claim of the namespace",
+        ),
+        (
+            {"spec": {"volumes": [{"name": "p", "projected": {"sources": []}}]}},
+            "spec.volumes[0].projected",
+            "service account token",
+        ),
+        (
+            {"spec": {"volumes": [{"name": "n", "nfs": {"server": "x", "path": "/"}}]}},
+            "spec.volumes[0].nfs",
+            "reaching past the pod",
+        ),
+        (
+            {
+                "spec": {
+                    "containers": [{"env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "s"}}}]}]
+                }
+            },
+            "spec.containers[0].env[0].valueFrom",
+            "Secret or ConfigMap",
+        ),
+        (
+            {"spec": {"containers": [{"envFrom": [{"configMapRef": {"name": "c"}}]}]}},
+            "spec.containers[0].envFrom",
+            "Secret or ConfigMap",
+        ),
+        ({"spec": {"imagePullSecrets": [{"name": "regcred"}]}}, "spec.imagePullSecrets", "own secrets"),
+        ({"spec": {"runtimeClassName": "runc"}}, "spec.runtimeClassName", "container runtime"),
+        (
             {"metadata": {"labels": {"tandem.dev/job": "other"}}},
             'metadata.labels["tandem.dev/job"]',
             "Tandem's",
@@ -602,6 +638,21 @@ async def test_run_options_of_a_job_that_lands_on_kubernetes_refuse_its_launch(
     assert done.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK
     assert "config.docker.run_options" in done.failure.message
     assert "runs on kubernetes" in done.failure.message
+    assert not [key for key in cluster.objects if key[0] == "jobs"]
+
+
+@pytest.mark.timeout(120)
+async def test_pod_config_may_not_rewrite_tandems_own_mounts(acme: Clients, cluster: FakeKubeApi) -> None:
+    mount = "{pod_config: {spec: {containers: [{volumeMounts: [{name: x, mountPath: /tmp}]}]}}}"
+    reply = await acme.scheduler.CreateJob(
+        pb.CreateJobRequest(parent=ORG, spec=parse(on_k8s(f"kubernetes: {mount}")))
+    )
+    done = await wait_for(acme, reply.job.name, *TERMINAL)
+    assert done.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK
+    assert (
+        "spec.containers[0].volumeMounts[0]: is Tandem's own mount of the task at /tmp"
+        in done.failure.message
+    )
     assert not [key for key in cluster.objects if key[0] == "jobs"]
 
 
