@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shlex
 import subprocess
@@ -454,6 +455,18 @@ def test_every_key_of_skypilots_task_config_is_honoured_or_refused_with_a_reason
                 assert "is not a key Tandem takes" not in why, (field, why)
             refused += 1
     assert refused > 20
+
+
+@needs_skypilot
+def test_spec_md_has_a_row_for_every_skypilot_config_key(tmp_path: Path) -> None:
+    schema: dict[str, list[str]] = skypilot(SCHEMA, None, tmp_path)
+    text = (ROOT / "services" / "scheduler" / "SPEC.md").read_text()
+    section = text.split("## SkyPilot's keys", 1)[1].split("\n## ", 1)[0]
+    cells = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `config")]
+    rows = {name for cell in cells for name in re.findall(r"`(config\.[a-z_.]+)`", cell)}
+    wanted = {f"config.{key}" for key in schema}
+    wanted |= {f"config.{key}.{sub}" for key in ("kubernetes", "slurm", "docker") for sub in schema[key]}
+    assert not wanted - rows, sorted(wanted - rows)
 
 
 @needs_skypilot
