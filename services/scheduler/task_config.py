@@ -13,8 +13,8 @@ What has a meaning on Tandem's backends is honoured, with SkyPilot's meaning:
 - `docker.run_options`: options of the local backend's `docker run` / `podman run`, from an allow-list
   (`run_options`): resource limits, shared memory, variables, a private IPC namespace; anything that could
   reach the host (volumes, devices, capabilities, the host's namespaces, another user) is refused naming it.
-- `slurm.sbatch_options` (`partition`, `account`, `qos` and their short forms), `slurm.quota.queue` / `.account`
-  and `slurm.cpu_partition` (for a task without GPUs): the job's `slurm:` options.
+- `slurm.sbatch_options` (`account`, `qos` and their short forms), `slurm.quota.queue` / `.account` and
+  `slurm.cpu_partition` (for a task without GPUs): the job's `slurm:` options (`apply_slurm`).
 
 Every other key is refused naming it and why (a public cloud's settings, SkyPilot's SSH node pools, its jobs
 and serve controllers, ...). Nothing here imports grpc or a backend's client library.
@@ -36,8 +36,6 @@ from services.scheduler.backends.pod_config import RESERVED_PREFIXES, pod_config
 
 Json = dict[str, Any]
 
-MAX_POD_CONFIG_BYTES = 64 * 1024
-
 _CONFIG_KEYS = ("kubernetes", "docker", "slurm")
 _PUBLIC_CLOUD = "sets {what}, a public cloud's; Tandem runs on its own local, Slurm and Kubernetes backends"
 _SKY_CONFIG_KEYS = {
@@ -58,7 +56,7 @@ _SKY_CONFIG_KEYS = {
     "serve": "configures SkyServe's controller, which Tandem does not run",
     "api_server": "configures the client's SkyPilot API server; there is none here",
     "allowed_clouds": "chooses among public clouds; a Tandem job runs on one of the deployment's backends",
-    "admin_policy": "is a SkyPilot administrator's setting, not a task's (SkyPilot refuses it in a task too)",
+    "admin_policy": "is a setting of a SkyPilot API server's administrator, not a task's",
 }
 _KUBERNETES_KEYS = ("pod_config", "custom_metadata", "kueue", "quota")
 _SKY_KUBERNETES_KEYS = {
@@ -76,8 +74,9 @@ _SKY_KUEUE_KEYS = {
     "max_duration ends it)",
 }
 _SLURM_KEYS = ("sbatch_options", "quota", "cpu_partition")
-# sbatch's long and short options that mean one of the job's `slurm:` options
-_SBATCH_OPTIONS = {"account": "account", "a": "account", "qos": "qos", "q": "qos"}
+# sbatch's long and short options that mean one of the job's `slurm:` options (a short one's case counts:
+# `-a` is --array)
+_SBATCH_OPTIONS = {"account": "account", "A": "account", "qos": "qos", "q": "qos"}
 _SBATCH_REFUSED = {
     "partition": "is an option SkyPilot sets itself and ignores here; name the partition as SkyPilot does, "
     "with infra: slurm/CLUSTER/PARTITION (or the job's slurm.partition)",
@@ -225,7 +224,7 @@ def _slurm(value: Any, at: str, out: Parsed, *, has_gpus: bool) -> None:
         options = _table(doc["sbatch_options"], f"{at}.sbatch_options", None, {}, out.found) or {}
         for key, item in options.items():
             where = f"{at}.sbatch_options.{key}"
-            normal = key.replace("_", "-").lower() if len(key) > 1 else key.lower()
+            normal = key.replace("_", "-")  # SkyPilot's spelling of sbatch's options
             if normal in _SBATCH_REFUSED:
                 out.found.append(FieldViolation(where, _SBATCH_REFUSED[normal]))
             elif normal not in _SBATCH_OPTIONS:

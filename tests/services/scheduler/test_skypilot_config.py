@@ -110,7 +110,7 @@ def test_slurm_config_sets_the_jobs_slurm_options() -> None:
         resources: {infra: slurm}
         config:
           slurm:
-            sbatch_options: {account: research, q: normal}
+            sbatch_options: {A: research, q: normal}
             quota: {queue: high}
             cpu_partition: cpu
         """
@@ -129,6 +129,37 @@ def test_slurm_config_must_agree_with_the_jobs_own_options() -> None:
         """
     )
     assert "names the account 'research', and the job's is 'ops'" in found["config.slurm"]
+
+
+def test_each_task_of_a_group_has_its_own_config_and_their_slurm_options_agree() -> None:
+    group = """\
+        name: g
+        backend: {backend}
+        tasks:
+          - name: a
+            run: x
+            config: {first}
+          - name: b
+            run: x
+            config: {second}
+        """
+    spec = parse(
+        group.format(
+            backend="kubernetes",
+            first="{kubernetes: {kueue: {local_queue_name: qa}}}",
+            second="{kubernetes: {custom_metadata: {labels: {b: '1'}}}}",
+        )
+    )
+    assert [t.config.kueue_queue for t in spec.tasks] == ["qa", ""]
+    assert [dict(t.config.labels) for t in spec.tasks] == [{}, {"b": "1"}]
+    found = refusals(
+        group.format(
+            backend="slurm",
+            first="{slurm: {quota: {account: research}}}",
+            second="{slurm: {quota: {account: ops}}}",
+        )
+    )
+    assert found == {"tasks[1].config.slurm": "names the account 'ops', and the job's is 'research'"}
 
 
 # -- what is refused -----------------------------------------------------------------------------------------
@@ -181,6 +212,7 @@ def test_slurm_config_must_agree_with_the_jobs_own_options() -> None:
             "infra: slurm",
         ),
         ("slurm: {sbatch_options: {exclusive: true}}", "config.slurm.sbatch_options.exclusive", "account"),
+        ("slurm: {sbatch_options: {a: 1-4}}", "config.slurm.sbatch_options.a", "account (-A)"),
         ("kuberentes: {}", "config.kuberentes", "did you mean kubernetes?"),
     ],
 )

@@ -467,8 +467,10 @@ Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
 
 @_typing.final
 class TaskConfig(_message.Message):
-    """TaskConfig is what a task's SkyPilot `config:` asks of the backend that runs it. Each field applies on
-    one backend; on another it changes nothing, as SkyPilot's per-cloud settings do.
+    """TaskConfig is what a task's SkyPilot `config:` asks of the backend that runs it. Each field is for one
+    backend: the Kubernetes ones need the job's `backend` to be KUBERNETES, and `container_run_options` a
+    task with an image on the local backend (else CreateJob refuses the job, INVALID_JOB_SPEC, or its launch
+    fails, PRECHECK, where the job has no backend of its own and lands on another).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
