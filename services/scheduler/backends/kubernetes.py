@@ -87,6 +87,7 @@ from services.scheduler.backends.base import (
 from services.scheduler.backends.pod_config import (
     KUEUE_QUEUE_LABEL,
     merge_pod,
+    mismatched_shapes,
     overridden_own_parts,
     pod_config_problems,
 )
@@ -440,6 +441,7 @@ class KubernetesBackend:
         its labels and annotations; Tandem's own labels and annotations, which `find` reads, win."""
         problems = pod_config_problems(dict(spec.pod_config), self.allowed_capabilities)
         problems += overridden_own_parts(template, spec.pod_config)
+        problems += mismatched_shapes(template, spec.pod_config)
         if problems:
             raise LaunchRefused(
                 "; ".join(f"config.kubernetes.pod_config.{path}: {why}" for path, why in problems)

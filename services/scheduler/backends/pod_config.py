@@ -251,6 +251,28 @@ def overridden_own_parts(base: Json, override: Mapping[str, Any]) -> list[tuple[
     return found
 
 
+def mismatched_shapes(base: Json, override: Mapping[str, Any], at: str = "") -> list[tuple[str, str]]:
+    """(path, why) for each field of `override` whose shape (table, list or value) cannot merge into the one
+    `base` has there, as SkyPilot refuses them: a table over a list, a list over a table, a value over
+    either (`null`, which clears a field, and the lists replaced whole merge over anything)."""
+    found: list[tuple[str, str]] = []
+    for key, value in override.items():
+        where = f"{at}.{key}" if at else key
+        current = base.get(key)
+        if value is None or current is None:
+            continue
+        have, give = _shape(current), _shape(value)
+        if have != give and not (give == "a list" and _MERGE_KEYS.get(key, "") is None):
+            found.append((where, f"is {have} in the task's pod, and pod_config gives {give}"))
+        elif isinstance(value, dict):
+            found.extend(mismatched_shapes(current, value, where))
+    return found
+
+
+def _shape(value: Any) -> str:
+    return "a table" if isinstance(value, dict) else "a list" if isinstance(value, list) else "a value"
+
+
 def merge_pod(base: Json, override: Mapping[str, Any]) -> Json:
     """`override` (a partial Pod) merged into a copy of `base` by SkyPilot's rule: objects key by key; in
     Kubernetes' list maps (`containers`, `volumes`, `env`, ... by `name`; `volumeMounts` by `mountPath`)

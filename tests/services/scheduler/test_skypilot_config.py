@@ -565,6 +565,16 @@ OVERRIDES: list[dict[str, Any]] = [
 ]
 
 
+def test_a_pod_config_of_another_shape_than_the_pod_is_named() -> None:
+    override = {"spec": {"containers": {"name": "task"}, "tolerations": "all", "nodeSelector": None}}
+    assert C.mismatched_shapes(POD, override) == [
+        ("spec.containers", "is a list in the task's pod, and pod_config gives a table"),
+        ("spec.tolerations", "is a list in the task's pod, and pod_config gives a value"),
+    ]
+    assert C.mismatched_shapes(POD, {"spec": {"containers": [{"command": "sh"}]}}) == []  # items: merge's
+    assert C.mismatched_shapes(POD, {"metadata": {"labels": {"a": "2"}}}) == []
+
+
 @needs_skypilot
 def test_merge_pod_is_skypilots_merge(tmp_path: Path) -> None:
     theirs = skypilot(MERGE, [[POD, override] for override in OVERRIDES], tmp_path)
