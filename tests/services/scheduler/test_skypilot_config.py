@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from tandem.scheduler.v1 import job_pb2
 from tandem.scheduler.v1 import job_spec_pb2 as js
@@ -25,14 +26,15 @@ from services.scheduler import expand
 from services.scheduler import spec as S
 from services.scheduler.backends import pod_config as C
 from tests.services.scheduler.test_kubernetes_jobs import acme
-from tests.services.scheduler.test_scheduler import ORG, TERMINAL, Clients, State, log_text, wait_for
+from tests.services.scheduler.test_scheduler import ORG, TERMINAL, Clients, State, expect, log_text, wait_for
 from tests.services.scheduler.test_skypilot import SKY_PYTHON, needs_skypilot, parse, refusals
 from tests.services.scheduler.test_skypilot_files import submit
 from tests.services.scheduler.test_skypilot_kubernetes import created
+from tests.services.scheduler.test_slurm_jobs import acme as slurm_acme
 from tests.services.scheduler.test_task_image import ROOT, acme_local, needs_podman, runnable_image
 from tests.support.kube_api import FakeKubeApi, running_kube_api, validate
 
-__all__ = ["acme", "acme_local", "runnable_image"]  # fixtures
+__all__ = ["acme", "acme_local", "runnable_image", "slurm_acme"]  # fixtures
 
 
 def on_k8s(config: str) -> str:
@@ -771,3 +773,36 @@ async def test_run_options_reach_the_tasks_container(runnable_image: str, acme_l
     assert done.state == State.STATE_SUCCEEDED, (done.failure.message, logs)
     assert "size=98304k" in logs, logs
     assert "nofile=512 from=yes" in logs, logs
+
+
+# -- on Slurm --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_cpu_tasks_cpu_partition_is_its_slurm_partition(slurm_acme: Clients) -> None:
+    # tests/support/slurm.py's cluster is `tandemtest`, with the one partition `debug`.
+    def request(job_id: str, partition: str) -> pb.CreateJobRequest:
+        spec = parse(
+            f"""\
+            name: {job_id}
+            resources: {{infra: slurm}}
+            config: {{slurm: {{cpu_partition: {partition}}}}}
+            run: echo "in $SLURM_JOB_PARTITION"
+            """
+        )
+        assert spec.slurm.partition == partition
+        return pb.CreateJobRequest(parent=ORG, job_id=job_id, spec=spec)
+
+    reply = await slurm_acme.scheduler.CreateJob(request("cpu-only", "debug"))
+    done = await wait_for(slurm_acme, reply.job.name, *TERMINAL, within_s=120)
+    assert done.state == State.STATE_SUCCEEDED, done.failure.message
+    assert "in debug" in await log_text(slurm_acme, done.name)
+    error = await expect(
+        slurm_acme.scheduler.CreateJob(request("no-gpu-partition", "gpu")),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "FAILED_PRECONDITION",
+    )
+    assert [v.field for v in error.violations] == ["spec.slurm.partition"]
+    assert "no partition 'gpu'" in error.message
+    await slurm_acme.close()
