@@ -107,6 +107,12 @@ class KubernetesSettings(BaseModel):
         description="The uid (and gid) task containers run as, the trainer image's by default; unset: the "
         "image's own user, which must be numeric and not root (pods always run as non-root).",
     )
+    allowed_capabilities: list[str] = Field(
+        default_factory=list,
+        description="Linux capabilities a task's SkyPilot `config.kubernetes.pod_config` may add to its "
+        'containers (`securityContext.capabilities.add`), e.g. ["IPC_LOCK"]; any other refuses the launch. '
+        "Empty: none (the task containers drop every capability).",
+    )
     network_policy: bool = Field(
         False,
         description="Give each attempt a NetworkPolicy letting the pods of one job reach each other; with "

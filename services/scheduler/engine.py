@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shlex
@@ -1114,6 +1115,11 @@ class Engine:
     ) -> None:
         backend = self._backend(attempt.backend)
         try:
+            if spec_task.config.container_run_options and attempt.backend != "local":
+                raise LaunchRefused(  # a job without a backend of its own, on a scheduler whose default is another
+                    "config.docker.run_options are options of the local backend's docker or podman run, and the "
+                    f"task runs on {attempt.backend}"
+                )
             spec = self.launch_spec(live, spec_task, attempt, slots)
             if attempt.backend in LOGIN_BACKENDS:
                 spec = await self.with_registry_login(spec)
@@ -1437,6 +1443,10 @@ class Engine:
             preemptible=preemptible(spec),
             image=spec_task.resources.image,
             labels=dict(spec_task.resources.labels),
+            pod_config=json.loads(spec_task.config.pod_config_json or "{}"),
+            custom_labels=dict(spec_task.config.labels),
+            custom_annotations=dict(spec_task.config.annotations),
+            queue_name=spec_task.config.kueue_queue,
             sibling_tasks=siblings,
             sibling_hosts_required=required,
         )

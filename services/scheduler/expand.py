@@ -293,7 +293,8 @@ def in_container(
     PRECHECK failure when it cannot: the node's network (so `ports` and the mesh are where they are), the
     caller's uid, the working directory and every mount folder at its own path, the task's variables by name
     (their values, secrets included, pass from this process's environment, never a file), and the task's
-    GPUs. The container goes with the command (`--rm`); SIGTERM reaches it."""
+    GPUs. The container goes with the command (`--rm`); SIGTERM reaches it. The task's SkyPilot
+    `config.docker.run_options` (an allow-list, task_config.py) follow Tandem's own options."""
     names = sorted({*env_names, "TANDEM_NODE_RANK", "SKYPILOT_NODE_RANK", "CUDA_VISIBLE_DEVICES"})
     names = [n for n in names if n not in ("PATH", "HOME")]  # the image's own
     args = ["--rm", "--init", "--network", "host", "--workdir", '"$PWD"', "--volume", '"$PWD:$PWD"']
@@ -303,6 +304,7 @@ def in_container(
         args += ["--volume", f"{shlex.quote(folder)}:{shlex.quote(folder)}"]
     for name in names:
         args += ["--env", name]
+    args += task.config.container_run_options
     gpus = '--gpus "device=$CUDA_VISIBLE_DEVICES"' if task.resources.gpus.strip() else ""
     quoted = " ".join(a if "$PWD" in a else shlex.quote(a) for a in args)
     return (

@@ -664,6 +664,7 @@ def make_backends(config: SchedulerSettings, work_dir: Path, hide: Sequence[Path
                 context=context,
                 run_as_user=k.run_as_user,
                 network_policy=k.network_policy,
+                allowed_capabilities=k.allowed_capabilities,
             )
     return backends
 

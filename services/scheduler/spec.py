@@ -39,6 +39,7 @@ from tandem.trainer.v1 import config_pb2
 
 from mesh.errors import FailedPrecondition, FieldViolation, InvalidArgument, R
 from mesh.validation import violations
+from services.scheduler import task_config
 from services.scheduler.backends.base import NodeInventory, Resources
 from services.scheduler.lifecycle import gpu_type_matches
 from tandem_jobs.config import Job, parse_job
@@ -227,6 +228,7 @@ def spec_violations(spec: JobSpec) -> list[FieldViolation]:
     found.extend(_serial_rules(spec))
     for index, task in enumerate(spec.tasks):
         found.extend(_task_rules(task, f"tasks[{index}]"))
+        found.extend(task_config.config_rules(task, f"tasks[{index}]", spec.backend))
     return found
 
 
@@ -851,6 +853,7 @@ _TASK_KEYS = (
     "service",
     "volumes",
     "managed_secrets",
+    "config",
 )
 _RESOURCE_KEYS = (
     "gpus",
@@ -899,7 +902,6 @@ _SKY_TASK_KEYS = {
     "pool": "SkyPilot's worker pools have no counterpart here",
     "inputs": "is a data-size hint for SkyPilot's cloud optimizer, which has no counterpart here",
     "outputs": "is a data-size hint for SkyPilot's cloud optimizer, which has no counterpart here",
-    "config": "overrides SkyPilot's own configuration; the backend's settings are the job's `slurm:` or `kubernetes:`",
     "volume_mounts": "is SkyPilot's own resolved form of `volumes`, which it writes itself; write `volumes`",
     "api_server_access": "there is no SkyPilot API server here; a task reaches the mesh with its job token",
     "file_mounts_mapping": "is SkyPilot's internal bookkeeping",
@@ -1108,6 +1110,7 @@ class _Reader:
             tuple[str, js.Backend.ValueType]
         ] = []  # the backends `cloud:` / `infra:` name, with their path
         self.infra_options: list[tuple[str, dict[str, str]]] = []  # what each `infra:` says of its backend
+        self.config_slurm: list[tuple[str, dict[str, str]]] = []  # what each task's `config.slurm` says
 
     def shown(self, path: str) -> str:
         """How a path is shown for this file: a one-task file's keys are at the top (`run`, not tasks[0].run)."""
@@ -1288,6 +1291,7 @@ class _Reader:
                 )
         if len(named) == 1 and spec.backend in named:
             self.apply_infra_options(spec, spec.backend)
+        self.found.extend(task_config.apply_slurm(spec, self.config_slurm))
         self.job_values_of_tasks(spec)
 
     def apply_infra_options(self, spec: JobSpec, backend: js.Backend.ValueType) -> None:
@@ -1430,6 +1434,18 @@ class _Reader:
             self.guard(lambda: self.online_rl(task.online_rl, doc["online_rl"], f"{at}.online_rl"))
         if "service" in doc:
             self.guard(lambda: self.service(task.service, doc["service"], f"{at}.service"))
+        self.task_config(task, doc, at)
+
+    def task_config(self, task: TaskSpec, doc: dict[str, Any], at: str) -> None:
+        """SkyPilot's task-level `config:` (task_config.py); its Slurm options are the job's, set in `finish`."""
+        if "config" not in doc:
+            return
+        parsed = task_config.parse(doc["config"], f"{at}.config", has_gpus=bool(task.resources.gpus))
+        task.config.CopyFrom(parsed.config)
+        self.found.extend(parsed.found)
+        self.aliases.update(parsed.aliases)
+        if parsed.slurm:
+            self.config_slurm.append((f"{at}.config.slurm", parsed.slurm))
 
     def registry_login(self, task: TaskSpec, at: str) -> None:
         """SkyPilot's private registry login (SKYPILOT_DOCKER_USERNAME, _PASSWORD, _SERVER): the three

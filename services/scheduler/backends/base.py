@@ -127,6 +127,12 @@ class LaunchSpec:
     preemptible: bool = False  # SkyPilot's use_spot: placed below every attempt that is not, may be preempted
     image: str = ""  # the container image to run in (SkyPilot's image_id docker:IMAGE); "" = the default
     labels: Mapping[str, str] = field(default_factory=dict)  # SkyPilot's labels: Kubernetes pod labels
+    # SkyPilot's task `config.kubernetes`: a partial Pod merged into the pods (checked: backends/pod_config.py),
+    # labels and annotations of the Job and its pods, and the Kueue LocalQueue the Job is submitted to
+    pod_config: Mapping[str, Any] = field(default_factory=dict)
+    custom_labels: Mapping[str, str] = field(default_factory=dict)
+    custom_annotations: Mapping[str, str] = field(default_factory=dict)
+    queue_name: str = ""
     registry_login: RegistryLogin | None = None  # the image's registry login, opened by the engine for a
     # backend whose puller needs the value at launch (Kubernetes' image pull Secret); host backends open it
     # in the task (task_image.py), so it is None for them

@@ -84,6 +84,13 @@ from services.scheduler.backends.base import (
     Phase,
     RegistryLogin,
 )
+from services.scheduler.backends.pod_config import (
+    KUEUE_QUEUE_LABEL,
+    merge_pod,
+    mismatched_shapes,
+    overridden_own_parts,
+    pod_config_problems,
+)
 from services.scheduler.backends.task_image import with_server
 from services.scheduler.backends.task_secrets import SECRETS_ENV, format_secrets
 
@@ -248,6 +255,7 @@ class KubernetesBackend:
         read_only_root_filesystem: bool = True,
         network_policy: bool = False,
         context: str = "",
+        allowed_capabilities: Sequence[str] = (),
     ) -> None:
         """
         image: the container image every task runs in (Tandem installed for secrets and the trainer).
@@ -282,6 +290,8 @@ class KubernetesBackend:
         context: the name of the kubeconfig context `configuration` reaches the cluster through (`connect`
             finds it): a job's `kubernetes.context` (SkyPilot's `infra: k8s/CONTEXT`) must be it, else its
             launch is refused (PRECHECK) naming both; empty refuses every job that names a context.
+        allowed_capabilities: the Linux capabilities a task's `config.kubernetes.pod_config` may add to its
+            containers (`securityContext.capabilities.add`); any other refuses the launch (PRECHECK) naming it.
         """
         if configuration is None:
             configuration, found = connect()
@@ -303,6 +313,7 @@ class KubernetesBackend:
         self.run_as_user = run_as_user
         self.read_only_root_filesystem = read_only_root_filesystem
         self.network_policy = network_policy
+        self.allowed_capabilities = tuple(allowed_capabilities)
         self._api_client = k8s.ApiClient(configuration)
         self._batch = k8s.BatchV1Api(self._api_client)
         self._core = k8s.CoreV1Api(self._api_client)
@@ -400,23 +411,51 @@ class KubernetesBackend:
                 "spec": pod_spec,
             },
         }
+        job_spec["template"] = self._with_task_config(spec, job_spec["template"], labels, annotations)
         if spec.time_limit_s > 0:
             job_spec["activeDeadlineSeconds"] = max(1, round(spec.time_limit_s))
         if self.ttl_after_finished_s is not None:
             job_spec["ttlSecondsAfterFinished"] = self.ttl_after_finished_s
         if _has_log_dir(spec.log_dir):
             annotations[ANNOTATION_LOG_DIR] = str(spec.log_dir)
+        job_labels = {**spec.custom_labels, **labels}
+        if spec.queue_name:  # Kueue admits the Job from this LocalQueue (it suspends it until then)
+            job_labels[KUEUE_QUEUE_LABEL] = spec.queue_name
         return {
             "apiVersion": "batch/v1",
             "kind": "Job",
             "metadata": {
                 "name": name,
                 "namespace": self.namespace_for(spec),
-                "labels": labels,
-                "annotations": annotations,
+                "labels": job_labels,
+                "annotations": {**spec.custom_annotations, **annotations},
             },
             "spec": job_spec,
         }
+
+    def _with_task_config(
+        self, spec: LaunchSpec, template: Json, labels: Mapping[str, str], annotations: Mapping[str, str]
+    ) -> Json:
+        """The pod template with the task's `config.kubernetes`: its partial Pod merged in by SkyPilot's rule
+        (checked again here, with this deployment's allowed capabilities: LaunchRefused naming each field),
+        its labels and annotations; Tandem's own labels and annotations, which `find` reads, win."""
+        problems = pod_config_problems(dict(spec.pod_config), self.allowed_capabilities)
+        problems += overridden_own_parts(template, spec.pod_config)
+        problems += mismatched_shapes(template, spec.pod_config)
+        if problems:
+            raise LaunchRefused(
+                "; ".join(f"config.kubernetes.pod_config.{path}: {why}" for path, why in problems)
+            )
+        override = {k: v for k, v in spec.pod_config.items() if k in ("metadata", "spec")}
+        merged = merge_pod(template, override) if override else template
+        metadata = merged.setdefault("metadata", {})
+        metadata["labels"] = {**spec.custom_labels, **(metadata.get("labels") or {}), **labels}
+        metadata["annotations"] = {
+            **spec.custom_annotations,
+            **(metadata.get("annotations") or {}),
+            **annotations,
+        }
+        return merged
 
     def band(self, spec: LaunchSpec) -> PriorityBand:
         return PREEMPTIBLE_BAND if spec.preemptible else priority_band(spec.priority)

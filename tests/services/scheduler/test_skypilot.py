@@ -328,7 +328,7 @@ def test_a_secrets_value_in_the_file_is_refused() -> None:
         ("run: x\nvolumes: {/scratch: {size: 100Gi}}\n", 'volumes["/scratch"].size', "deployment's"),
         ("run: x\nservice: {readiness_probe: /, replicas: 2}\n", "service.readiness_probe", "SkyServe"),
         ("run: x\nservice: {port: 80, replicas: 2}\n", "service.replicas", "SkyServe"),
-        ("run: x\nconfig: {kubernetes: {}}\n", "config", "SkyPilot's own configuration"),
+        ("run: x\nconfig: {gcp: {vpc_name: net}}\n", "config.gcp", "public cloud"),
         ("run: x\nresources: {image_id: ami-0123}\n", "resources.image_id", "machine image"),
         ("run: x\nfile_mounts: {/data: 'gs://bucket/data'}\n", 'file_mounts["/data"]', "only S3"),
         ("run: x\nfile_mounts: {/data: {name: b, store: gcs}}\n", 'file_mounts["/data"].store', "only S3"),

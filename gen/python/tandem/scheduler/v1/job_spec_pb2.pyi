@@ -365,6 +365,7 @@ class TaskSpec(_message.Message):
     ONLINE_RL_FIELD_NUMBER: _builtins.int
     SERVICE_FIELD_NUMBER: _builtins.int
     WORKDIR_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Required. The task name, unique in the job: a lowercase letter, then up to 62 lowercase letters,
     digits or hyphens.
@@ -429,6 +430,12 @@ class TaskSpec(_message.Message):
         failure.
         """
 
+    @_builtins.property
+    def config(self) -> Global___TaskConfig:
+        """Optional. SkyPilot's task-level `config:`: the parts of SkyPilot's own configuration a task may set for
+        itself that mean something on Tandem's backends (SPEC.md, SkyPilot's keys). Unset means none.
+        """
+
     def __init__(
         self,
         *,
@@ -446,16 +453,119 @@ class TaskSpec(_message.Message):
         online_rl: Global___OnlineRlOptions | None = ...,
         service: Global___ServiceOptions | None = ...,
         workdir: Global___Workdir | None = ...,
+        config: Global___TaskConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kind_options", b"kind_options", "online_rl", b"online_rl", "resources", b"resources", "service", b"service", "termination_delay", b"termination_delay", "workdir", b"workdir"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "kind_options", b"kind_options", "online_rl", b"online_rl", "resources", b"resources", "service", b"service", "termination_delay", b"termination_delay", "workdir", b"workdir"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "file_mounts", b"file_mounts", "kind", b"kind", "kind_options", b"kind_options", "name", b"name", "num_nodes", b"num_nodes", "online_rl", b"online_rl", "resources", b"resources", "role", b"role", "run", b"run", "secrets", b"secrets", "service", b"service", "setup", b"setup", "termination_delay", b"termination_delay", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "envs", b"envs", "file_mounts", b"file_mounts", "kind", b"kind", "kind_options", b"kind_options", "name", b"name", "num_nodes", b"num_nodes", "online_rl", b"online_rl", "resources", b"resources", "role", b"role", "run", b"run", "secrets", b"secrets", "service", b"service", "setup", b"setup", "termination_delay", b"termination_delay", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind_options: _TypeAlias = _typing.Literal["online_rl", "service"]  # noqa: Y015
     _WhichOneofArgType_kind_options: _TypeAlias = _typing.Literal["kind_options", b"kind_options"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind_options) -> _WhichOneofReturnType_kind_options | None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
+
+@_typing.final
+class TaskConfig(_message.Message):
+    """TaskConfig is what a task's SkyPilot `config:` asks of the backend that runs it. Each field is for one
+    backend: the Kubernetes ones need the job's `backend` to be KUBERNETES, and `container_run_options` a
+    task with an image on the local backend (else CreateJob refuses the job, INVALID_JOB_SPEC, or its launch
+    fails, PRECHECK, where the job has no backend of its own and lands on another).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class AnnotationsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    POD_CONFIG_JSON_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    ANNOTATIONS_FIELD_NUMBER: _builtins.int
+    KUEUE_QUEUE_FIELD_NUMBER: _builtins.int
+    CONTAINER_RUN_OPTIONS_FIELD_NUMBER: _builtins.int
+    pod_config_json: _builtins.str
+    """Optional. SkyPilot's `kubernetes.pod_config`: a partial Pod manifest as a JSON object, merged into the
+    pods the Kubernetes backend makes by SkyPilot's rule (objects key by key; containers, volumes, env and
+    the other Kubernetes list maps item by item by their key; other lists appended). Fields that would
+    reach past the task's organization (the node's network, PIDs or paths, privileged containers, a
+    service account, added capabilities the deployment does not allow) are refused. At most 64 KiB.
+    """
+    kueue_queue: _builtins.str
+    """Optional. SkyPilot's `kubernetes.kueue.local_queue_name` (or `kubernetes.quota.queue`): the Kueue
+    LocalQueue the task's Job is submitted to (its `kueue.x-k8s.io/queue-name` label). A DNS subdomain.
+    """
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Optional. SkyPilot's `kubernetes.custom_metadata.labels`: labels of the task's Job and pods, at most
+        16, never under Tandem's own prefixes (`tandem.dev/`, `app.kubernetes.io/`).
+        """
+
+    @_builtins.property
+    def annotations(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Optional. SkyPilot's `kubernetes.custom_metadata.annotations`: annotations of the task's Job and pods,
+        at most 32, never under Tandem's own prefixes.
+        """
+
+    @_builtins.property
+    def container_run_options(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Optional. SkyPilot's `docker.run_options`: options of the container runtime's `run` for a task with an
+        image on the local backend, each `--OPTION=VALUE` or `--OPTION`, from an allow-list of options that
+        keep the task in its sandbox (SPEC.md, Images). At most 32.
+        """
+
+    def __init__(
+        self,
+        *,
+        pod_config_json: _builtins.str = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        annotations: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        kueue_queue: _builtins.str = ...,
+        container_run_options: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["annotations", b"annotations", "container_run_options", b"container_run_options", "kueue_queue", b"kueue_queue", "labels", b"labels", "pod_config_json", b"pod_config_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskConfig: _TypeAlias = TaskConfig  # noqa: Y015
 
 @_typing.final
 class Workdir(_message.Message):
