@@ -299,7 +299,7 @@ async def test_each_generation_samples_from_its_own_generator(engine: TorchEngin
     await until(lambda: engine.queued == 3)
     await engine.resume()
     together = await asyncio.gather(*tasks)
-    assert engine.stats.batch_sizes[3] == 20
+    assert engine.stats.max_batch_seen == 3  # (the unseeded one may end early, at a random EOS)
     assert (together[0].tokens, together[2].tokens) == (alone[0].tokens, alone[1].tokens)
     assert together[0].logprobs == pytest.approx(alone[0].logprobs, abs=1e-4)
 
