@@ -201,10 +201,19 @@ def _cross_field(config: config_pb2.TrainerConfig) -> list[FieldViolation]:
                 "algorithm.constant_tokens", "the CONSTANT aggregation needs it, or sampling.max_tokens"
             )
         )
+    found.extend(_inference(config.inference))
     found.extend(_model_build(config.model))
     if config.optimizer.warmup_steps > algorithm.steps:
         found.append(FieldViolation("optimizer.warmup_steps", f"is more than the {algorithm.steps} steps"))
     return found
+
+
+def _inference(inference: config_pb2.InferenceConfig) -> list[FieldViolation]:
+    if inference.max_batch and inference.engine == "vllm":
+        return [
+            FieldViolation("inference.max_batch", "is the torch engine's; vLLM schedules its own batches")
+        ]
+    return []
 
 
 def _model_build(model: config_pb2.ModelConfig) -> list[FieldViolation]:

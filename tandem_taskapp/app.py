@@ -678,6 +678,10 @@ def _extra_request_checks(body: Mapping[str, Any]) -> list[dict[str, str]]:
         config = env.get("config")
         if config is not None and len(_encode(config)) > MAX_CONFIG_BYTES:
             problems.append({"path": "$.env.config", "message": "config exceeds 64 KiB once encoded"})
+    policy = body.get("policy")
+    policy_config = policy.get("config") if isinstance(policy, Mapping) else None
+    if isinstance(policy_config, Mapping) and int(policy_config.get("seed", 0)) > MAX_SEED:
+        problems.append({"path": "$.policy.config.seed", "message": "seed must be at most 2^64-1"})
     return problems
 
 

@@ -50,6 +50,7 @@ class PolicyConfig:
     top_p: float | None = None  # unset: 1
     top_k: int | None = None  # unset or 0: every token
     min_p: float | None = None  # unset or 0: none
+    seed: int | None = None  # the episode's sampling seed; unset: the worker draws one
 
     def sampling(self) -> dict[str, Any]:
         """The truncations the request set (`top_p`, `top_k`, `min_p`), as chat-completion body fields."""
@@ -84,6 +85,7 @@ class RolloutRequest:
         lim: Mapping[str, Any] = body.get("limits") or {}
         temperature = pol.get("temperature")
         top_p, top_k, min_p = pol.get("top_p"), pol.get("top_k"), pol.get("min_p")
+        sampling_seed = pol.get("seed")
         mode = normalize_mode(body.get("mode", "rl"))
         return cls(
             trace_correlation_id=str(body["trace_correlation_id"]),
@@ -97,6 +99,7 @@ class RolloutRequest:
                 top_p=None if top_p is None else float(top_p),
                 top_k=None if top_k is None else int(top_k),
                 min_p=None if min_p is None else float(min_p),
+                seed=None if sampling_seed is None else int(sampling_seed),
             ),
             mode="eval" if mode == "eval" else "rl",
             limits=Limits(
@@ -113,6 +116,8 @@ class RolloutRequest:
         if self.policy.max_completion_tokens:
             pol["max_completion_tokens"] = self.policy.max_completion_tokens
         pol.update(self.policy.sampling())
+        if self.policy.seed is not None:
+            pol["seed"] = self.policy.seed
         return {
             "trace_correlation_id": self.trace_correlation_id,
             "env": {"seed": self.seed, "config": dict(self.config)},

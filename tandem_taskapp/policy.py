@@ -23,7 +23,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, TraceFlags
 
 from tandem_taskapp.errors import PolicyError, TurnLimitReached
-from tandem_taskapp.models import Message, PolicyConfig, Turn, as_message, content_text
+from tandem_taskapp.models import MAX_SEED, Message, PolicyConfig, Turn, as_message, content_text
 
 CORRELATION_HEADER = "X-Trace-Correlation-Id"
 DEFAULT_TIMEOUT_S = 300.0
@@ -122,6 +122,8 @@ class Policy:
         # The trainer scores each token under the distribution it was sampled from, so the truncations
         # the job set go with every call (`top_k` and `min_p` as vLLM's extensions of the OpenAI body).
         body.update(self.config.sampling())
+        if self.config.seed is not None:  # each call its own draws, the same in every run of the episode
+            body["seed"] = (self.config.seed + self.turns_used - 1) % (MAX_SEED + 1)
         body.update(overrides)
         response = await self._post(body)
         self.last_response = response

@@ -262,6 +262,8 @@ async def _start_workers(
         extra["TANDEM_WORKER_MODEL_PATH"] = job.config.model.dir
         if job.config.model.dtype:
             extra["TANDEM_WORKER_DTYPE"] = job.config.model.dtype
+        if inference.max_batch:
+            extra["TANDEM_WORKER_MAX_BATCH"] = str(inference.max_batch)
         if vllm:
             extra["TANDEM_WORKER_ENGINE"] = "vllm"
             extra["TANDEM_WORKER_ENFORCE_EAGER"] = "true" if inference.enforce_eager else "false"

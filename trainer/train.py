@@ -52,6 +52,7 @@ from trainer.inference.weights import dtype_of
 from trainer.progress import Progress
 from trainer.ranks import Ranks, StepShard, Update
 from trainer.scoring import TrainSequence, batch_loss, load_policy, load_reference, trained_tokens
+from trainer.seeds import episode_seed
 
 log = logging.getLogger("tandem.trainer")
 _tracer = trace.get_tracer("tandem.trainer")
@@ -86,11 +87,13 @@ class Environment:
 
 @dataclass(frozen=True)
 class Planned:
-    """One episode to play: its correlation id, seed and the worker whose endpoint its policy calls go to."""
+    """One episode to play: its correlation id, seed, the worker whose endpoint its policy calls go to, and
+    its sampling seed (trainer/seeds.py)."""
 
     cid: str
     seed: int
     worker: WorkerEndpoint
+    sampling_seed: int
 
 
 @dataclass
@@ -234,6 +237,7 @@ class Trainer:
                         f"{self.run_id}-{index}-{prompt}-{member}",
                         seed,
                         workers[(prompt * size + member) % len(workers)],
+                        episode_seed(self.job.config.seed, index + 1, prompt * size + member),
                     )
                     for member in range(size)
                 ]
@@ -317,6 +321,7 @@ class Trainer:
             policy.top_k = self.job.top_k
         if self.job.min_p:
             policy.min_p = self.job.min_p
+        policy.seed = plan.sampling_seed
         spec = rollout_pb2.RolloutSpec(
             trace_correlation_id=plan.cid,
             env=rollout_pb2.RolloutEnv(seed=plan.seed, config=env_config),
@@ -344,7 +349,14 @@ class Trainer:
         sampling settings; nothing is trained on. Announced as an `eval.completed` event."""
         workers, split = self.env.workers, self.job.config.data.eval
         planned = [
-            [Planned(f"{self.run_id}-eval{self.step}-{i}", seed, workers[i % len(workers)])]
+            [
+                Planned(
+                    f"{self.run_id}-eval{self.step}-{i}",
+                    seed,
+                    workers[i % len(workers)],
+                    episode_seed(self.job.config.seed, self.step, i, "eval"),
+                )
+            ]
             for i, seed in enumerate(self.job.seeds("eval"))
         ]
         played = [e for group in await self._play_planned(planned, split.env_config) for e in group]

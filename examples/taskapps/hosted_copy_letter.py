@@ -15,7 +15,7 @@ Routes, in the hosted shapes:
   `dataset.splits`, `limits.timeout_seconds`, the seed's data in `task_metadata`, no rubric); with several
   `seed`s, a list of them.
 - `POST /rollout` (key): reads `trace_correlation_id` (or `run_id`), `env.seed`, `policy.config.{model,
-  inference_url, temperature, max_completion_tokens}` and `safety.max_time_s`, calls
+  inference_url, temperature, max_completion_tokens, seed}` and `safety.max_time_s`, calls
   `{inference_url}/chat/completions`, and answers `trajectories[].steps[]` with `metrics.outcome_reward`
   (or, with `--form trace`, the newer trace form: `trace.event_history[]` of `lm_call` events). A repeat of
   an id answers the recorded result.
@@ -95,6 +95,8 @@ def chat(config: dict[str, Any], messages: list[dict[str, str]], cid: str, timeo
     body: dict[str, Any] = {"model": config.get("model", ""), "messages": messages}
     if "temperature" in config:
         body["temperature"] = config["temperature"]
+    if isinstance(config.get("seed"), int):  # one call per episode: the episode's seed as it is
+        body["seed"] = config["seed"]
     tokens = config.get("max_completion_tokens", config.get("max_tokens"))
     if isinstance(tokens, int) and tokens > 0:
         body["max_tokens"] = tokens

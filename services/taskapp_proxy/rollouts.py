@@ -130,6 +130,8 @@ def spec_json(spec: rollout_pb2.RolloutSpec) -> dict[str, Any]:
     body["env"]["seed"] = int(
         spec.env.seed
     )  # proto3 JSON writes 64-bit integers as strings; apps expect a number
+    if spec.policy.config.HasField("seed"):
+        body["policy"]["config"]["seed"] = int(spec.policy.config.seed)  # a number too
     # The hosted dialect's names for the same things (tandem_taskapp/hosted.py); other apps ignore them.
     body["run_id"] = spec.trace_correlation_id
     if spec.limits.max_seconds:

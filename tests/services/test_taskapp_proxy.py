@@ -138,6 +138,16 @@ async def test_a_rollout_carries_the_key_and_returns_the_reward(world: World) ->
     assert world.app.headers[-1]["x-trace-correlation-id"] == "ep-ok"
 
 
+async def test_the_sampling_seed_reaches_the_app_as_a_json_number(world: World) -> None:
+    for seed in (0, 2**53 - 1, 2**64 - 1):
+        sent = spec(taskapps.OK, f"ep-seed-{seed}")
+        sent.policy.config.seed = seed
+        await world.job.Rollout(pb.RolloutRequest(task_app=APP, spec=sent, job=JOB))
+        assert world.app.seen[-1]["policy"]["config"]["seed"] == seed  # an int, not proto3 JSON's string
+    await rollout(world, taskapps.OK, "ep-unseeded")
+    assert "seed" not in world.app.seen[-1]["policy"]["config"]  # unset stays unset: the worker draws one
+
+
 @pytest.mark.parametrize(
     ("seed", "kind"),
     [

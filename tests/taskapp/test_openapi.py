@@ -65,6 +65,7 @@ def test_field_names_and_enums(spec: dict[str, Any]) -> None:
             "top_p",
             "top_k",
             "min_p",
+            "seed",
         }
         == set(rollout_pb2.RolloutPolicyConfig.DESCRIPTOR.fields_by_name)
     )

@@ -84,6 +84,28 @@ async def test_the_jobs_truncations_go_with_every_call(
     assert not {"top_p", "top_k", "min_p"} & set(server.requests[-1].body)  # unset: nothing is sent
 
 
+async def test_the_episodes_seed_goes_with_each_call_one_further_per_call(
+    server: FakePolicyServer, client: httpx.AsyncClient
+) -> None:
+    config = {"model": "tiny", "inference_url": "http://policy.test/v1/traces/ep-1", "seed": 2**64 - 2}
+    request = RolloutRequest.from_json({"trace_correlation_id": "ep-1", "policy": {"config": config}})
+    assert request.policy.seed == 2**64 - 2
+    assert request.to_json()["policy"]["config"] == config
+    assert (
+        RolloutRequest.from_json(
+            {**request.to_json(), "policy": {"config": {**config, "seed": "5"}}}
+        ).policy.seed
+        == 5
+    )
+    policy = Policy(request.policy, trace_correlation_id="ep-1", client=client)
+    for turn in ("one", "two", "three"):
+        await policy.chat([{"role": "user", "content": turn}])
+    # The same seed on every call would replay one set of draws per turn; seed + k wraps at 2^64.
+    assert [r.body["seed"] for r in server.requests] == [2**64 - 2, 2**64 - 1, 0]
+    await make(client).chat([{"role": "user", "content": "unseeded"}])
+    assert "seed" not in server.requests[-1].body  # the worker draws one
+
+
 async def test_turns_hold_what_is_new_then_the_reply(client: httpx.AsyncClient) -> None:
     policy = make(client)
     history: list[dict[str, Any]] = [

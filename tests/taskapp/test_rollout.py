@@ -295,6 +295,8 @@ def test_a_missing_seed_and_mode_default(policy: PolicyFixture) -> None:
         (lambda b: b["policy"]["config"].update(temperature=3), "$.policy.config.temperature"),
         (lambda b: b["env"].update(seed=-1), "$.env.seed"),
         (lambda b: b["env"].update(seed=str(2**64)), "$.env.seed"),
+        (lambda b: b["policy"]["config"].update(seed=-1), "$.policy.config.seed"),
+        (lambda b: b["policy"]["config"].update(seed=2**64), "$.policy.config.seed"),
         (lambda b: b["env"].update(config={"blob": "x" * 70_000}), "$.env.config"),
         (lambda b: b["limits"].update(max_seconds=86401), "$.limits.max_seconds"),
     ],

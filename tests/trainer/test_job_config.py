@@ -140,6 +140,17 @@ def test_the_inference_engine_is_torch_unless_the_job_asks_for_vllm(tmp_path: Pa
     assert "inference.engine" in [v.field for v in info.value.violations]
 
 
+def test_max_batch_is_the_torch_engines(tmp_path: Path) -> None:
+    one = Job(load_job(write(tmp_path, GOOD + "\n[inference]\nmax_batch = 1\n")))
+    assert one.config.inference.max_batch == 1
+    with pytest.raises(InvalidArgument) as info:
+        load_job(write(tmp_path, GOOD + '\n[inference]\nengine = "vllm"\nmax_batch = 1\n'))
+    assert [v.field for v in info.value.violations] == ["inference.max_batch"]
+    with pytest.raises(InvalidArgument) as info:
+        load_job(write(tmp_path, GOOD + "\n[inference]\nmax_batch = 5000\n"))
+    assert "inference.max_batch" in [v.field for v in info.value.violations]
+
+
 def test_an_unknown_key_is_named_as_the_file_spells_it_with_the_valid_keys(tmp_path: Path) -> None:
     text = GOOD.replace("steps = 50", "steps = 50\nprompts_per_stepz = 4").replace(
         "max_tokens = 32", 'topP = "high"'

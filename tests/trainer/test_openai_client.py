@@ -203,10 +203,11 @@ async def test_n_samples_are_n_choices_each_its_own_trace(
     assert answer.usage.completion_tokens == sum(len(s["completion_token_ids"]) for s in samples)
     channel, stub = worker_stub(worker, mesh_key)
     try:
-        for sample in samples:
+        for index, sample in enumerate(samples):
             trace = (await stub.GetTrace(pb.GetTraceRequest(correlation_id=sample["correlation_id"]))).trace
             assert len(trace.turns) == 1
             assert list(trace.turns[0].completion_token_ids) == sample["completion_token_ids"]
+            assert trace.turns[0].seed == 11 + index  # sample i is sampled, and recorded, with seed s + i
     finally:
         await channel.close()
     # A seed samples the same n answers again.

@@ -287,6 +287,48 @@ async def test_seeded_sampling_is_reproducible(engine: TorchEngine, prompt: list
     assert both[0].tokens == both[1].tokens == first.tokens
 
 
+async def test_each_generation_samples_from_its_own_generator(engine: TorchEngine, prompt: list[int]) -> None:
+    seeded = [Sampling(temperature=1.5, max_tokens=20, seed=seed) for seed in (21, 22)]
+    alone = [await collect(engine, prompt, sampling) for sampling in seeded]
+    assert alone[0].tokens != alone[1].tokens
+    # Three generations in every step, one of them unseeded: a shared generator would hand each one draws
+    # meant for the others.
+    await engine.pause(PauseMode.KEEP)
+    mixed = [seeded[0], Sampling(temperature=1.5, max_tokens=20), seeded[1]]
+    tasks = [asyncio.create_task(collect(engine, prompt, sampling)) for sampling in mixed]
+    await until(lambda: engine.queued == 3)
+    await engine.resume()
+    together = await asyncio.gather(*tasks)
+    assert engine.stats.max_batch_seen == 3  # (the unseeded one may end early, at a random EOS)
+    assert (together[0].tokens, together[2].tokens) == (alone[0].tokens, alone[1].tokens)
+    assert together[0].logprobs == pytest.approx(alone[0].logprobs, abs=1e-4)
+
+
+async def test_one_generation_a_step_makes_seeded_output_exact_whatever_runs_beside(
+    tiny_model: Path, prompt: list[int]
+) -> None:
+    """With `max_batch` 1 no row is padded against another, so a seeded generation's tokens and log-probs
+    are the same bits however requests arrive: what a reproducible run relies on."""
+    engine = await TorchEngine.load(str(tiny_model), max_batch=1)
+    try:
+        requests = [(prompt, 31), (prompt[:7], 32), (prompt + prompt, 33)]
+        samplings = [Sampling(temperature=1.0, max_tokens=12, seed=seed) for _, seed in requests]
+        alone = [await collect(engine, p, s) for (p, _), s in zip(requests, samplings, strict=True)]
+        await engine.pause(PauseMode.KEEP)
+        tasks = [
+            asyncio.create_task(collect(engine, p, s))
+            for (p, _), s in reversed(list(zip(requests, samplings, strict=True)))
+        ]
+        await until(lambda: engine.queued == 3)
+        await engine.resume()
+        together = list(reversed(await asyncio.gather(*tasks)))
+    finally:
+        await engine.close()
+    assert engine.stats.max_batch_seen == 1
+    for one, other in zip(alone, together, strict=True):
+        assert (one.tokens, one.logprobs) == (other.tokens, other.logprobs)
+
+
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5)])
 async def test_sampler_logprobs_are_those_of_the_distribution_sampled_from(
     engine: TorchEngine, reference: Reference, prompt: list[int], temperature: float, top_p: float

@@ -36,6 +36,16 @@ def test_every_turn_of_an_episode_joins_one_trace_in_order() -> None:
     assert len(traces.get("ep-2").turns) == 1
 
 
+def test_a_turn_records_the_seed_it_was_sampled_with() -> None:
+    traces = store()
+    traces.begin_turn("ep-1", [1], 1.0, 1.0, seed=2**53 - 1)
+    traces.begin_turn("ep-1", [1], 1.0, 1.0, seed=0)
+    traces.begin_turn("ep-1", [1], 1.0, 1.0)
+    turns = traces.get("ep-1").turns
+    assert [t.seed for t in turns[:2]] == [2**53 - 1, 0]
+    assert [t.HasField("seed") for t in turns] == [True, True, False]  # unset: the worker drew one
+
+
 def test_sealing_numbers_traces_and_refuses_later_turns() -> None:
     traces = store()
     play(traces, "ep-1", [1], [2])

@@ -18,6 +18,7 @@ from tests.support.workers import running_worker, worker_stub
 from trainer.inference.publisher import WeightPublisher
 from trainer.launch import local_environment
 from trainer.models import build_tiny_model
+from trainer.seeds import episode_seed
 from trainer.train import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -47,25 +48,31 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
-async def test_the_jobs_top_p_and_top_k_reach_the_sampler_and_the_ratio_stays_one(
+async def test_the_jobs_sampling_and_seeds_reach_the_sampler_and_the_ratio_stays_one(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    # The job's truncations go trainer -> proxy -> the example app's SDK policy -> the worker, which samples
-    # with them and records them in the turn; the trainer scores under them, so on-policy the ratio is 1.
+    # The job's truncations and each episode's seed go trainer -> proxy -> the example app's SDK policy ->
+    # the worker, which samples with them and records them in the turn; the trainer scores under the
+    # truncations, so on-policy the ratio is 1.
     job = demo_job(model_dir, steps=1, sampling={"top_p": 0.9, "top_k": 40})
     async with local_environment(job, tmp_path / "run") as env:
         trainer = Trainer(job, env)
         (report,) = await trainer.run()
         stream = env.workers[0].stub.StreamTraces(ipb.StreamTracesRequest())
-        turns = []
+        turns, seeds = [], {}
         async for item in stream:
             if not item.HasField("trace"):
                 break  # a heartbeat: every sealed trace has been read
             turns.extend(item.trace.turns)
+            seeds[item.trace.correlation_id] = [t.seed for t in item.trace.turns if t.HasField("seed")]
             if len(turns) >= 16:
                 break
         stream.cancel()
     assert len(turns) == 16 and {(round(t.top_p, 6), t.top_k) for t in turns} == {(0.9, 40)}
+    # Each episode's sampling seed, derived from the job's seed 3, step 1 and its index, went the same way.
+    for cid, turn_seeds in seeds.items():
+        prompt, member = (int(part) for part in cid.split("-")[-2:])
+        assert turn_seeds == [episode_seed(3, 1, prompt * 4 + member)], cid
     assert not report.skipped and report.metrics["tokens"] > 0
     assert report.metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-3)
     assert report.metrics["ratio/max"] < 1.01

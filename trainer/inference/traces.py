@@ -75,6 +75,7 @@ class TraceStore:
         *,
         top_k: int = 0,
         min_p: float = 0.0,
+        seed: int | None = None,
     ) -> TurnHandle:
         """Open a turn (and the trace, for a new id). A sealed trace takes no more turns."""
         if correlation_id in self._sealed:
@@ -92,6 +93,8 @@ class TraceStore:
         turn = trace.turns.add(
             index=len(trace.turns), temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p
         )
+        if seed is not None:
+            turn.seed = seed
         turn.prompt_token_ids.extend(prompt_token_ids)
         turn.start_time.CopyFrom(_stamp(now))
         self._last_activity[correlation_id] = now

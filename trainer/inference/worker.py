@@ -225,6 +225,7 @@ class InferenceWorker:
                 sampling.top_p,
                 top_k=sampling.top_k,
                 min_p=sampling.min_p,
+                seed=sampling.seed,
             )
             if correlation_id
             else None

@@ -133,6 +133,7 @@ class TraceTurn(_message.Message):
     END_TIME_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
     MIN_P_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Output only. The turn's index in the trace, from 0."""
     weight_version: _builtins.int
@@ -151,6 +152,10 @@ class TraceTurn(_message.Message):
     """Output only. The top-k the turn was sampled with; 0: every token."""
     min_p: _builtins.float
     """Output only. The min-p the turn was sampled with; 0: none."""
+    seed: _builtins.int
+    """Output only. The seed the request gave the turn's sampler (a Task App passes on the episode's
+    `policy.config.seed`); unset when the request gave none and the worker drew one at random.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Output only. The full prompt as token ids, after the chat template; a later turn's prompt usually
@@ -199,12 +204,15 @@ class TraceTurn(_message.Message):
         end_time: _timestamp_pb2.Timestamp | None = ...,
         top_k: _builtins.int = ...,
         min_p: _builtins.float = ...,
+        seed: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "end_time", b"end_time", "seed", b"seed", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_token_ids", b"completion_token_ids", "end_time", b"end_time", "finish_reason", b"finish_reason", "index", b"index", "last_weight_version", b"last_weight_version", "loss_mask", b"loss_mask", "min_p", b"min_p", "prompt_token_ids", b"prompt_token_ids", "sampler_logprobs", b"sampler_logprobs", "start_time", b"start_time", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "completion_token_ids", b"completion_token_ids", "end_time", b"end_time", "finish_reason", b"finish_reason", "index", b"index", "last_weight_version", b"last_weight_version", "loss_mask", b"loss_mask", "min_p", b"min_p", "prompt_token_ids", b"prompt_token_ids", "sampler_logprobs", b"sampler_logprobs", "seed", b"seed", "start_time", b"start_time", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___TraceTurn: _TypeAlias = TraceTurn  # noqa: Y015
 

@@ -27,7 +27,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from tandem.common.v1 import validation_pb2 as tandem_dot_common_dot_v1_dot_validation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftandem/taskapp/v1/rollout.proto\x12\x11tandem.taskapp.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a!tandem/common/v1/validation.proto\"\xa6\x02\n\x0bRolloutSpec\x12\x41\n\x14trace_correlation_id\x18\x01 \x01(\tB#\xfa\xa9\x19\x1f\x08\x01\x18\x80\x01\"\x18^[A-Za-z0-9._:-]{1,128}$\x12\x32\n\x03\x65nv\x18\x02 \x01(\x0b\x32\x1d.tandem.taskapp.v1.RolloutEnvB\x06\xfa\xa9\x19\x02\x08\x01\x12\x38\n\x06policy\x18\x03 \x01(\x0b\x32 .tandem.taskapp.v1.RolloutPolicyB\x06\xfa\xa9\x19\x02\x08\x01\x12\x34\n\x04mode\x18\x04 \x01(\x0e\x32\x1e.tandem.taskapp.v1.RolloutModeB\x06\xfa\xa9\x19\x02@\x01\x12\x30\n\x06limits\x18\x05 \x01(\x0b\x32 .tandem.taskapp.v1.RolloutLimits\"C\n\nRolloutEnv\x12\x0c\n\x04seed\x18\x01 \x01(\x04\x12\'\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"O\n\rRolloutPolicy\x12>\n\x06\x63onfig\x18\x01 \x01(\x0b\x32&.tandem.taskapp.v1.RolloutPolicyConfigB\x06\xfa\xa9\x19\x02\x08\x01\"\xef\x02\n\x13RolloutPolicyConfig\x12\x18\n\x05model\x18\x01 \x01(\tB\t\xfa\xa9\x19\x05\x08\x01\x18\x80\x02\x12\x35\n\rinference_url\x18\x02 \x01(\tB\x1e\xfa\xa9\x19\x1a\x08\x01\x18\x80\x10\"\x13^https?://[^\\s?#]+$\x12\x30\n\x0btemperature\x18\x03 \x01(\x01\x42\x16\xfa\xa9\x19\x12)\x00\x00\x00\x00\x00\x00\x00\x00\x31\x00\x00\x00\x00\x00\x00\x00@H\x00\x88\x01\x01\x12,\n\x15max_completion_tokens\x18\x04 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00\x30\x41\x12*\n\x05top_p\x18\x05 \x01(\x01\x42\x16\xfa\xa9\x19\x12)\x8d\xed\xb5\xa0\xf7\xc6\xb0>1\x00\x00\x00\x00\x00\x00\xf0?H\x01\x88\x01\x01\x12!\n\x05top_k\x18\x06 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x80\x84.AH\x02\x88\x01\x01\x12*\n\x05min_p\x18\x07 \x01(\x01\x42\x16\xfa\xa9\x19\x12)\x00\x00\x00\x00\x00\x00\x00\x00\x31\x00\x00\x00\x00\x00\x00\xf0?H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_p\"U\n\rRolloutLimits\x12 \n\tmax_turns\x18\x01 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x88\xc3@\x12\"\n\x0bmax_seconds\x18\x02 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x18\xf5@\"\x94\x02\n\rRolloutResult\x12\x1c\n\x14trace_correlation_id\x18\x01 \x01(\t\x12\x32\n\x07metrics\x18\x02 \x01(\x0b\x32!.tandem.taskapp.v1.RolloutMetrics\x12\x31\n\ntrajectory\x18\x03 \x01(\x0b\x32\x1d.tandem.taskapp.v1.Trajectory\x12\x0f\n\x07\x61\x62orted\x18\x04 \x01(\x08\x12.\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1f.tandem.taskapp.v1.RolloutError\x12+\n\x08\x64uration\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x10\n\x08\x61ttempts\x18\x07 \x01(\r\"i\n\x0eRolloutMetrics\x12\x16\n\x0eoutcome_reward\x18\x01 \x01(\x01\x12\x15\n\revent_rewards\x18\x02 \x03(\x01\x12(\n\x07\x64\x65tails\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"4\n\nTrajectory\x12&\n\x05turns\x18\x01 \x03(\x0b\x32\x17.tandem.taskapp.v1.Turn\"4\n\x04Turn\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.tandem.taskapp.v1.Message\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc9\x03\n\x0cRolloutError\x12\x32\n\x04kind\x18\x01 \x01(\x0e\x32$.tandem.taskapp.v1.RolloutError.Kind\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0bhttp_status\x18\x03 \x01(\r\x12\x11\n\tretryable\x18\x04 \x01(\x08\"\xcb\x02\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cKIND_TIMEOUT\x10\x01\x12\x14\n\x10KIND_HTTP_STATUS\x10\x02\x12\x1b\n\x17KIND_MALFORMED_RESPONSE\x10\x03\x12\x1a\n\x16KIND_NON_FINITE_REWARD\x10\x04\x12\x1d\n\x19KIND_CORRELATION_MISMATCH\x10\x05\x12\x14\n\x10KIND_UNREACHABLE\x10\x06\x12\x15\n\x11KIND_CIRCUIT_OPEN\x10\x07\x12\x1a\n\x16KIND_CONCURRENCY_LIMIT\x10\x08\x12\x16\n\x12KIND_AUTH_REJECTED\x10\t\x12\x1b\n\x17KIND_SECRET_UNAVAILABLE\x10\n\x12\x1b\n\x17KIND_RESPONSE_TOO_LARGE\x10\x0b\x12\x12\n\x0eKIND_CANCELLED\x10\x0c*W\n\x0bRolloutMode\x12\x1c\n\x18ROLLOUT_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fROLLOUT_MODE_RL\x10\x01\x12\x15\n\x11ROLLOUT_MODE_EVAL\x10\x02\x42+Z)tandem/gen/go/tandem/taskapp/v1;taskappv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftandem/taskapp/v1/rollout.proto\x12\x11tandem.taskapp.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a!tandem/common/v1/validation.proto\"\xa6\x02\n\x0bRolloutSpec\x12\x41\n\x14trace_correlation_id\x18\x01 \x01(\tB#\xfa\xa9\x19\x1f\x08\x01\x18\x80\x01\"\x18^[A-Za-z0-9._:-]{1,128}$\x12\x32\n\x03\x65nv\x18\x02 \x01(\x0b\x32\x1d.tandem.taskapp.v1.RolloutEnvB\x06\xfa\xa9\x19\x02\x08\x01\x12\x38\n\x06policy\x18\x03 \x01(\x0b\x32 .tandem.taskapp.v1.RolloutPolicyB\x06\xfa\xa9\x19\x02\x08\x01\x12\x34\n\x04mode\x18\x04 \x01(\x0e\x32\x1e.tandem.taskapp.v1.RolloutModeB\x06\xfa\xa9\x19\x02@\x01\x12\x30\n\x06limits\x18\x05 \x01(\x0b\x32 .tandem.taskapp.v1.RolloutLimits\"C\n\nRolloutEnv\x12\x0c\n\x04seed\x18\x01 \x01(\x04\x12\'\n\x06\x63onfig\x18\x02 \x01(\x0b\x32\x17.google.protobuf.Struct\"O\n\rRolloutPolicy\x12>\n\x06\x63onfig\x18\x01 \x01(\x0b\x32&.tandem.taskapp.v1.RolloutPolicyConfigB\x06\xfa\xa9\x19\x02\x08\x01\"\x8b\x03\n\x13RolloutPolicyConfig\x12\x18\n\x05model\x18\x01 \x01(\tB\t\xfa\xa9\x19\x05\x08\x01\x18\x80\x02\x12\x35\n\rinference_url\x18\x02 \x01(\tB\x1e\xfa\xa9\x19\x1a\x08\x01\x18\x80\x10\"\x13^https?://[^\\s?#]+$\x12\x30\n\x0btemperature\x18\x03 \x01(\x01\x42\x16\xfa\xa9\x19\x12)\x00\x00\x00\x00\x00\x00\x00\x00\x31\x00\x00\x00\x00\x00\x00\x00@H\x00\x88\x01\x01\x12,\n\x15max_completion_tokens\x18\x04 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x00\x30\x41\x12*\n\x05top_p\x18\x05 \x01(\x01\x42\x16\xfa\xa9\x19\x12)\x8d\xed\xb5\xa0\xf7\xc6\xb0>1\x00\x00\x00\x00\x00\x00\xf0?H\x01\x88\x01\x01\x12!\n\x05top_k\x18\x06 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x80\x84.AH\x02\x88\x01\x01\x12*\n\x05min_p\x18\x07 \x01(\x01\x42\x16\xfa\xa9\x19\x12)\x00\x00\x00\x00\x00\x00\x00\x00\x31\x00\x00\x00\x00\x00\x00\xf0?H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"U\n\rRolloutLimits\x12 \n\tmax_turns\x18\x01 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x88\xc3@\x12\"\n\x0bmax_seconds\x18\x02 \x01(\rB\r\xfa\xa9\x19\t1\x00\x00\x00\x00\x00\x18\xf5@\"\x94\x02\n\rRolloutResult\x12\x1c\n\x14trace_correlation_id\x18\x01 \x01(\t\x12\x32\n\x07metrics\x18\x02 \x01(\x0b\x32!.tandem.taskapp.v1.RolloutMetrics\x12\x31\n\ntrajectory\x18\x03 \x01(\x0b\x32\x1d.tandem.taskapp.v1.Trajectory\x12\x0f\n\x07\x61\x62orted\x18\x04 \x01(\x08\x12.\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x1f.tandem.taskapp.v1.RolloutError\x12+\n\x08\x64uration\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x10\n\x08\x61ttempts\x18\x07 \x01(\r\"i\n\x0eRolloutMetrics\x12\x16\n\x0eoutcome_reward\x18\x01 \x01(\x01\x12\x15\n\revent_rewards\x18\x02 \x03(\x01\x12(\n\x07\x64\x65tails\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"4\n\nTrajectory\x12&\n\x05turns\x18\x01 \x03(\x0b\x32\x17.tandem.taskapp.v1.Turn\"4\n\x04Turn\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.tandem.taskapp.v1.Message\"(\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc9\x03\n\x0cRolloutError\x12\x32\n\x04kind\x18\x01 \x01(\x0e\x32$.tandem.taskapp.v1.RolloutError.Kind\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0bhttp_status\x18\x03 \x01(\r\x12\x11\n\tretryable\x18\x04 \x01(\x08\"\xcb\x02\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cKIND_TIMEOUT\x10\x01\x12\x14\n\x10KIND_HTTP_STATUS\x10\x02\x12\x1b\n\x17KIND_MALFORMED_RESPONSE\x10\x03\x12\x1a\n\x16KIND_NON_FINITE_REWARD\x10\x04\x12\x1d\n\x19KIND_CORRELATION_MISMATCH\x10\x05\x12\x14\n\x10KIND_UNREACHABLE\x10\x06\x12\x15\n\x11KIND_CIRCUIT_OPEN\x10\x07\x12\x1a\n\x16KIND_CONCURRENCY_LIMIT\x10\x08\x12\x16\n\x12KIND_AUTH_REJECTED\x10\t\x12\x1b\n\x17KIND_SECRET_UNAVAILABLE\x10\n\x12\x1b\n\x17KIND_RESPONSE_TOO_LARGE\x10\x0b\x12\x12\n\x0eKIND_CANCELLED\x10\x0c*W\n\x0bRolloutMode\x12\x1c\n\x18ROLLOUT_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fROLLOUT_MODE_RL\x10\x01\x12\x15\n\x11ROLLOUT_MODE_EVAL\x10\x02\x42+Z)tandem/gen/go/tandem/taskapp/v1;taskappv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -63,8 +63,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUTLIMITS'].fields_by_name['max_turns']._serialized_options = b'\372\251\031\t1\000\000\000\000\000\210\303@'
   _globals['_ROLLOUTLIMITS'].fields_by_name['max_seconds']._loaded_options = None
   _globals['_ROLLOUTLIMITS'].fields_by_name['max_seconds']._serialized_options = b'\372\251\031\t1\000\000\000\000\000\030\365@'
-  _globals['_ROLLOUTMODE']._serialized_start=2051
-  _globals['_ROLLOUTMODE']._serialized_end=2138
+  _globals['_ROLLOUTMODE']._serialized_start=2079
+  _globals['_ROLLOUTMODE']._serialized_end=2166
   _globals['_ROLLOUTSPEC']._serialized_start=152
   _globals['_ROLLOUTSPEC']._serialized_end=446
   _globals['_ROLLOUTENV']._serialized_start=448
@@ -72,21 +72,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUTPOLICY']._serialized_start=517
   _globals['_ROLLOUTPOLICY']._serialized_end=596
   _globals['_ROLLOUTPOLICYCONFIG']._serialized_start=599
-  _globals['_ROLLOUTPOLICYCONFIG']._serialized_end=966
-  _globals['_ROLLOUTLIMITS']._serialized_start=968
-  _globals['_ROLLOUTLIMITS']._serialized_end=1053
-  _globals['_ROLLOUTRESULT']._serialized_start=1056
-  _globals['_ROLLOUTRESULT']._serialized_end=1332
-  _globals['_ROLLOUTMETRICS']._serialized_start=1334
-  _globals['_ROLLOUTMETRICS']._serialized_end=1439
-  _globals['_TRAJECTORY']._serialized_start=1441
-  _globals['_TRAJECTORY']._serialized_end=1493
-  _globals['_TURN']._serialized_start=1495
-  _globals['_TURN']._serialized_end=1547
-  _globals['_MESSAGE']._serialized_start=1549
-  _globals['_MESSAGE']._serialized_end=1589
-  _globals['_ROLLOUTERROR']._serialized_start=1592
-  _globals['_ROLLOUTERROR']._serialized_end=2049
-  _globals['_ROLLOUTERROR_KIND']._serialized_start=1718
-  _globals['_ROLLOUTERROR_KIND']._serialized_end=2049
+  _globals['_ROLLOUTPOLICYCONFIG']._serialized_end=994
+  _globals['_ROLLOUTLIMITS']._serialized_start=996
+  _globals['_ROLLOUTLIMITS']._serialized_end=1081
+  _globals['_ROLLOUTRESULT']._serialized_start=1084
+  _globals['_ROLLOUTRESULT']._serialized_end=1360
+  _globals['_ROLLOUTMETRICS']._serialized_start=1362
+  _globals['_ROLLOUTMETRICS']._serialized_end=1467
+  _globals['_TRAJECTORY']._serialized_start=1469
+  _globals['_TRAJECTORY']._serialized_end=1521
+  _globals['_TURN']._serialized_start=1523
+  _globals['_TURN']._serialized_end=1575
+  _globals['_MESSAGE']._serialized_start=1577
+  _globals['_MESSAGE']._serialized_end=1617
+  _globals['_ROLLOUTERROR']._serialized_start=1620
+  _globals['_ROLLOUTERROR']._serialized_end=2077
+  _globals['_ROLLOUTERROR_KIND']._serialized_start=1746
+  _globals['_ROLLOUTERROR_KIND']._serialized_end=2077
 # @@protoc_insertion_point(module_scope)

@@ -170,6 +170,7 @@ class RolloutPolicyConfig(_message.Message):
     TOP_P_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
     MIN_P_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Required. The model id to put in the `model` field of each chat completion, 1 to 256 characters."""
     inference_url: _builtins.str
@@ -193,6 +194,13 @@ class RolloutPolicyConfig(_message.Message):
     """Optional. Drop tokens less likely than `min_p` times the most likely one, 0 to 1; unset or 0 means
     none. Passed on as the chat completion's `min_p` (an extension of the OpenAI API, as vLLM's).
     """
+    seed: _builtins.int
+    """Optional. The episode's sampling seed; unset means the worker draws one at random. An app passes it on
+    as the chat completion's `seed`, varying it per call when an episode makes several (the SDK's `Policy`
+    sends `seed + k` on its k-th call, counting from 0, mod 2^64), so that the same episode samples the same
+    tokens again. The trainer derives it from the job's seed, the step and the episode's index, below 2^53
+    so that every JSON parser reads it exactly (trainer/README.md, "Reproducible runs").
+    """
     def __init__(
         self,
         *,
@@ -203,13 +211,16 @@ class RolloutPolicyConfig(_message.Message):
         top_p: _builtins.float | None = ...,
         top_k: _builtins.int | None = ...,
         min_p: _builtins.float | None = ...,
+        seed: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "min_p", b"min_p", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "min_p", b"min_p", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "inference_url", b"inference_url", "max_completion_tokens", b"max_completion_tokens", "min_p", b"min_p", "model", b"model", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "inference_url", b"inference_url", "max_completion_tokens", b"max_completion_tokens", "min_p", b"min_p", "model", b"model", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__min_p: _TypeAlias = _typing.Literal["min_p"]  # noqa: Y015
     _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
     _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
@@ -218,6 +229,8 @@ class RolloutPolicyConfig(_message.Message):
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_p) -> _WhichOneofReturnType__min_p | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
     @_typing.overload

@@ -200,8 +200,9 @@ class TrainerConfig(_message.Message):
     is evaluated whenever an eval split is set).
     """
     seed: _builtins.int
-    """Optional. The seed for the trainer's own randomness (seed order, sampling seeds, init of new heads);
-    0 is a valid seed.
+    """Optional. The seed of the job's randomness: the order of the train split's seeds, every episode's
+    sampling seed (derived from it, the step and the episode's index) and the trainer's torch generator;
+    0 is a valid seed. A built model's initialisation has its own `[model.build] seed`.
     """
     @_builtins.property
     def model(self) -> Global___ModelConfig:
@@ -273,6 +274,7 @@ class InferenceConfig(_message.Message):
 
     ENGINE_FIELD_NUMBER: _builtins.int
     ENFORCE_EAGER_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     """Optional. `torch` (transformers, on the CPU or one GPU) or `vllm` (vLLM: its CUDA build on GPUs, its
     CPU build on a CPU, each an extra of its own); unset means `torch`.
@@ -281,15 +283,23 @@ class InferenceConfig(_message.Message):
     """Optional. vLLM only: run the model eagerly, without torch.compile or CUDA graphs, for a faster start
     and slower steps; unset means false.
     """
+    max_batch: _builtins.int
+    """Optional. torch engine only: the most generations one worker advances in a forward pass, 0 to 4096; 0
+    means 32. Batched rows are left-padded, which moves their logits in the last float bits depending on
+    which generations share a step (set by arrival timing), so only 1 makes every token and sampler
+    log-prob a function of the weights, the prompt and the seed alone: what a reproducible run needs, at the
+    cost of one forward pass per generation and step.
+    """
     def __init__(
         self,
         *,
         engine: _builtins.str = ...,
         enforce_eager: _builtins.bool = ...,
+        max_batch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enforce_eager", b"enforce_eager", "engine", b"engine"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enforce_eager", b"enforce_eager", "engine", b"engine", "max_batch", b"max_batch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
