@@ -496,7 +496,8 @@ def _task_rules(task: TaskSpec, at: str) -> list[FieldViolation]:  # noqa: PLR09
             found.append(FieldViolation(f"{at}.{needs}", f"is required for {kind} tasks"))
         if options is not None and options != needs:
             found.append(FieldViolation(f"{at}.{options}", f"is for {options} tasks; this task is {kind}"))
-    if task.kind in (TaskSpec.KIND_COMMAND, TaskSpec.KIND_SERVICE) and not task.run.strip():
+    # A command task may be setup only, or nothing (SkyPilot's run is optional); a service is its run.
+    if task.kind == TaskSpec.KIND_SERVICE and not task.run.strip():
         found.append(FieldViolation(f"{at}.run", f"is required for {kind} tasks"))
     if task.HasField("termination_delay"):
         if task.role != TaskSpec.ROLE_AUXILIARY:
@@ -1966,15 +1967,13 @@ class _Reader:
             _SKY_MOUNT_KEYS,
         )
         source = doc.get("source")
-        if isinstance(source, list) and "name" not in doc:
-            self.fail(
-                f"{at}.name", "is required with a list of local sources: the bucket they are uploaded to"
-            )
+        if isinstance(source, list) and not _bucket_name(doc):
+            self.fail(f"{at}.name", "Storage name must be specified if the source is local.")
         if doc.keys() & {"name", "store", "mode", "persistent", "type", "config"} or (
             isinstance(source, str) and "://" in source
         ):
             self.aliases[f"{proto}.bucket"] = at
-            self.aliases[f"{proto}.bucket.url"] = f"{at}.name" if "name" in doc else f"{at}.source"
+            self.aliases[f"{proto}.bucket.url"] = f"{at}.name" if _bucket_name(doc) else f"{at}.source"
             self.storage(mount, doc, at)
         elif ("volume" in doc) == ("source" in doc):
             self.fail(at, "set exactly one of volume and source")
@@ -2011,7 +2010,7 @@ class _Reader:
     def bucket_source(self, mount: js.FileMount, doc: dict[str, Any], at: str) -> None:
         """The bucket's URL: `name` (created when missing, filled from a local `source`) or a `source` URI."""
         source = doc.get("source")
-        if "name" in doc:
+        if _bucket_name(doc):  # SkyPilot's `name: null` or `name: ""` is no name
             name = self.text(doc["name"], f"{at}.name")
             if source is not None and "://" in str(source):
                 self.fail(f"{at}.name", "a bucket is named by either `name` or a `source` URI, not both")
@@ -2019,18 +2018,16 @@ class _Reader:
             mount.bucket.create = True
             if source is not None:
                 self.upload(mount.bucket.url, source, f"{at}.source")
-        elif source is None:
-            self.fail(at, "a bucket needs `source: s3://...` or `name`")
-        elif isinstance(source, list):
+        elif source is None:  # SkyPilot's own refusals, as its storage check words them
+            copy = str(doc.get("mode", "")).upper() == "COPY"
             self.fail(
-                f"{at}.name", "is required with a list of local sources: the bucket they are uploaded to"
+                at,
+                "New storage object: source must be specified when using COPY mode."
+                if copy
+                else "Storage source or storage name must be specified.",
             )
-        elif "://" not in self.text(source, f"{at}.source"):
-            self.fail(
-                f"{at}.name",
-                "is required with a local source and a bucket's keys (mode, store): the bucket the folder is "
-                "uploaded into (SkyPilot names one itself; here name it)",
-            )
+        elif isinstance(source, list) or "://" not in self.text(source, f"{at}.source"):
+            self.fail(f"{at}.name", "Storage name must be specified if the source is local.")
         else:
             self.bucket_url(mount, self.text(source, f"{at}.source"), f"{at}.source")
 
@@ -2299,6 +2296,11 @@ def _mount_path_problem(path: str) -> str:
             "backend and its user settings, so a mount goes at an absolute path"
         )
     return "the path inside the task must be absolute"
+
+
+def _bucket_name(doc: Mapping[str, Any]) -> bool:
+    """Whether a storage mount names its bucket: SkyPilot reads `name: null` and `name: ""` as no name."""
+    return doc.get("name") not in (None, "")
 
 
 def _fill_envs(value: Any, envs: Mapping[str, str]) -> Any:

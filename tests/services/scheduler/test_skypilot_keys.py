@@ -113,7 +113,7 @@ def test_buckets_in_every_skypilot_form(value: str, url: str, mode: int, create:
         ("{name: bkt, store: gcs}", ".store", "only S3"),
         ("{name: bkt, source: /local/dir}", ".source", "tandem launch"),
         ("{name: bkt, source: 's3://c'}", ".name", "not both"),
-        ("{source: [/a, /b]}", ".name", "is required with a list of local sources"),
+        ("{source: [/a, /b]}", ".name", "Storage name must be specified if the source is local."),
         ("{source: 's3://theirs', persistent: false}", ".persistent", "someone's own and kept"),
         ("{source: 's3://bkt', mode: STREAM}", ".mode", "must be one of mount, copy, mount_cached"),
         (
@@ -121,7 +121,7 @@ def test_buckets_in_every_skypilot_form(value: str, url: str, mode: int, create:
             ".config.mount_cached",
             "with mode MOUNT_CACHED",
         ),
-        ("{mode: COPY}", "", "needs `source: s3://...` or `name`"),
+        ("{mode: COPY}", "", "source must be specified when using COPY mode"),
         ("{volume: v, name: bkt}", ".volume", "not taken with a bucket"),
         ("{source: 's3://B_ad'}", ".source", "not an S3 bucket name"),
         ("{name: B_ad}", ".name", "not an S3 bucket name"),
@@ -585,7 +585,7 @@ def test_relative_host_paths_are_read_from_the_current_directory(
         in refusals("run: x\nfile_mounts: {/code: ./code}\n")['file_mounts["/code"]']
     )
     found = refusals("run: x\nfile_mounts: {/data: {source: ./data, mode: MOUNT}}\n")
-    assert "the bucket the folder is uploaded into" in found['file_mounts["/data"].name']
+    assert found['file_mounts["/data"].name'] == "Storage name must be specified if the source is local."
 
 
 def test_any_of_spot_or_not_is_spot_and_ordered_takes_the_first() -> None:

@@ -153,7 +153,6 @@ REFUSED = {
     "duplicate task names": (group(ECHO + ECHO), "tasks[1].name"),
     "no primary task": (group("- name: main\n  run: x\n  role: auxiliary\n"), "tasks"),
     "no tasks": ("name: g\ntasks: []\n", "tasks"),
-    "a one-task file without run": ("name: g\n", "run"),
     "task name pattern": (group("- name: Main\n  run: x\n"), "tasks[0].name"),
     "unknown kind": (group("- name: main\n  kind: batch\n  run: x\n"), "tasks[0].kind"),
     "options of another kind": (
@@ -161,7 +160,6 @@ REFUSED = {
         "tasks[0].service",
     ),
     "service without its options": (group("- name: main\n  kind: service\n  run: x\n"), "tasks[0].service"),
-    "command without run": (group("- name: main\n  setup: x\n"), "tasks[0].run"),
     "service without port": (
         group("- name: main\n  run: x\n  service: {health_path: /h}\n"),
         "tasks[0].service.port",
