@@ -26,6 +26,7 @@ The environment the engine provides (`task_env`, plus `node_env` per node rank, 
 |---|---|
 | `TANDEM_JOB` | the job's name, `orgs/{org}/jobs/{job}` |
 | `TANDEM_TASK` | the task's name |
+| `TANDEM_TASK_DISPLAY_NAME` | the task's name as written (`My_Task`), where not `TANDEM_TASK`; a host name too |
 | `TANDEM_NUM_NODES`, `SKYPILOT_NUM_NODES` | the task's node count |
 | `TANDEM_NODE_RANK`, `SKYPILOT_NODE_RANK`, `SKYPILOT_SETUP_NODE_RANK` | this node's rank, 0 first (`node_env`) |
 | `TANDEM_NODE_IPS`, `SKYPILOT_NODE_IPS`, `SKYPILOT_SETUP_NODE_IPS` | the nodes' addresses, one a line, rank 0 first |
@@ -248,6 +249,8 @@ def task_env(
             "SKYPILOT_MANAGED_JOB_ID": group,
         }
     )
+    if task.display_name:
+        env["TANDEM_TASK_DISPLAY_NAME"] = task.display_name
     if group_size > 1 and not serial:  # SkyPilot's rule: a job group's tasks are a job tree, rooted at it
         env["SKYPILOT_ROOT_JOB_ID"] = group
     if user:

@@ -389,8 +389,17 @@ def _job_rules(spec: JobSpec) -> list[FieldViolation]:
     first: dict[str, int] = {}
     for index, task in enumerate(spec.tasks):
         if task.name in first:
+            other = spec.tasks[first[task.name]]
+            written = [t.display_name for t in (other, task) if t.display_name]
             found.append(
-                FieldViolation(f"tasks[{index}].name", f"{task.name!r} is also tasks[{first[task.name]}]")
+                FieldViolation(
+                    f"tasks[{index}].name",
+                    f"{task.name!r} is also tasks[{first[task.name]}]"
+                    if not written
+                    else f"{task.display_name or task.name!r} and tasks[{first[task.name]}]'s "
+                    f"{other.display_name or other.name!r} are both the task name {task.name!r} (Tandem's task "
+                    "names are lowercase, with hyphens for '_' and '.'): rename one",
+                )
             )
         first.setdefault(task.name, index)
     apps: dict[str, int] = {}
@@ -504,6 +513,16 @@ def _task_rules(task: TaskSpec, at: str) -> list[FieldViolation]:  # noqa: PLR09
             found.append(FieldViolation(f"{at}.termination_delay", "is for auxiliary tasks only"))
         else:
             found.extend(_duration(task.termination_delay, f"{at}.termination_delay", low=0.0, high=HOUR_S))
+    if task.display_name and (
+        not _SKY_TASK_NAME.fullmatch(task.display_name) or default_task_name(task.display_name) != task.name
+    ):
+        found.append(
+            FieldViolation(
+                f"{at}.display_name",
+                f"{task.display_name!r} must be a SkyPilot task name (letters, digits, and '.', '_', '-' "
+                f"between them) whose normal form is the task's name, {default_task_name(task.display_name)!r}",
+            )
+        )
     found.extend(_resources(task.resources, f"{at}.resources"))
     found.extend(_envs(task, at))
     found.extend(_mounts(task, at))
@@ -1015,6 +1034,7 @@ _CLOUD_BACKENDS: dict[str, js.Backend.ValueType] = {
     "local": js.BACKEND_LOCAL,
 }
 _TASK_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+_SKY_TASK_NAME = re.compile(r"[a-zA-Z0-9]+(?:[._-]{1,2}[a-zA-Z0-9]+)*")  # the names SkyPilot's tasks take
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -1099,6 +1119,7 @@ class _Reader:
         self.found: list[FieldViolation] = []
         self.aliases: dict[str, str] = {"display_name": "name"}
         self.single = False  # a file that is one SkyPilot task: its keys are at the top, not under tasks[0]
+        self.documents = False  # SkyPilot's multi-document form: a header, then one document per task
         self.primary: list[str] | None = None  # a group header's `primary_tasks`
         self.delays: dict[str, duration_pb2.Duration] = {}  # its `termination_delay`, by task ("default")
         self.named: set[int] = set()  # the tasks whose file gives a name
@@ -1148,6 +1169,7 @@ class _Reader:
             if isinstance(head, dict) and head.keys() & _SKY_TASK_ONLY:
                 return self.pipeline(spec, documents)
             tasks = documents[1:]
+            self.documents = True
             if isinstance(head, dict) and "execution" not in head:  # SkyPilot's rule: then it is a pipeline
                 spec.execution = js.JobSpec.EXECUTION_SERIAL
         else:
@@ -1196,6 +1218,8 @@ class _Reader:
         )
         if spec.display_name:
             task.name = default_task_name(spec.display_name)
+            if _SKY_TASK_NAME.fullmatch(spec.display_name) and task.name != spec.display_name:
+                task.display_name = spec.display_name  # the task's name as SkyPilot has it
             self.named.add(0)
         self.finish(spec)
 
@@ -1225,17 +1249,19 @@ class _Reader:
                 self.delays["default"] = self.duration(value, "termination_delay")
 
     def roles(self, spec: JobSpec) -> None:
-        names = [t.name for t in spec.tasks]
+        """`primary_tasks` and `termination_delay` name tasks as SkyPilot does (`My_Task`), or by `name`."""
+        names = {n for t in spec.tasks for n in (t.name, t.display_name) if n}
         for index, name in enumerate(self.primary or []):
             if name not in names:
                 self.found.append(FieldViolation(f"primary_tasks[{index}]", f"{name!r} is no task's name"))
         for index, task in enumerate(spec.tasks):
+            called = [n for n in (task.display_name, task.name) if n]
             if self.primary is not None:
-                listed = task.name in self.primary
+                listed = bool(set(called) & set(self.primary))
                 if task.role == (TaskSpec.ROLE_AUXILIARY if listed else TaskSpec.ROLE_PRIMARY):
                     self.found.append(FieldViolation(f"tasks[{index}].role", "disagrees with primary_tasks"))
                 task.role = TaskSpec.ROLE_PRIMARY if listed else TaskSpec.ROLE_AUXILIARY
-            delay = self.delays.get(task.name, self.delays.get("default"))
+            delay = next((self.delays[n] for n in called if n in self.delays), self.delays.get("default"))
             if (
                 delay is not None
                 and task.role == TaskSpec.ROLE_AUXILIARY
@@ -1252,6 +1278,7 @@ class _Reader:
         """What spans the tasks: default names, SkyPilot's group roles and delays, the values given at
         submission, the backend `cloud:` names."""
         stem = default_task_name(spec.display_name) if spec.display_name else "task"
+        self.job_group_names(spec)
         for index, task in enumerate(spec.tasks):
             if index not in self.named:  # SkyPilot's rule: a group's unnamed tasks are NAME-0, NAME-1, ...
                 task.name = stem if len(spec.tasks) == 1 else f"{stem[: 62 - len(str(index))]}-{index}"
@@ -1290,6 +1317,20 @@ class _Reader:
         if len(named) == 1 and spec.backend in named:
             self.apply_infra_options(spec, spec.backend)
         self.job_values_of_tasks(spec)
+
+    def job_group_names(self, spec: JobSpec) -> None:
+        """SkyPilot's multi-document job group takes no dots in its task names, as its loader checks."""
+        if not self.documents or spec.execution == js.JobSpec.EXECUTION_SERIAL:
+            return
+        for index, task in enumerate(spec.tasks):
+            if "." in task.display_name:
+                self.found.append(
+                    FieldViolation(
+                        f"tasks[{index}].name",
+                        f"Invalid job name: {task.display_name!r}. Name must contain only alphanumeric "
+                        "characters, hyphens, and underscores.",
+                    )
+                )
 
     def apply_infra_options(self, spec: JobSpec, backend: js.Backend.ValueType) -> None:
         """Each `infra:`'s cluster, partition or context into the job's options, where nothing else there
@@ -1394,7 +1435,7 @@ class _Reader:
     def task(self, task: TaskSpec, value: Any, at: str) -> None:
         doc = self.table(value, at, _TASK_KEYS, _SKY_TASK_KEYS)
         if "name" in doc:
-            task.name = self.text(doc["name"], f"{at}.name")
+            self.task_name(task, self.text(doc["name"], f"{at}.name"))
             self.named.add(_index(at))
         self.guard(lambda: setattr(task, "kind", self.kind(doc, at)))
         if "role" in doc:
@@ -1431,6 +1472,16 @@ class _Reader:
             self.guard(lambda: self.online_rl(task.online_rl, doc["online_rl"], f"{at}.online_rl"))
         if "service" in doc:
             self.guard(lambda: self.service(task.service, doc["service"], f"{at}.service"))
+
+    @staticmethod
+    def task_name(task: TaskSpec, written: str) -> None:
+        """A task's name as written: in Tandem's shape as it is; a SkyPilot name outside it (`My_Task`) kept
+        in `display_name`, `name` its normal form (`my-task`). Anything else stays, for the name's rule to
+        refuse."""
+        task.name = written
+        if not _TASK_NAME.fullmatch(written) and _SKY_TASK_NAME.fullmatch(written) and len(written) <= 128:
+            task.name = default_task_name(written)
+            task.display_name = written
 
     def registry_login(self, task: TaskSpec, at: str) -> None:
         """SkyPilot's private registry login (SKYPILOT_DOCKER_USERNAME, _PASSWORD, _SERVER): the three

@@ -16,7 +16,7 @@ from services.scheduler import spec as S
 from tests.services.scheduler.test_scheduler import TERMINAL, log_text, wait_for
 from tests.services.scheduler.test_skypilot import needs_skypilot
 from tests.services.scheduler.test_skypilot_files import Acme, acme, submit, write_job
-from tests.services.scheduler.test_skypilot_keys import refusals
+from tests.services.scheduler.test_skypilot_keys import parse, refusals
 from tests.services.scheduler.test_skypilot_keys import skypilot_reads as skypilot
 
 __all__ = ["acme"]
@@ -111,3 +111,113 @@ def test_a_null_bucket_name_is_no_name_and_refusals_are_skypilots(
             (violation,) = caught.value.violations
             assert violation.field.startswith(f'file_mounts["{where}"]'), where
             assert violation.description == said, where
+
+
+# -- task names outside Tandem's shape -----------------------------------------------------------------------
+
+NAMED_GROUP = """\
+name: rl
+execution: parallel
+primary_tasks: [Policy_Trainer]
+termination_delay: {Rollout_Server: 10s}
+---
+name: Policy_Trainer
+run: |
+  for host in Rollout_Server-0 rollout-server-0; do
+    if getent hosts "$host.$SKYPILOT_JOBGROUP_NAME" >/dev/null; then echo "found $host"; fi
+  done
+---
+name: Rollout_Server
+run: echo "serving as $TANDEM_TASK_DISPLAY_NAME"
+"""
+
+READ_NAMES = """
+import json, sys
+from sky.utils import dag_utils
+dag = dag_utils.load_dag_from_yaml(sys.argv[1])
+print(json.dumps([task.name for task in dag.tasks]))
+"""
+
+
+@needs_skypilot
+def test_skypilots_task_names_are_kept_beside_their_normal_form(tmp_path: Path) -> None:
+    path = tmp_path / "group.yaml"
+    path.write_text(NAMED_GROUP)
+    written = skypilot(READ_NAMES, path)
+    spec = S.load_yaml(path)
+    assert [t.display_name for t in spec.tasks] == written == ["Policy_Trainer", "Rollout_Server"]
+    assert [t.name for t in spec.tasks] == ["policy-trainer", "rollout-server"]
+    trainer, server = spec.tasks
+    assert (trainer.role, server.role) == (js.TaskSpec.ROLE_PRIMARY, js.TaskSpec.ROLE_AUXILIARY)
+    assert server.termination_delay.seconds == 10
+    S.check_spec(spec)  # the proto form passes the contract's rules too
+
+
+READ_OR_REFUSE = """
+import json, sys
+from sky.utils import dag_utils
+try:
+    print(json.dumps([task.name for task in dag_utils.load_dag_from_yaml(sys.argv[1]).tasks]))
+except ValueError as error:
+    print(json.dumps(str(error)))
+"""
+
+
+@needs_skypilot
+def test_dots_are_refused_in_a_job_group_as_skypilot_refuses_them(tmp_path: Path) -> None:
+    dotted = NAMED_GROUP.replace("Rollout_Server", "Rollout.Server")
+    group, pipeline = tmp_path / "group.yaml", tmp_path / "pipeline.yaml"
+    group.write_text(dotted)
+    pipeline.write_text(
+        dotted.replace("execution: parallel", "execution: serial").replace(
+            "primary_tasks: [Policy_Trainer]\ntermination_delay: {Rollout.Server: 10s}\n", ""
+        )
+    )
+    said = skypilot(READ_OR_REFUSE, group)
+    with pytest.raises(InvalidArgument) as caught:
+        S.load_yaml(group)
+    assert {v.field: v.description for v in caught.value.violations} == {"tasks[1].name": said}
+    assert [t.display_name for t in S.load_yaml(pipeline).tasks] == skypilot(READ_OR_REFUSE, pipeline)
+
+
+def test_a_name_already_in_tandems_shape_has_no_display_name() -> None:
+    (task,) = parse("tasks:\n  - name: trainer\n    run: x\n").tasks
+    assert (task.name, task.display_name) == ("trainer", "")
+    (single,) = parse("name: My_Job\nrun: x\n").tasks
+    assert (single.name, single.display_name) == ("my-job", "My_Job")
+    (spaced,) = parse("name: my job\nrun: x\n").tasks  # not a SkyPilot task name: the job's only
+    assert (spaced.name, spaced.display_name) == ("my-job", "")
+
+
+def test_two_names_with_one_normal_form_are_refused_naming_both() -> None:
+    found = refusals("tasks:\n  - name: My_Task\n    run: x\n  - name: my-task\n    run: y\n")
+    assert set(found) == {"tasks[1].name"}
+    assert "'my-task' and tasks[0]'s 'My_Task' are both the task name 'my-task'" in found["tasks[1].name"]
+    found = refusals("tasks:\n  - name: My_Task\n    run: x\n  - name: my.task\n    run: y\n")
+    assert "'my.task' and tasks[0]'s 'My_Task'" in found["tasks[1].name"]
+
+
+def test_a_name_skypilot_refuses_too_is_refused() -> None:
+    assert "tasks[0].name" in refusals("tasks:\n  - name: 'my task'\n    run: x\n")
+    assert "tasks[0].name" in refusals("tasks:\n  - name: _hidden\n    run: x\n")
+
+
+def test_a_proto_display_name_must_normalise_to_the_name() -> None:
+    def problems(task: js.TaskSpec) -> dict[str, str]:
+        return {v.field: v.description for v in S.spec_violations(js.JobSpec(tasks=[task]))}
+
+    good = js.TaskSpec(name="my-task", display_name="My_Task", kind=js.TaskSpec.KIND_COMMAND, run="x")
+    assert problems(good) == {}
+    other = js.TaskSpec(name="other", display_name="My_Task", kind=js.TaskSpec.KIND_COMMAND, run="x")
+    assert "'my-task'" in problems(other)["tasks[0].display_name"]
+    long = js.TaskSpec(name="t", display_name="T" * 129, kind=js.TaskSpec.KIND_COMMAND, run="x")
+    assert "tasks[0].display_name" in problems(long)
+
+
+async def test_siblings_answer_to_both_names(acme: Acme, tmp_path: Path) -> None:
+    job = await submit(acme, S.load_yaml(write_job(tmp_path, NAMED_GROUP)))
+    done = await wait_for(acme, job.name, *TERMINAL, within_s=120)
+    trainer = await log_text(acme, job.name, "policy-trainer")
+    assert done.state == State.STATE_SUCCEEDED, (done.failure.message, trainer)
+    assert "found Rollout_Server-0" in trainer and "found rollout-server-0" in trainer, trainer
+    assert "serving as Rollout_Server" in await log_text(acme, job.name, "rollout-server")

@@ -153,7 +153,7 @@ REFUSED = {
     "duplicate task names": (group(ECHO + ECHO), "tasks[1].name"),
     "no primary task": (group("- name: main\n  run: x\n  role: auxiliary\n"), "tasks"),
     "no tasks": ("name: g\ntasks: []\n", "tasks"),
-    "task name pattern": (group("- name: Main\n  run: x\n"), "tasks[0].name"),
+    "task name pattern": (group("- name: Main Task\n  run: x\n"), "tasks[0].name"),
     "unknown kind": (group("- name: main\n  kind: batch\n  run: x\n"), "tasks[0].kind"),
     "options of another kind": (
         group("- name: main\n  kind: command\n  run: x\n  service: {port: 80}\n"),

@@ -365,6 +365,7 @@ class TaskSpec(_message.Message):
     ONLINE_RL_FIELD_NUMBER: _builtins.int
     SERVICE_FIELD_NUMBER: _builtins.int
     WORKDIR_FIELD_NUMBER: _builtins.int
+    DISPLAY_NAME_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Required. The task name, unique in the job: a lowercase letter, then up to 62 lowercase letters,
     digits or hyphens.
@@ -382,8 +383,13 @@ class TaskSpec(_message.Message):
     failure, never recovered.
     """
     run: _builtins.str
-    """Optional. The shell script the task runs on each node, at most 64 KiB. Required for COMMAND and
-    SERVICE tasks (CreateJob checks, INVALID_JOB_SPEC).
+    """Optional. The shell script the task runs on each node, at most 64 KiB. Required for SERVICE tasks
+    (CreateJob checks, INVALID_JOB_SPEC); a COMMAND task without one runs its `setup` and succeeds.
+    """
+    display_name: _builtins.str
+    """Optional. The task's name as the job file writes it, where that is not in `name`'s shape: SkyPilot
+    allows capitals, underscores and dots (`My_Task`), and `name` holds its normalised form (`my-task`).
+    At most 128 characters. The task's sibling host names answer to both forms (SPEC.md).
     """
     @_builtins.property
     def termination_delay(self) -> _duration_pb2.Duration:
@@ -446,10 +452,11 @@ class TaskSpec(_message.Message):
         online_rl: Global___OnlineRlOptions | None = ...,
         service: Global___ServiceOptions | None = ...,
         workdir: Global___Workdir | None = ...,
+        display_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kind_options", b"kind_options", "online_rl", b"online_rl", "resources", b"resources", "service", b"service", "termination_delay", b"termination_delay", "workdir", b"workdir"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "file_mounts", b"file_mounts", "kind", b"kind", "kind_options", b"kind_options", "name", b"name", "num_nodes", b"num_nodes", "online_rl", b"online_rl", "resources", b"resources", "role", b"role", "run", b"run", "secrets", b"secrets", "service", b"service", "setup", b"setup", "termination_delay", b"termination_delay", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["display_name", b"display_name", "envs", b"envs", "file_mounts", b"file_mounts", "kind", b"kind", "kind_options", b"kind_options", "name", b"name", "num_nodes", b"num_nodes", "online_rl", b"online_rl", "resources", b"resources", "role", b"role", "run", b"run", "secrets", b"secrets", "service", b"service", "setup", b"setup", "termination_delay", b"termination_delay", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind_options: _TypeAlias = _typing.Literal["online_rl", "service"]  # noqa: Y015
     _WhichOneofArgType_kind_options: _TypeAlias = _typing.Literal["kind_options", b"kind_options"]  # noqa: Y015
