@@ -59,6 +59,7 @@ from tandem.scheduler.v1 import job_spec_pb2 as js
 
 from services.scheduler.backends.base import IPS_VARIABLES, RANK_VARIABLES
 from services.scheduler.backends.task_buckets import BucketMount
+from services.scheduler.backends.task_workdir import IGNORE_FILES
 from services.scheduler.spec import port_range, secret_env_name, trainer_config
 
 SETUP_FAILED_EXIT = 223  # `setup` failed: a PRECHECK failure, never recovered
@@ -82,7 +83,11 @@ def command_for(
     """The script every node of `task` runs. `gpus_granted` is the GPUs this node holds for the task;
     `config_file` and `output_dir` are required for online_rl tasks (see the module docstring); `python` is
     the interpreter that runs the trainer."""
-    lines = [f"# tandem: job {job}, task {task.name}", *workdir_lines(task), *secret_file_lines(task)]
+    lines = [
+        f"# tandem: job {job}, task {task.name}",
+        *workdir_lines(task, python=python),
+        *secret_file_lines(task),
+    ]
     if task.setup.strip():
         lines.append(f"bash -c {shlex.quote(task.setup)} || exit {SETUP_FAILED_EXIT}")
     if task.kind == js.TaskSpec.KIND_ONLINE_RL:
@@ -152,14 +157,18 @@ def git_fetch(task: js.TaskSpec, fetch: list[str]) -> str:
     )
 
 
-def workdir_lines(task: js.TaskSpec) -> list[str]:
+def workdir_lines(task: js.TaskSpec, *, python: str = "python") -> list[str]:
     """SkyPilot's `workdir`, filled into the working directory the script starts in (the task's folder):
-    a folder's contents copied over what an earlier attempt left, or a repository fetched and checked out.
-    Either failing exits with SETUP_FAILED_EXIT, a PRECHECK failure."""
+    a folder's contents copied over what an earlier attempt left, without what its `.skyignore` (else
+    `.gitignore`) names (backends/task_workdir.py, run with `python`, where the folder has either file), or a
+    repository fetched and checked out. Either failing exits with SETUP_FAILED_EXIT, a PRECHECK failure."""
     which = task.workdir.WhichOneof("source") if task.HasField("workdir") else None
     if which == "path":
-        source = shlex.quote(task.workdir.path.rstrip("/") + "/.")
-        fill = f"cp -R -p -- {source} ."
+        folder = task.workdir.path.rstrip("/") or "/"
+        source = shlex.quote(folder + "/.")
+        rules = " || ".join(f"[ -f {shlex.quote(f'{folder}/{name}')} ]" for name in IGNORE_FILES)
+        helper = shlex.join([python, "-m", "services.scheduler.backends.task_workdir", folder, "."])
+        fill = f"if {rules}; then {helper}; else cp -R -p -- {source} .; fi"
         what = task.workdir.path
     elif which == "git_url":
         url, ref = task.workdir.git_url, task.workdir.git_ref

@@ -5,6 +5,7 @@ through CreateJob on the local backend and the real one-node Slurm cluster (test
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,12 @@ from tandem.scheduler.v1 import job_pb2
 from tandem.scheduler.v1 import job_spec_pb2 as js
 
 from mesh.errors import InvalidArgument
+from services.scheduler import bucket_uploads
 from services.scheduler import spec as S
+from services.scheduler.backends import task_workdir
 from tests.services.scheduler.test_scheduler import TERMINAL, log_text, wait_for
 from tests.services.scheduler.test_skypilot import needs_skypilot
-from tests.services.scheduler.test_skypilot_files import Acme, acme, submit, write_job
+from tests.services.scheduler.test_skypilot_files import ROOT, Acme, acme, submit, write_job
 from tests.services.scheduler.test_skypilot_keys import parse, refusals
 from tests.services.scheduler.test_skypilot_keys import skypilot_reads as skypilot
 
@@ -221,3 +224,118 @@ async def test_siblings_answer_to_both_names(acme: Acme, tmp_path: Path) -> None
     assert done.state == State.STATE_SUCCEEDED, (done.failure.message, trainer)
     assert "found Rollout_Server-0" in trainer and "found rollout-server-0" in trainer, trainer
     assert "serving as Rollout_Server" in await log_text(acme, job.name, "rollout-server")
+
+
+# -- workdir's .skyignore / .gitignore -----------------------------------------------------------------------
+
+
+def tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def copied(source: Path, dest: Path) -> set[str]:
+    task_workdir.copy_workdir(source, dest)
+    return {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file() and ".git/" not in str(p)}
+
+
+PROJECT = {
+    "train.py": "",
+    "data/big.bin": "",
+    "data/keep.txt": "",
+    "logs/run.log": "",
+    "src/model.py": "",
+    "src/model.pyc": "",
+    "src/cache/x": "",
+    "notes.tmp": "",
+}
+
+EXCLUDED = """
+import json, sys
+from sky.data import storage_utils
+print(json.dumps(storage_utils.get_excluded_files(sys.argv[1])))
+"""
+
+
+@needs_skypilot
+def test_a_skyignore_leaves_out_what_skypilot_leaves_out(tmp_path: Path) -> None:
+    source = tree(
+        tmp_path / "project", {**PROJECT, ".skyignore": "*.tmp\n/logs\ndata/*.bin\n*.pyc\ncache/\n"}
+    )
+    (source / ".gitignore").write_text("train.py\n")  # not read: the .skyignore is
+    probe = tmp_path / "probe.yaml"
+    probe.write_text(f"workdir: {source}\nrun: x\n")
+    excluded = {e.rstrip("/") for e in skypilot(EXCLUDED.replace("sys.argv[1]", repr(str(source))), probe)}
+    expected = {
+        name
+        for name in [*PROJECT, ".skyignore", ".gitignore"]
+        if not any(name == e or name.startswith(e + "/") for e in excluded)
+    }
+    assert copied(source, tmp_path / "task") == expected
+    assert expected == {"train.py", "data/keep.txt", "src/model.py", ".skyignore", ".gitignore"}
+
+
+def test_a_gitignore_counts_as_git_reads_it_nested_and_with_info_exclude(tmp_path: Path) -> None:
+    source = tree(tmp_path / "repo", {**PROJECT, ".gitignore": "*.tmp\nlogs/\n", "src/.gitignore": "*.pyc\n"})
+    subprocess.run(["git", "init", "-q", str(source)], check=True)
+    (source / ".git" / "info" / "exclude").write_text("data/big.bin\n")
+    ignored = subprocess.run(
+        ["git", "-C", str(source), "ls-files", "--others", "--ignored", "--exclude-standard", "--directory"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    expected = {
+        name
+        for name in [*PROJECT, ".gitignore", "src/.gitignore"]
+        if not any(name == e.rstrip("/") or name.startswith(e) for e in ignored)
+    }
+    assert copied(source, tmp_path / "task") == expected
+    assert "src/model.pyc" not in expected and "data/keep.txt" in expected
+    assert (tmp_path / "task" / ".git" / "HEAD").is_file()  # .git is copied, as SkyPilot's sync copies it
+
+
+def test_a_nested_skyignore_adds_rules_for_its_folder(tmp_path: Path) -> None:
+    source = tree(
+        tmp_path / "project", {**PROJECT, ".skyignore": "*.tmp\n", "src/.skyignore": "/cache\n*.pyc\n"}
+    )
+    (source / "link").symlink_to("train.py")
+    dest = tmp_path / "task"
+    assert copied(source, dest) == set(PROJECT) - {"notes.tmp", "src/cache/x", "src/model.pyc"} | {
+        ".skyignore",
+        "src/.skyignore",
+        "link",
+    }
+    assert (dest / "link").is_symlink()
+
+
+def test_bucket_uploads_read_the_same_top_rules(tmp_path: Path) -> None:
+    source = tree(
+        tmp_path / "project", {**PROJECT, ".skyignore": "*.tmp\nlogs/\n", "src/.skyignore": "*.pyc\n"}
+    )
+    sent = {relative for _path, relative in bucket_uploads.files_of(source)}
+    assert sent == set(PROJECT) - {"notes.tmp", "logs/run.log"} | {".skyignore", "src/.skyignore"}
+
+
+async def test_a_workdir_is_copied_without_what_its_skyignore_names(
+    acme: Acme, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tree(tmp_path / "project", {**PROJECT, ".skyignore": "*.tmp\n/logs\ndata/*.bin\n"})
+    job_file = write_job(
+        tmp_path,
+        f"""\
+        name: synced
+        workdir: project
+        envs: {{PYTHONPATH: {ROOT}}}
+        run: find . -type f ! -path './.tandem*' | sort
+        """,
+    )
+    monkeypatch.chdir(tmp_path)
+    job = await submit(acme, S.load_yaml(job_file))
+    done = await wait_for(acme, job.name, *TERMINAL, within_s=120)
+    logs = await log_text(acme, job.name)
+    assert done.state == State.STATE_SUCCEEDED, (done.failure.message, logs)
+    assert "./train.py" in logs and "./data/keep.txt" in logs and "./src/model.py" in logs, logs
+    assert "notes.tmp" not in logs.split("attempt 0")[-1] and "run.log" not in logs and "big.bin" not in logs
