@@ -57,10 +57,10 @@ from collections.abc import Callable, Sequence
 
 from tandem.scheduler.v1 import job_spec_pb2 as js
 
-from services.scheduler.backends.base import IPS_VARIABLES, RANK_VARIABLES
+from services.scheduler.backends.base import IPS_VARIABLES, POD_HOME, RANK_VARIABLES
 from services.scheduler.backends.task_buckets import BucketMount
 from services.scheduler.backends.task_workdir import IGNORE_FILES
-from services.scheduler.spec import port_range, secret_env_name, trainer_config
+from services.scheduler.spec import home_relative, port_range, secret_env_name, trainer_config
 
 SETUP_FAILED_EXIT = 223  # `setup` failed: a PRECHECK failure, never recovered
 USER_ID_LENGTH = 8  # SkyPilot's USER_HASH_LENGTH
@@ -439,6 +439,39 @@ def host_mounts(
         placed.append((folder, folder, read_only))
         env[mount_env_name(path)] = folder
     return placed, env
+
+
+def pod_path(path: str) -> str:
+    """A mount path in a pod (Kubernetes): `~/PATH` is `POD_HOME/PATH`, under the pod's home; others as written."""
+    rest = home_relative(path)
+    return path if rest is None else f"{POD_HOME}/{rest}"
+
+
+def pod_home_mounts(mounts: Sequence[tuple[str, str, bool]]) -> tuple[list[tuple[str, str, bool]], bool]:
+    """For a backend that really mounts (Kubernetes): each mount at its `pod_path`, and whether one was under
+    `~/` (then HOME is `POD_HOME`)."""
+    placed = [(pod_path(path), source, read_only) for path, source, read_only in mounts]
+    return placed, any(home_relative(path) is not None for path, _source, _read_only in mounts)
+
+
+def home_link_lines(
+    mounts: Sequence[tuple[str, str, bool]], placed: Sequence[tuple[str, str, bool]]
+) -> list[str]:
+    """For the host backends (local, Slurm), where a mount is a folder of its own: `$HOME/PATH` linked to the
+    folder of each `~/PATH` mount (`placed[i]` is `mounts[i]` as placed), at the task's start, in the HOME the
+    task runs with. Something else already at that path (not a link) fails the task, PRECHECK."""
+    lines: list[str] = []
+    for (path, _source, _read_only), (folder, _folder, _ro) in zip(mounts, placed, strict=True):
+        rest = home_relative(path)
+        if rest is None:
+            continue
+        link = f'"$HOME"/{shlex.quote(rest)}'
+        failed = shlex.quote(f"[tandem] cannot link ~/{rest} to its mount {folder}: something else is there")
+        lines.append(
+            f'{{ mkdir -p "$(dirname {link})" && {{ [ ! -e {link} ] || [ -L {link} ]; }} '
+            f"&& ln -sfn {shlex.quote(folder)} {link}; }} || {{ echo {failed} >&2; exit {SETUP_FAILED_EXIT}; }}"
+        )
+    return lines
 
 
 def mount_env(mounts: Sequence[tuple[str, str, bool]]) -> dict[str, str]:

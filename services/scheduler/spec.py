@@ -653,7 +653,10 @@ def _mounts(task: TaskSpec, at: str) -> list[FieldViolation]:
         where = f"{at}.file_mounts[{index}]"
         if mount.WhichOneof("source") is None:
             found.append(FieldViolation(f"{where}.source", "set local_path, volume or bucket"))
-        if not mount.path.startswith("/"):
+        if mount.path.startswith("~") and not home_relative(mount.path):
+            found.append(FieldViolation(f"{where}.path", _mount_path_problem(mount.path)))
+            continue
+        if not mount.path.startswith(("/", "~/")):
             continue  # the contract's pattern already says so
         if ".." in mount.path.split("/"):
             found.append(FieldViolation(f"{where}.path", "must not contain '..'"))
@@ -1536,7 +1539,7 @@ class _Reader:
             mount = task.file_mounts.add()
             mount.path = str(path)
             self.aliases[f"{at.rsplit('.', 1)[0]}.{proto}"] = where
-            if not mount.path.startswith("/"):
+            if not mount.path.startswith("/") and not home_relative(mount.path):
                 self.found.append(FieldViolation(where, _mount_path_problem(str(path))))
             if isinstance(item, str):
                 mount.volume = item
@@ -1995,7 +1998,7 @@ class _Reader:
             mount.path = str(path)
             if "$" in mount.path or (isinstance(source, str) and "$" in source):
                 self.found.append(FieldViolation(where, _ENV_IN_MOUNT))
-            if not mount.path.startswith("/"):
+            if not mount.path.startswith("/") and not home_relative(mount.path):
                 self.found.append(FieldViolation(where, _mount_path_problem(str(path))))
             self.aliases[f"{proto}.path"] = where
             self.aliases[proto] = where
@@ -2340,13 +2343,20 @@ class _Reader:
         return float(match[1]) * _MEMORY_UNITS[match[2].lower()]
 
 
+def home_relative(path: str) -> str | None:
+    """The part of a mount path under the task's own home (`~/data` -> `data`), None for any other path."""
+    return path[2:].rstrip("/") if path.startswith("~/") else None
+
+
 def _mount_path_problem(path: str) -> str:
+    if path.rstrip("/") == "~" or home_relative(path) == "":
+        return "is the task's home itself; mount a folder under it (~/PATH) or at an absolute path"
     if path.startswith("~"):
         return (
-            "is under ~, the remote user's home in SkyPilot's clusters; a task's home here depends on the "
-            "backend and its user settings, so a mount goes at an absolute path"
+            f"{path.split('/', 1)[0]} is another user's home; a mount goes under the task's own home (~/PATH) "
+            "or at an absolute path"
         )
-    return "the path inside the task must be absolute"
+    return "the path inside the task must be absolute, or ~/PATH under the task's home"
 
 
 def _bucket_name(doc: Mapping[str, Any]) -> bool:

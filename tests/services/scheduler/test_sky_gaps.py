@@ -5,6 +5,7 @@ through CreateJob on the local backend and the real one-node Slurm cluster (test
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -18,13 +19,35 @@ from services.scheduler import spec as S
 from services.scheduler.backends import task_workdir
 from tests.services.scheduler.test_scheduler import TERMINAL, log_text, wait_for
 from tests.services.scheduler.test_skypilot import needs_skypilot
-from tests.services.scheduler.test_skypilot_files import ROOT, Acme, acme, submit, write_job
+from tests.services.scheduler.test_skypilot_files import (
+    ROOT,
+    Acme,
+    acme,
+    dataset_bucket,
+    submit,
+    write_job,
+)
 from tests.services.scheduler.test_skypilot_keys import parse, refusals
 from tests.services.scheduler.test_skypilot_keys import skypilot_reads as skypilot
+from tests.support.s3 import S3Server, s3_server
 
-__all__ = ["acme"]
+__all__ = ["acme", "s3_server"]
 pytestmark = pytest.mark.timeout(300)
 State = job_pb2.Job.State
+
+
+@pytest.fixture(autouse=True)
+def own_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The HOME the local backend's tasks inherit: this test's, so links under ~/ land nowhere else."""
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+
+async def ran(clients: Acme, spec: js.JobSpec) -> tuple[job_pb2.Job, str]:
+    """The job of `spec` once it ended, and its log."""
+    job = await submit(clients, spec)
+    done = await wait_for(clients, job.name, *TERMINAL, within_s=180)
+    return done, await log_text(clients, job.name)
 
 
 # -- tasks without run ---------------------------------------------------------------------------------------
@@ -61,9 +84,7 @@ def test_a_service_task_still_needs_run() -> None:
 
 async def test_tasks_without_run_succeed(acme: Acme, tmp_path: Path) -> None:
     for label, text in WITHOUT_RUN.items():
-        job = await submit(acme, S.load_yaml(write_job(tmp_path, text)))
-        done = await wait_for(acme, job.name, *TERMINAL, within_s=120)
-        logs = await log_text(acme, job.name)
+        done, logs = await ran(acme, S.load_yaml(write_job(tmp_path, text)))
         assert done.state == State.STATE_SUCCEEDED, (label, done.failure.message, logs)
 
 
@@ -97,10 +118,8 @@ def test_a_null_bucket_name_is_no_name_and_refusals_are_skypilots(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "data").mkdir()
-    path = tmp_path / "task.yaml"
     mounts = "".join(f"  {where}: {value}\n" for where, value in NAMELESS.items())
-    path.write_text(f"run: x\nfile_mounts:\n{mounts}")
-    sky = skypilot(VALIDATE_STORAGE, path)
+    sky = skypilot(VALIDATE_STORAGE, write_job(tmp_path, f"run: x\nfile_mounts:\n{mounts}"))
     monkeypatch.chdir(tmp_path)
     for where, value in NAMELESS.items():
         text = f"run: x\nfile_mounts:\n  {where}: {value}\n"
@@ -333,9 +352,105 @@ async def test_a_workdir_is_copied_without_what_its_skyignore_names(
         """,
     )
     monkeypatch.chdir(tmp_path)
-    job = await submit(acme, S.load_yaml(job_file))
-    done = await wait_for(acme, job.name, *TERMINAL, within_s=120)
-    logs = await log_text(acme, job.name)
+    done, logs = await ran(acme, S.load_yaml(job_file))
     assert done.state == State.STATE_SUCCEEDED, (done.failure.message, logs)
     assert "./train.py" in logs and "./data/keep.txt" in logs and "./src/model.py" in logs, logs
     assert "notes.tmp" not in logs.split("attempt 0")[-1] and "run.log" not in logs and "big.bin" not in logs
+
+
+# -- mounts under ~/ -----------------------------------------------------------------------------------------
+
+READ_MOUNTS = """
+import json, sys
+import sky
+task = sky.Task.from_yaml(sys.argv[1])
+print(json.dumps({
+    "file_mounts": task.file_mounts or {},
+    "storage": {path: storage.source for path, storage in task.storage_mounts.items()},
+}))
+"""
+
+
+@needs_skypilot
+def test_skypilot_mounts_under_home_read_as_tandem_reads_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "models").mkdir()
+    path = write_job(
+        tmp_path,
+        "run: x\nfile_mounts:\n  ~/.cache/models: ./models\n  ~/data: s3://datasets/gsm8k\n"
+        "  ~/ckpt: {name: run-ckpts, mode: MOUNT}\n",
+    )
+    sky = skypilot(READ_MOUNTS, path)
+    monkeypatch.chdir(tmp_path)
+    mounts = {m.path: m for m in S.load_yaml(path).tasks[0].file_mounts}
+    assert set(mounts) == {*sky["file_mounts"], *sky["storage"]} == {"~/.cache/models", "~/data", "~/ckpt"}
+    assert mounts["~/.cache/models"].local_path == str(tmp_path / "models")
+    assert mounts["~/data"].bucket.url == sky["file_mounts"]["~/data"] == "s3://datasets/gsm8k"
+    assert mounts["~/ckpt"].bucket.url == "s3://run-ckpts" and mounts["~/ckpt"].bucket.create
+
+
+def test_another_users_home_and_the_home_itself_are_refused() -> None:
+    found = refusals("run: x\nfile_mounts:\n  ~alice/data: /shared/data\n  '~': /shared\n  ~/: /shared\n")
+    assert "~alice is another user's home" in found['file_mounts["~alice/data"]']
+    assert "the task's home itself" in found['file_mounts["~"]']
+    assert "the task's home itself" in found['file_mounts["~/"]']
+    proto = js.JobSpec(
+        tasks=[
+            js.TaskSpec(
+                name="t",
+                kind=js.TaskSpec.KIND_COMMAND,
+                run="x",
+                file_mounts=[
+                    js.FileMount(path="~bob/x", local_path="/d"),
+                    js.FileMount(path="~/../x", local_path="/d"),
+                ],
+            )
+        ]
+    )
+    problems = {v.field: v.description for v in S.spec_violations(proto)}
+    assert "another user's home" in problems["tasks[0].file_mounts[0].path"]
+    assert "'..'" in problems["tasks[0].file_mounts[1].path"]
+
+
+async def test_mounts_under_home_are_linked_from_the_tasks_home(
+    acme: Acme, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await dataset_bucket(acme, s3_server, {"gsm/train.jsonl": b'{"q": "1+1"}\n'})
+    tree(tmp_path / "models", {"m.txt": "weights of the model\n"})
+    job_file = write_job(
+        tmp_path,
+        f"""\
+        name: home-mounts
+        envs:
+          AWS_ENDPOINT_URL: {s3_server.endpoint}
+          PYTHONPATH: {ROOT}
+        secrets: {{AWS_ACCESS_KEY_ID: null, AWS_SECRET_ACCESS_KEY: null}}
+        file_mounts:
+          ~/.cache/models: ./models
+          ~/data: s3://datasets/gsm
+        setup: test -f ~/.cache/models/m.txt
+        run: |
+          cat ~/.cache/models/m.txt ~/data/train.jsonl
+          test "$TANDEM_MOUNT_DATA" -ef ~/data && echo "same folder"
+        """,
+    )
+    monkeypatch.chdir(tmp_path)
+    done, logs = await ran(acme, S.load_yaml(job_file))
+    assert done.state == State.STATE_SUCCEEDED, (done.failure.message, logs)
+    assert "weights of the model" in logs and '{"q": "1+1"}' in logs and "same folder" in logs, logs
+
+
+async def test_something_else_at_the_home_path_is_a_precheck_failure(
+    acme: Acme, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = Path(os.environ["HOME"])
+    (home / "taken").mkdir(parents=True, exist_ok=True)
+    tree(tmp_path / "models", {"m.txt": ""})
+    monkeypatch.chdir(tmp_path)
+    job_file = write_job(tmp_path, "name: clash\nfile_mounts:\n  ~/taken: ./models\nrun: echo run-started\n")
+    done, logs = await ran(acme, S.load_yaml(job_file))
+    assert done.state == State.STATE_FAILED, logs
+    assert done.failure.failure_class == job_pb2.Failure.CLASS_PRECHECK, done.failure
+    assert "cannot link ~/taken" in logs and "run-started" not in logs, logs
+    assert (home / "taken").is_dir() and not (home / "taken").is_symlink()  # left as it was

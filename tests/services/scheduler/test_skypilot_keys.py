@@ -598,9 +598,11 @@ def test_any_of_spot_or_not_is_spot_and_ordered_takes_the_first() -> None:
     assert not preemptible("ordered", "[{use_spot: false}, {use_spot: true}]")
 
 
-def test_a_mount_under_home_says_why_it_is_refused() -> None:
-    found = refusals("run: x\nfile_mounts: {~/.ssh/id_rsa: /keys/id_rsa}\n")
-    assert "under ~" in found['file_mounts["~/.ssh/id_rsa"]']
+def test_a_mount_under_the_tasks_home_is_taken_and_another_users_is_refused() -> None:
+    [mount] = parse("run: x\nfile_mounts: {~/.ssh/id_rsa: /keys/id_rsa}\n").tasks[0].file_mounts
+    assert (mount.path, mount.local_path) == ("~/.ssh/id_rsa", "/keys/id_rsa")
+    found = refusals("run: x\nfile_mounts: {~root/.ssh/id_rsa: /keys/id_rsa}\n")
+    assert "another user's home" in found['file_mounts["~root/.ssh/id_rsa"]']
 
 
 def test_elastic_recovery_says_what_is_missing() -> None:

@@ -553,7 +553,10 @@ class FileMount(_message.Message):
     READ_ONLY_FIELD_NUMBER: _builtins.int
     SUB_PATH_FIELD_NUMBER: _builtins.int
     path: _builtins.str
-    """Required. The absolute path inside the task, at most 1024 characters."""
+    """Required. The absolute path inside the task, or `~/PATH` under the task's own home (SkyPilot's), at
+    most 1024 characters. Local and Slurm link `$HOME/PATH` to the mount's folder at the task's start;
+    Kubernetes mounts it under the pod's home, /mnt/tandem-home, which HOME then names.
+    """
     local_path: _builtins.str
     """Optional. An absolute path on the nodes' filesystem (for several nodes, on storage they share).
     Rejected with INVALID_JOB_SPEC on backends the deployment does not allow host paths on.
