@@ -18,18 +18,14 @@ job is submitted the client uploads, as `sky launch` does from the machine it ru
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.scheduler.backends.task_workdir import files_of
 from services.scheduler.spec import BucketUpload
 
-IGNORE_FILES = (
-    ".skyignore",
-    ".gitignore",
-)  # the first a folder has names what is left out, as SkyPilot reads
+__all__ = ["Uploaded", "files_of", "open_client_store", "upload"]
 
 
 @dataclass(frozen=True)
@@ -52,37 +48,6 @@ def open_client_store(upload: BucketUpload) -> Any:
     if upload.region:
         client["region_name"] = upload.region
     return s3fs.S3FileSystem(client_kwargs=client)
-
-
-def files_of(source: Path) -> Iterator[tuple[Path, str]]:
-    """Each file of a folder as (path, its name relative to the folder), without `.git/` and what the folder's
-    `.skyignore` (else `.gitignore`) names; a file alone as itself."""
-    if source.is_file():
-        yield source, source.name
-        return
-    ignored = _ignore_spec(source)
-    for folder, subfolders, names in os.walk(source):
-        here = Path(folder)
-        subfolders[:] = sorted(d for d in subfolders if d != ".git" and not ignored(here / d, directory=True))
-        for name in sorted(names):
-            path = here / name
-            if path.is_symlink() or not path.is_file() or ignored(path, directory=False):
-                continue  # SkyPilot's sync does not follow links
-            yield path, path.relative_to(source).as_posix()
-
-
-def _ignore_spec(folder: Path) -> Callable[..., bool]:
-    rules = next((folder / n for n in IGNORE_FILES if (folder / n).is_file()), None)
-    if rules is None:
-        return lambda _path, *, directory: False
-    import pathspec  # noqa: PLC0415 - git's own pattern rules, in the `storage` extra
-
-    spec = pathspec.GitIgnoreSpec.from_lines(rules.read_text().splitlines())
-
-    def ignored(path: Path, *, directory: bool) -> bool:
-        return spec.match_file(path.relative_to(folder).as_posix() + ("/" if directory else ""))
-
-    return ignored
 
 
 def upload(store: Any, plan: BucketUpload) -> Uploaded:

@@ -50,6 +50,7 @@ from services.scheduler import expand
 from services.scheduler import lifecycle as lc
 from services.scheduler.backends.base import (
     NODE_SELECTOR_OPTION,
+    POD_HOME,
     Backend,
     BackendUnavailable,
     LaunchRefused,
@@ -1348,20 +1349,9 @@ class Engine:
         task_dir = self.task_dir(job.name, task.task)
         log_dir = self.log_dir(job.name, task.task)
         log_dir.mkdir(parents=True, exist_ok=True)
-        mounts = expand.file_mounts(spec_task)
-        on_host = attempt.backend in HOST_BACKENDS
-        if on_host:  # processes see the host's files: volumes and buckets are folders here
-            for number, (path, source, read_only) in enumerate(list(mounts)):
-                if not source:
-                    folder = task_dir / "buckets" / str(number)
-                    folder.mkdir(parents=True, exist_ok=True)
-                    mounts[number] = (path, str(folder), read_only)
-            mounts, mount_env = expand.host_mounts(mounts, lambda name: str(self.volume_dir(job.org, name)))
-            index = _output_mount(spec_task)
-            output = Path(mounts[index][0]) if index is not None else task_dir / "output"
-        else:
-            mount_env = expand.mount_env(mounts)
-            output = Path(expand.output_dir_for(spec_task, str(task_dir / "output")))
+        mounts, mount_env, output, home_links = self.placed_mounts(
+            job.org, spec_task, task_dir, on_host=attempt.backend in HOST_BACKENDS
+        )
         resume = newest_checkpoint(output) if spec_task.kind == TaskSpec.KIND_ONLINE_RL else None
         placed = placed_resources(spec_task, slots)
         gpus = len(slots[0].gpu_indices) if slots and slots[0].gpu_indices else placed.gpus
@@ -1414,6 +1404,8 @@ class Engine:
             output_dir=str(output),
             python="python" if spec_task.resources.image else sys.executable,  # an image's own Python
         )
+        if home_links:  # first of all, so setup finds them (in an image too: the folders are at their paths)
+            command = "\n".join(home_links) + "\n" + command
         siblings = tuple(n for n in names if n != spec_task.name) if sibling_hosts(spec) else ()
         required = bool(siblings) and spec.HasField("inter_connection")  # `true`: no names, no run
         if siblings and attempt.backend in HOST_BACKENDS:
@@ -1450,6 +1442,28 @@ class Engine:
             sibling_tasks=siblings,
             sibling_hosts_required=required,
         )
+
+    def placed_mounts(
+        self, org: str, spec_task: TaskSpec, task_dir: Path, *, on_host: bool
+    ) -> tuple[list[tuple[str, str, bool]], dict[str, str], Path, list[str]]:
+        """The task's mounts as its backend places them, their variables (`TANDEM_MOUNT_<NAME>`, and HOME for a
+        pod with `~/` mounts), the online-RL output folder, and the lines linking the host backends' `~/`
+        mounts from $HOME."""
+        mounts = expand.file_mounts(spec_task)
+        if not on_host:
+            mounts, pod_home = expand.pod_home_mounts(mounts)
+            env = expand.mount_env(mounts) | ({"HOME": POD_HOME} if pod_home else {})
+            output = Path(expand.pod_path(expand.output_dir_for(spec_task, str(task_dir / "output"))))
+            return mounts, env, output, []
+        for number, (path, source, read_only) in enumerate(list(mounts)):  # volumes and buckets are folders
+            if not source:
+                folder = task_dir / "buckets" / str(number)
+                folder.mkdir(parents=True, exist_ok=True)
+                mounts[number] = (path, str(folder), read_only)
+        placed, env = expand.host_mounts(mounts, lambda name: str(self.volume_dir(org, name)))
+        index = _output_mount(spec_task)
+        folder = Path(placed[index][0]) if index is not None else task_dir / "output"
+        return placed, env, folder, expand.home_link_lines(mounts, placed)
 
     def with_sibling_hosts(
         self, job: str, siblings: Sequence[str], command: str, env: dict[str, str], *, required: bool

@@ -26,6 +26,7 @@ The environment the engine provides (`task_env`, plus `node_env` per node rank, 
 |---|---|
 | `TANDEM_JOB` | the job's name, `orgs/{org}/jobs/{job}` |
 | `TANDEM_TASK` | the task's name |
+| `TANDEM_TASK_DISPLAY_NAME` | the task's name as written (`My_Task`), where not `TANDEM_TASK`; a host name too |
 | `TANDEM_NUM_NODES`, `SKYPILOT_NUM_NODES` | the task's node count |
 | `TANDEM_NODE_RANK`, `SKYPILOT_NODE_RANK`, `SKYPILOT_SETUP_NODE_RANK` | this node's rank, 0 first (`node_env`) |
 | `TANDEM_NODE_IPS`, `SKYPILOT_NODE_IPS`, `SKYPILOT_SETUP_NODE_IPS` | the nodes' addresses, one a line, rank 0 first |
@@ -56,9 +57,10 @@ from collections.abc import Callable, Sequence
 
 from tandem.scheduler.v1 import job_spec_pb2 as js
 
-from services.scheduler.backends.base import IPS_VARIABLES, RANK_VARIABLES
+from services.scheduler.backends.base import IPS_VARIABLES, POD_HOME, RANK_VARIABLES
 from services.scheduler.backends.task_buckets import BucketMount
-from services.scheduler.spec import port_range, secret_env_name, trainer_config
+from services.scheduler.backends.task_workdir import IGNORE_FILES
+from services.scheduler.spec import home_relative, port_range, secret_env_name, trainer_config
 
 SETUP_FAILED_EXIT = 223  # `setup` failed: a PRECHECK failure, never recovered
 USER_ID_LENGTH = 8  # SkyPilot's USER_HASH_LENGTH
@@ -81,7 +83,11 @@ def command_for(
     """The script every node of `task` runs. `gpus_granted` is the GPUs this node holds for the task;
     `config_file` and `output_dir` are required for online_rl tasks (see the module docstring); `python` is
     the interpreter that runs the trainer."""
-    lines = [f"# tandem: job {job}, task {task.name}", *workdir_lines(task), *secret_file_lines(task)]
+    lines = [
+        f"# tandem: job {job}, task {task.name}",
+        *workdir_lines(task, python=python),
+        *secret_file_lines(task),
+    ]
     if task.setup.strip():
         lines.append(f"bash -c {shlex.quote(task.setup)} || exit {SETUP_FAILED_EXIT}")
     if task.kind == js.TaskSpec.KIND_ONLINE_RL:
@@ -151,14 +157,18 @@ def git_fetch(task: js.TaskSpec, fetch: list[str]) -> str:
     )
 
 
-def workdir_lines(task: js.TaskSpec) -> list[str]:
+def workdir_lines(task: js.TaskSpec, *, python: str = "python") -> list[str]:
     """SkyPilot's `workdir`, filled into the working directory the script starts in (the task's folder):
-    a folder's contents copied over what an earlier attempt left, or a repository fetched and checked out.
-    Either failing exits with SETUP_FAILED_EXIT, a PRECHECK failure."""
+    a folder's contents copied over what an earlier attempt left, without what its `.skyignore` (else
+    `.gitignore`) names (backends/task_workdir.py, run with `python`, where the folder has either file), or a
+    repository fetched and checked out. Either failing exits with SETUP_FAILED_EXIT, a PRECHECK failure."""
     which = task.workdir.WhichOneof("source") if task.HasField("workdir") else None
     if which == "path":
-        source = shlex.quote(task.workdir.path.rstrip("/") + "/.")
-        fill = f"cp -R -p -- {source} ."
+        folder = task.workdir.path.rstrip("/") or "/"
+        source = shlex.quote(folder + "/.")
+        rules = " || ".join(f"[ -f {shlex.quote(f'{folder}/{name}')} ]" for name in IGNORE_FILES)
+        helper = shlex.join([python, "-m", "services.scheduler.backends.task_workdir", folder, "."])
+        fill = f"if {rules}; then {helper}; else cp -R -p -- {source} .; fi"
         what = task.workdir.path
     elif which == "git_url":
         url, ref = task.workdir.git_url, task.workdir.git_ref
@@ -248,6 +258,8 @@ def task_env(
             "SKYPILOT_MANAGED_JOB_ID": group,
         }
     )
+    if task.display_name:
+        env["TANDEM_TASK_DISPLAY_NAME"] = task.display_name
     if group_size > 1 and not serial:  # SkyPilot's rule: a job group's tasks are a job tree, rooted at it
         env["SKYPILOT_ROOT_JOB_ID"] = group
     if user:
@@ -429,6 +441,39 @@ def host_mounts(
         placed.append((folder, folder, read_only))
         env[mount_env_name(path)] = folder
     return placed, env
+
+
+def pod_path(path: str) -> str:
+    """A mount path in a pod (Kubernetes): `~/PATH` is `POD_HOME/PATH`, under the pod's home; others as written."""
+    rest = home_relative(path)
+    return path if rest is None else f"{POD_HOME}/{rest}"
+
+
+def pod_home_mounts(mounts: Sequence[tuple[str, str, bool]]) -> tuple[list[tuple[str, str, bool]], bool]:
+    """For a backend that really mounts (Kubernetes): each mount at its `pod_path`, and whether one was under
+    `~/` (then HOME is `POD_HOME`)."""
+    placed = [(pod_path(path), source, read_only) for path, source, read_only in mounts]
+    return placed, any(home_relative(path) is not None for path, _source, _read_only in mounts)
+
+
+def home_link_lines(
+    mounts: Sequence[tuple[str, str, bool]], placed: Sequence[tuple[str, str, bool]]
+) -> list[str]:
+    """For the host backends (local, Slurm), where a mount is a folder of its own: `$HOME/PATH` linked to the
+    folder of each `~/PATH` mount (`placed[i]` is `mounts[i]` as placed), at the task's start, in the HOME the
+    task runs with. Something else already at that path (not a link) fails the task, PRECHECK."""
+    lines: list[str] = []
+    for (path, _source, _read_only), (folder, _folder, _ro) in zip(mounts, placed, strict=True):
+        rest = home_relative(path)
+        if rest is None:
+            continue
+        link = f'"$HOME"/{shlex.quote(rest)}'
+        failed = shlex.quote(f"[tandem] cannot link ~/{rest} to its mount {folder}: something else is there")
+        lines.append(
+            f'{{ mkdir -p "$(dirname {link})" && {{ [ ! -e {link} ] || [ -L {link} ]; }} '
+            f"&& ln -sfn {shlex.quote(folder)} {link}; }} || {{ echo {failed} >&2; exit {SETUP_FAILED_EXIT}; }}"
+        )
+    return lines
 
 
 def mount_env(mounts: Sequence[tuple[str, str, bool]]) -> dict[str, str]:

@@ -391,8 +391,17 @@ def _job_rules(spec: JobSpec) -> list[FieldViolation]:
     first: dict[str, int] = {}
     for index, task in enumerate(spec.tasks):
         if task.name in first:
+            other = spec.tasks[first[task.name]]
+            written = [t.display_name for t in (other, task) if t.display_name]
             found.append(
-                FieldViolation(f"tasks[{index}].name", f"{task.name!r} is also tasks[{first[task.name]}]")
+                FieldViolation(
+                    f"tasks[{index}].name",
+                    f"{task.name!r} is also tasks[{first[task.name]}]"
+                    if not written
+                    else f"{task.display_name or task.name!r} and tasks[{first[task.name]}]'s "
+                    f"{other.display_name or other.name!r} are both the task name {task.name!r} (Tandem's task "
+                    "names are lowercase, with hyphens for '_' and '.'): rename one",
+                )
             )
         first.setdefault(task.name, index)
     apps: dict[str, int] = {}
@@ -498,13 +507,24 @@ def _task_rules(task: TaskSpec, at: str) -> list[FieldViolation]:  # noqa: PLR09
             found.append(FieldViolation(f"{at}.{needs}", f"is required for {kind} tasks"))
         if options is not None and options != needs:
             found.append(FieldViolation(f"{at}.{options}", f"is for {options} tasks; this task is {kind}"))
-    if task.kind in (TaskSpec.KIND_COMMAND, TaskSpec.KIND_SERVICE) and not task.run.strip():
+    # A command task may be setup only, or nothing (SkyPilot's run is optional); a service is its run.
+    if task.kind == TaskSpec.KIND_SERVICE and not task.run.strip():
         found.append(FieldViolation(f"{at}.run", f"is required for {kind} tasks"))
     if task.HasField("termination_delay"):
         if task.role != TaskSpec.ROLE_AUXILIARY:
             found.append(FieldViolation(f"{at}.termination_delay", "is for auxiliary tasks only"))
         else:
             found.extend(_duration(task.termination_delay, f"{at}.termination_delay", low=0.0, high=HOUR_S))
+    if task.display_name and (
+        not _SKY_TASK_NAME.fullmatch(task.display_name) or default_task_name(task.display_name) != task.name
+    ):
+        found.append(
+            FieldViolation(
+                f"{at}.display_name",
+                f"{task.display_name!r} must be a SkyPilot task name (letters, digits, and '.', '_', '-' "
+                f"between them) whose normal form is the task's name, {default_task_name(task.display_name)!r}",
+            )
+        )
     found.extend(_resources(task.resources, f"{at}.resources"))
     found.extend(_envs(task, at))
     found.extend(_mounts(task, at))
@@ -635,7 +655,10 @@ def _mounts(task: TaskSpec, at: str) -> list[FieldViolation]:
         where = f"{at}.file_mounts[{index}]"
         if mount.WhichOneof("source") is None:
             found.append(FieldViolation(f"{where}.source", "set local_path, volume or bucket"))
-        if not mount.path.startswith("/"):
+        if mount.path.startswith("~") and not home_relative(mount.path):
+            found.append(FieldViolation(f"{where}.path", _mount_path_problem(mount.path)))
+            continue
+        if not mount.path.startswith(("/", "~/")):
             continue  # the contract's pattern already says so
         if ".." in mount.path.split("/"):
             found.append(FieldViolation(f"{where}.path", "must not contain '..'"))
@@ -1016,6 +1039,7 @@ _CLOUD_BACKENDS: dict[str, js.Backend.ValueType] = {
     "local": js.BACKEND_LOCAL,
 }
 _TASK_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+_SKY_TASK_NAME = re.compile(r"[a-zA-Z0-9]+(?:[._-]{1,2}[a-zA-Z0-9]+)*")  # the names SkyPilot's tasks take
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -1100,6 +1124,7 @@ class _Reader:
         self.found: list[FieldViolation] = []
         self.aliases: dict[str, str] = {"display_name": "name"}
         self.single = False  # a file that is one SkyPilot task: its keys are at the top, not under tasks[0]
+        self.documents = False  # SkyPilot's multi-document form: a header, then one document per task
         self.primary: list[str] | None = None  # a group header's `primary_tasks`
         self.delays: dict[str, duration_pb2.Duration] = {}  # its `termination_delay`, by task ("default")
         self.named: set[int] = set()  # the tasks whose file gives a name
@@ -1150,6 +1175,7 @@ class _Reader:
             if isinstance(head, dict) and head.keys() & _SKY_TASK_ONLY:
                 return self.pipeline(spec, documents)
             tasks = documents[1:]
+            self.documents = True
             if isinstance(head, dict) and "execution" not in head:  # SkyPilot's rule: then it is a pipeline
                 spec.execution = js.JobSpec.EXECUTION_SERIAL
         else:
@@ -1198,6 +1224,8 @@ class _Reader:
         )
         if spec.display_name:
             task.name = default_task_name(spec.display_name)
+            if _SKY_TASK_NAME.fullmatch(spec.display_name) and task.name != spec.display_name:
+                task.display_name = spec.display_name  # the task's name as SkyPilot has it
             self.named.add(0)
         self.finish(spec)
 
@@ -1227,17 +1255,19 @@ class _Reader:
                 self.delays["default"] = self.duration(value, "termination_delay")
 
     def roles(self, spec: JobSpec) -> None:
-        names = [t.name for t in spec.tasks]
+        """`primary_tasks` and `termination_delay` name tasks as SkyPilot does (`My_Task`), or by `name`."""
+        names = {n for t in spec.tasks for n in (t.name, t.display_name) if n}
         for index, name in enumerate(self.primary or []):
             if name not in names:
                 self.found.append(FieldViolation(f"primary_tasks[{index}]", f"{name!r} is no task's name"))
         for index, task in enumerate(spec.tasks):
+            called = [n for n in (task.display_name, task.name) if n]
             if self.primary is not None:
-                listed = task.name in self.primary
+                listed = bool(set(called) & set(self.primary))
                 if task.role == (TaskSpec.ROLE_AUXILIARY if listed else TaskSpec.ROLE_PRIMARY):
                     self.found.append(FieldViolation(f"tasks[{index}].role", "disagrees with primary_tasks"))
                 task.role = TaskSpec.ROLE_PRIMARY if listed else TaskSpec.ROLE_AUXILIARY
-            delay = self.delays.get(task.name, self.delays.get("default"))
+            delay = next((self.delays[n] for n in called if n in self.delays), self.delays.get("default"))
             if (
                 delay is not None
                 and task.role == TaskSpec.ROLE_AUXILIARY
@@ -1254,6 +1284,7 @@ class _Reader:
         """What spans the tasks: default names, SkyPilot's group roles and delays, the values given at
         submission, the backend `cloud:` names."""
         stem = default_task_name(spec.display_name) if spec.display_name else "task"
+        self.job_group_names(spec)
         for index, task in enumerate(spec.tasks):
             if index not in self.named:  # SkyPilot's rule: a group's unnamed tasks are NAME-0, NAME-1, ...
                 task.name = stem if len(spec.tasks) == 1 else f"{stem[: 62 - len(str(index))]}-{index}"
@@ -1293,6 +1324,20 @@ class _Reader:
             self.apply_infra_options(spec, spec.backend)
         self.found.extend(task_config.apply_slurm(spec, self.config_slurm))
         self.job_values_of_tasks(spec)
+
+    def job_group_names(self, spec: JobSpec) -> None:
+        """SkyPilot's multi-document job group takes no dots in its task names, as its loader checks."""
+        if not self.documents or spec.execution == js.JobSpec.EXECUTION_SERIAL:
+            return
+        for index, task in enumerate(spec.tasks):
+            if "." in task.display_name:
+                self.found.append(
+                    FieldViolation(
+                        f"tasks[{index}].name",
+                        f"Invalid job name: {task.display_name!r}. Name must contain only alphanumeric "
+                        "characters, hyphens, and underscores.",
+                    )
+                )
 
     def apply_infra_options(self, spec: JobSpec, backend: js.Backend.ValueType) -> None:
         """Each `infra:`'s cluster, partition or context into the job's options, where nothing else there
@@ -1397,7 +1442,7 @@ class _Reader:
     def task(self, task: TaskSpec, value: Any, at: str) -> None:
         doc = self.table(value, at, _TASK_KEYS, _SKY_TASK_KEYS)
         if "name" in doc:
-            task.name = self.text(doc["name"], f"{at}.name")
+            self.task_name(task, self.text(doc["name"], f"{at}.name"))
             self.named.add(_index(at))
         self.guard(lambda: setattr(task, "kind", self.kind(doc, at)))
         if "role" in doc:
@@ -1446,6 +1491,16 @@ class _Reader:
         self.aliases.update(parsed.aliases)
         if parsed.slurm:
             self.config_slurm.append((f"{at}.config.slurm", parsed.slurm))
+
+    @staticmethod
+    def task_name(task: TaskSpec, written: str) -> None:
+        """A task's name as written: in Tandem's shape as it is; a SkyPilot name outside it (`My_Task`) kept
+        in `display_name`, `name` its normal form (`my-task`). Anything else stays, for the name's rule to
+        refuse."""
+        task.name = written
+        if not _TASK_NAME.fullmatch(written) and _SKY_TASK_NAME.fullmatch(written) and len(written) <= 128:
+            task.name = default_task_name(written)
+            task.display_name = written
 
     def registry_login(self, task: TaskSpec, at: str) -> None:
         """SkyPilot's private registry login (SKYPILOT_DOCKER_USERNAME, _PASSWORD, _SERVER): the three
@@ -1500,7 +1555,7 @@ class _Reader:
             mount = task.file_mounts.add()
             mount.path = str(path)
             self.aliases[f"{at.rsplit('.', 1)[0]}.{proto}"] = where
-            if not mount.path.startswith("/"):
+            if not mount.path.startswith("/") and not home_relative(mount.path):
                 self.found.append(FieldViolation(where, _mount_path_problem(str(path))))
             if isinstance(item, str):
                 mount.volume = item
@@ -1959,7 +2014,7 @@ class _Reader:
             mount.path = str(path)
             if "$" in mount.path or (isinstance(source, str) and "$" in source):
                 self.found.append(FieldViolation(where, _ENV_IN_MOUNT))
-            if not mount.path.startswith("/"):
+            if not mount.path.startswith("/") and not home_relative(mount.path):
                 self.found.append(FieldViolation(where, _mount_path_problem(str(path))))
             self.aliases[f"{proto}.path"] = where
             self.aliases[proto] = where
@@ -1982,15 +2037,13 @@ class _Reader:
             _SKY_MOUNT_KEYS,
         )
         source = doc.get("source")
-        if isinstance(source, list) and "name" not in doc:
-            self.fail(
-                f"{at}.name", "is required with a list of local sources: the bucket they are uploaded to"
-            )
+        if isinstance(source, list) and not _bucket_name(doc):
+            self.fail(f"{at}.name", "Storage name must be specified if the source is local.")
         if doc.keys() & {"name", "store", "mode", "persistent", "type", "config"} or (
             isinstance(source, str) and "://" in source
         ):
             self.aliases[f"{proto}.bucket"] = at
-            self.aliases[f"{proto}.bucket.url"] = f"{at}.name" if "name" in doc else f"{at}.source"
+            self.aliases[f"{proto}.bucket.url"] = f"{at}.name" if _bucket_name(doc) else f"{at}.source"
             self.storage(mount, doc, at)
         elif ("volume" in doc) == ("source" in doc):
             self.fail(at, "set exactly one of volume and source")
@@ -2027,7 +2080,7 @@ class _Reader:
     def bucket_source(self, mount: js.FileMount, doc: dict[str, Any], at: str) -> None:
         """The bucket's URL: `name` (created when missing, filled from a local `source`) or a `source` URI."""
         source = doc.get("source")
-        if "name" in doc:
+        if _bucket_name(doc):  # SkyPilot's `name: null` or `name: ""` is no name
             name = self.text(doc["name"], f"{at}.name")
             if source is not None and "://" in str(source):
                 self.fail(f"{at}.name", "a bucket is named by either `name` or a `source` URI, not both")
@@ -2035,18 +2088,16 @@ class _Reader:
             mount.bucket.create = True
             if source is not None:
                 self.upload(mount.bucket.url, source, f"{at}.source")
-        elif source is None:
-            self.fail(at, "a bucket needs `source: s3://...` or `name`")
-        elif isinstance(source, list):
+        elif source is None:  # SkyPilot's own refusals, as its storage check words them
+            copy = str(doc.get("mode", "")).upper() == "COPY"
             self.fail(
-                f"{at}.name", "is required with a list of local sources: the bucket they are uploaded to"
+                at,
+                "New storage object: source must be specified when using COPY mode."
+                if copy
+                else "Storage source or storage name must be specified.",
             )
-        elif "://" not in self.text(source, f"{at}.source"):
-            self.fail(
-                f"{at}.name",
-                "is required with a local source and a bucket's keys (mode, store): the bucket the folder is "
-                "uploaded into (SkyPilot names one itself; here name it)",
-            )
+        elif isinstance(source, list) or "://" not in self.text(source, f"{at}.source"):
+            self.fail(f"{at}.name", "Storage name must be specified if the source is local.")
         else:
             self.bucket_url(mount, self.text(source, f"{at}.source"), f"{at}.source")
 
@@ -2308,13 +2359,25 @@ class _Reader:
         return float(match[1]) * _MEMORY_UNITS[match[2].lower()]
 
 
+def home_relative(path: str) -> str | None:
+    """The part of a mount path under the task's own home (`~/data` -> `data`), None for any other path."""
+    return path[2:].rstrip("/") if path.startswith("~/") else None
+
+
 def _mount_path_problem(path: str) -> str:
+    if path.rstrip("/") == "~" or home_relative(path) == "":
+        return "is the task's home itself; mount a folder under it (~/PATH) or at an absolute path"
     if path.startswith("~"):
         return (
-            "is under ~, the remote user's home in SkyPilot's clusters; a task's home here depends on the "
-            "backend and its user settings, so a mount goes at an absolute path"
+            f"{path.split('/', 1)[0]} is another user's home; a mount goes under the task's own home (~/PATH) "
+            "or at an absolute path"
         )
-    return "the path inside the task must be absolute"
+    return "the path inside the task must be absolute, or ~/PATH under the task's home"
+
+
+def _bucket_name(doc: Mapping[str, Any]) -> bool:
+    """Whether a storage mount names its bucket: SkyPilot reads `name: null` and `name: ""` as no name."""
+    return doc.get("name") not in (None, "")
 
 
 def _fill_envs(value: Any, envs: Mapping[str, str]) -> Any:

@@ -86,6 +86,7 @@ class NodeAssignment:
 # The per-node variables every backend sets: the node's rank, and the task's node addresses (one a line).
 RANK_VARIABLES = ("TANDEM_NODE_RANK", "SKYPILOT_NODE_RANK", "SKYPILOT_SETUP_NODE_RANK")
 IPS_VARIABLES = ("TANDEM_NODE_IPS", "SKYPILOT_NODE_IPS", "SKYPILOT_SETUP_NODE_IPS")
+POD_HOME = "/mnt/tandem-home"  # Kubernetes: HOME of a pod whose task mounts under ~/ (an emptyDir there)
 
 NODE_SELECTOR_OPTION = "node_selector."  # LaunchSpec.options keys of a job's own Kubernetes node labels
 

@@ -54,14 +54,17 @@ SYSTEM_HOSTS = Path("/etc/hosts")
 
 
 def own_entry(env: Mapping[str, str]) -> tuple[str, str]:
-    """(file name, hosts line) of this node: `{task}-{rank}` and `ADDRESS {task}-{rank}.{group}`."""
+    """(file name, hosts line) of this node: `{task}-{rank}` and `ADDRESS {task}-{rank}.{group}`, with the
+    name as the file wrote it (`My_Task-0.{group}`, SkyPilot's host name for it) as an alias where it differs."""
     task, group = env["TANDEM_TASK"], env["SKYPILOT_JOBGROUP_NAME"]
+    written = env.get("TANDEM_TASK_DISPLAY_NAME", "")
     rank = int(env.get("SKYPILOT_NODE_RANK", "0") or 0)
     ips = [line.strip() for line in env.get("SKYPILOT_NODE_IPS", "").splitlines() if line.strip()]
     address = ips[rank] if rank < len(ips) else "127.0.0.1"
     with contextlib.suppress(OSError):  # an address the resolver does not know stays as it is
         address = socket.gethostbyname(address)
-    return f"{task}-{rank}", f"{address} {task}-{rank}.{group}\n"
+    alias = f" {written}-{rank}.{group}" if written and written != task else ""
+    return f"{task}-{rank}", f"{address} {task}-{rank}.{group}{alias}\n"
 
 
 def compose(folder: Path, system: Path = SYSTEM_HOSTS) -> str:

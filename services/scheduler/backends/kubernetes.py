@@ -73,6 +73,7 @@ from services.scheduler.backends import group_hosts
 from services.scheduler.backends.base import (
     IPS_VARIABLES,
     NODE_SELECTOR_OPTION,
+    POD_HOME,
     RANK_VARIABLES,
     BackendUnavailable,
     Handle,
@@ -668,14 +669,17 @@ class KubernetesBackend:
         return container
 
     def _scratch(self, spec: LaunchSpec) -> list[tuple[str, str]]:
-        """(emptyDir volume, mount path) a read-only root filesystem leaves the task to write in: /tmp and
-        its working folder, unless a mount of the spec is already there."""
-        if not self.read_only_root_filesystem:
-            return []
+        """(emptyDir volume, mount path) the task writes in: with a read-only root filesystem /tmp and its
+        working folder; the pod's home when the task mounts under ~/ (HOME is there, its mounts inside it);
+        each unless a mount of the spec is already there."""
         taken = {path.rstrip("/") for path, _source, _read_only in spec.file_mounts}
-        wanted = [("tandem-tmp", SCRATCH)]
-        if spec.workdir is not None:
-            wanted.append(("tandem-work", str(spec.workdir)))
+        wanted: list[tuple[str, str]] = []
+        if self.read_only_root_filesystem:
+            wanted.append(("tandem-tmp", SCRATCH))
+            if spec.workdir is not None:
+                wanted.append(("tandem-work", str(spec.workdir)))
+        if any(path.startswith(POD_HOME + "/") for path in taken):
+            wanted.append(("tandem-home", POD_HOME))
         return [(volume, path) for volume, path in wanted if path.rstrip("/") not in taken]
 
     def _volume_mounts(self, spec: LaunchSpec) -> list[Json]:

@@ -69,7 +69,7 @@ def test_local_sources_that_cannot_be_uploaded_say_why(tmp_path: Path) -> None:
     assert "is not a local file or folder" in str(caught.value)
     with pytest.raises(InvalidArgument) as caught:
         read(f"file_mounts: {{/d: {{mode: COPY, source: [{tmp_path}/data]}}}}\nrun: x\n", tmp_path)
-    assert "is required with a list of local sources" in str(caught.value)
+    assert "Storage name must be specified if the source is local." in str(caught.value)
 
 
 def tree(root: Path, files: dict[str, str]) -> Path:

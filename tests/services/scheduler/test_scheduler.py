@@ -403,7 +403,9 @@ async def test_refusals_carry_their_codes_and_reasons(acme: Clients, globex: Cli
     await expect(
         globex.scheduler.ListJobs(pb.ListJobsRequest(parent=ORG)), grpc.StatusCode.NOT_FOUND, "ORG_NOT_FOUND"
     )
-    no_run = job_spec_pb2.JobSpec(tasks=[TaskSpec(name="x", kind=TaskSpec.KIND_COMMAND)])
+    no_run = job_spec_pb2.JobSpec(  # a service is its run; a command task may have none
+        tasks=[TaskSpec(name="x", kind=TaskSpec.KIND_SERVICE, service=job_spec_pb2.ServiceOptions(port=8080))]
+    )
     error = await expect(
         s.CreateJob(pb.CreateJobRequest(parent=ORG, spec=no_run)),
         grpc.StatusCode.INVALID_ARGUMENT,

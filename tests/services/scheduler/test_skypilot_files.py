@@ -13,6 +13,7 @@ import subprocess
 import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tandem.scheduler.v1 import job_pb2, job_spec_pb2
@@ -79,13 +80,20 @@ async def store_key(clients: Clients, s3: S3Server) -> None:
     await put_secret(clients, "aws-secret-access-key", s3.secret.encode())
 
 
+async def dataset_bucket(clients: Clients, s3: S3Server, files: dict[str, bytes]) -> Any:
+    """The bucket `datasets` with `files` in it, and the organization's key to it in the vault; the store."""
+    await store_key(clients, s3)
+    store = s3.store()
+    store.mkdir("datasets")
+    for name, data in files.items():
+        store.pipe_file(f"datasets/{name}", data)
+    return store
+
+
 async def test_workdir_and_buckets_as_skypilot_writes_them(
     acme: Acme, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    await store_key(acme, s3_server)
-    store = s3_server.store()
-    store.mkdir("datasets")
-    store.pipe_file("datasets/gsm/train.jsonl", b'{"q": "2+2"}\n')
+    store = await dataset_bucket(acme, s3_server, {"gsm/train.jsonl": b'{"q": "2+2"}\n'})
     code = tmp_path / "project"
     (code / "src").mkdir(parents=True)
     (code / "src" / "train.py").write_text("print('training from the workdir')\n")

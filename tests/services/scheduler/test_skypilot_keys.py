@@ -113,7 +113,7 @@ def test_buckets_in_every_skypilot_form(value: str, url: str, mode: int, create:
         ("{name: bkt, store: gcs}", ".store", "only S3"),
         ("{name: bkt, source: /local/dir}", ".source", "tandem launch"),
         ("{name: bkt, source: 's3://c'}", ".name", "not both"),
-        ("{source: [/a, /b]}", ".name", "is required with a list of local sources"),
+        ("{source: [/a, /b]}", ".name", "Storage name must be specified if the source is local."),
         ("{source: 's3://theirs', persistent: false}", ".persistent", "someone's own and kept"),
         ("{source: 's3://bkt', mode: STREAM}", ".mode", "must be one of mount, copy, mount_cached"),
         (
@@ -121,7 +121,7 @@ def test_buckets_in_every_skypilot_form(value: str, url: str, mode: int, create:
             ".config.mount_cached",
             "with mode MOUNT_CACHED",
         ),
-        ("{mode: COPY}", "", "needs `source: s3://...` or `name`"),
+        ("{mode: COPY}", "", "source must be specified when using COPY mode"),
         ("{volume: v, name: bkt}", ".volume", "not taken with a bucket"),
         ("{source: 's3://B_ad'}", ".source", "not an S3 bucket name"),
         ("{name: B_ad}", ".name", "not an S3 bucket name"),
@@ -585,7 +585,7 @@ def test_relative_host_paths_are_read_from_the_current_directory(
         in refusals("run: x\nfile_mounts: {/code: ./code}\n")['file_mounts["/code"]']
     )
     found = refusals("run: x\nfile_mounts: {/data: {source: ./data, mode: MOUNT}}\n")
-    assert "the bucket the folder is uploaded into" in found['file_mounts["/data"].name']
+    assert found['file_mounts["/data"].name'] == "Storage name must be specified if the source is local."
 
 
 def test_any_of_spot_or_not_is_spot_and_ordered_takes_the_first() -> None:
@@ -598,9 +598,11 @@ def test_any_of_spot_or_not_is_spot_and_ordered_takes_the_first() -> None:
     assert not preemptible("ordered", "[{use_spot: false}, {use_spot: true}]")
 
 
-def test_a_mount_under_home_says_why_it_is_refused() -> None:
-    found = refusals("run: x\nfile_mounts: {~/.ssh/id_rsa: /keys/id_rsa}\n")
-    assert "under ~" in found['file_mounts["~/.ssh/id_rsa"]']
+def test_a_mount_under_the_tasks_home_is_taken_and_another_users_is_refused() -> None:
+    [mount] = parse("run: x\nfile_mounts: {~/.ssh/id_rsa: /keys/id_rsa}\n").tasks[0].file_mounts
+    assert (mount.path, mount.local_path) == ("~/.ssh/id_rsa", "/keys/id_rsa")
+    found = refusals("run: x\nfile_mounts: {~root/.ssh/id_rsa: /keys/id_rsa}\n")
+    assert "another user's home" in found['file_mounts["~root/.ssh/id_rsa"]']
 
 
 def test_elastic_recovery_says_what_is_missing() -> None:

@@ -153,15 +153,13 @@ REFUSED = {
     "duplicate task names": (group(ECHO + ECHO), "tasks[1].name"),
     "no primary task": (group("- name: main\n  run: x\n  role: auxiliary\n"), "tasks"),
     "no tasks": ("name: g\ntasks: []\n", "tasks"),
-    "a one-task file without run": ("name: g\n", "run"),
-    "task name pattern": (group("- name: Main\n  run: x\n"), "tasks[0].name"),
+    "task name pattern": (group("- name: Main Task\n  run: x\n"), "tasks[0].name"),
     "unknown kind": (group("- name: main\n  kind: batch\n  run: x\n"), "tasks[0].kind"),
     "options of another kind": (
         group("- name: main\n  kind: command\n  run: x\n  service: {port: 80}\n"),
         "tasks[0].service",
     ),
     "service without its options": (group("- name: main\n  kind: service\n  run: x\n"), "tasks[0].service"),
-    "command without run": (group("- name: main\n  setup: x\n"), "tasks[0].run"),
     "service without port": (
         group("- name: main\n  run: x\n  service: {health_path: /h}\n"),
         "tasks[0].service.port",

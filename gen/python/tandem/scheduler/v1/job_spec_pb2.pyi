@@ -366,6 +366,7 @@ class TaskSpec(_message.Message):
     SERVICE_FIELD_NUMBER: _builtins.int
     WORKDIR_FIELD_NUMBER: _builtins.int
     CONFIG_FIELD_NUMBER: _builtins.int
+    DISPLAY_NAME_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Required. The task name, unique in the job: a lowercase letter, then up to 62 lowercase letters,
     digits or hyphens.
@@ -383,8 +384,13 @@ class TaskSpec(_message.Message):
     failure, never recovered.
     """
     run: _builtins.str
-    """Optional. The shell script the task runs on each node, at most 64 KiB. Required for COMMAND and
-    SERVICE tasks (CreateJob checks, INVALID_JOB_SPEC).
+    """Optional. The shell script the task runs on each node, at most 64 KiB. Required for SERVICE tasks
+    (CreateJob checks, INVALID_JOB_SPEC); a COMMAND task without one runs its `setup` and succeeds.
+    """
+    display_name: _builtins.str
+    """Optional. The task's name as the job file writes it, where that is not in `name`'s shape: SkyPilot
+    allows capitals, underscores and dots (`My_Task`), and `name` holds its normalised form (`my-task`).
+    At most 128 characters. The task's sibling host names answer to both forms (SPEC.md).
     """
     @_builtins.property
     def termination_delay(self) -> _duration_pb2.Duration:
@@ -454,10 +460,11 @@ class TaskSpec(_message.Message):
         service: Global___ServiceOptions | None = ...,
         workdir: Global___Workdir | None = ...,
         config: Global___TaskConfig | None = ...,
+        display_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "kind_options", b"kind_options", "online_rl", b"online_rl", "resources", b"resources", "service", b"service", "termination_delay", b"termination_delay", "workdir", b"workdir"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "envs", b"envs", "file_mounts", b"file_mounts", "kind", b"kind", "kind_options", b"kind_options", "name", b"name", "num_nodes", b"num_nodes", "online_rl", b"online_rl", "resources", b"resources", "role", b"role", "run", b"run", "secrets", b"secrets", "service", b"service", "setup", b"setup", "termination_delay", b"termination_delay", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "display_name", b"display_name", "envs", b"envs", "file_mounts", b"file_mounts", "kind", b"kind", "kind_options", b"kind_options", "name", b"name", "num_nodes", b"num_nodes", "online_rl", b"online_rl", "resources", b"resources", "role", b"role", "run", b"run", "secrets", b"secrets", "service", b"service", "setup", b"setup", "termination_delay", b"termination_delay", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind_options: _TypeAlias = _typing.Literal["online_rl", "service"]  # noqa: Y015
     _WhichOneofArgType_kind_options: _TypeAlias = _typing.Literal["kind_options", b"kind_options"]  # noqa: Y015
@@ -656,7 +663,10 @@ class FileMount(_message.Message):
     READ_ONLY_FIELD_NUMBER: _builtins.int
     SUB_PATH_FIELD_NUMBER: _builtins.int
     path: _builtins.str
-    """Required. The absolute path inside the task, at most 1024 characters."""
+    """Required. The absolute path inside the task, or `~/PATH` under the task's own home (SkyPilot's), at
+    most 1024 characters. Local and Slurm link `$HOME/PATH` to the mount's folder at the task's start;
+    Kubernetes mounts it under the pod's home, /mnt/tandem-home, which HOME then names.
+    """
     local_path: _builtins.str
     """Optional. An absolute path on the nodes' filesystem (for several nodes, on storage they share).
     Rejected with INVALID_JOB_SPEC on backends the deployment does not allow host paths on.
