@@ -54,7 +54,7 @@ class Replayed:
     weights: str  # where the weights before the step came from
     recorded: Recorded
     replayed: Recorded
-    batch: dict[str, float]
+    batch: dict[str, int | float]
 
     @property
     def differing(self) -> list[str]:
@@ -135,21 +135,20 @@ def replay(root: Path, step_number: int, checkpoint: Path | None = None, device:
     )
 
 
-def _batch(step: dump.Step) -> dict[str, float]:
+def _batch(step: dump.Step) -> dict[str, int | float]:
     """What the batch held, for a person looking at a bad step."""
     t = step.tensors
-    raw = t["trace_logprobs"]
     return {
-        "sequences": float(t["prompt_lengths"].numel()),
-        "episodes": float(t["episode_seeds"].numel()),
-        "groups": float(int(t["episode_groups"].max()) + 1),
+        "sequences": int(t["prompt_lengths"].numel()),
+        "episodes": int(t["episode_seeds"].numel()),
+        "groups": int(t["episode_groups"].max()) + 1,
         "reward_mean": float(t["episode_rewards"].mean()),
         "advantage_min": float(t["advantages"].min()),
         "advantage_max": float(t["advantages"].max()),
-        "trained_tokens": float(sum(trained_tokens(s) for s in step.sequences)),
-        "lagging_sequences": float(t["lagging"].sum()),
-        "non_finite_trace_logprobs": float((~torch.isfinite(raw)).sum()),
-        "policy_version": float(step.version),
+        "trained_tokens": sum(trained_tokens(s) for s in step.sequences),
+        "lagging_sequences": int(t["lagging"].sum()),
+        "non_finite_trace_logprobs": int((~torch.isfinite(t["trace_logprobs"])).sum()),
+        "policy_version": step.version,
         "learning_rate": step.lr,
     }
 

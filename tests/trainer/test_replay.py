@@ -1,7 +1,8 @@
 """Rollout dump and replay on CPU: a short job with `[rollout_dump]` on (the embedded mesh, the example
 single-turn Task App, a real inference worker), then each step recomputed from its dump and the checkpoint
 before it, in a process of its own, bit-identical to what the job recorded; the budget pruning the oldest
-dumps with its event; the clear refusals (a step not dumped, no checkpoint before it, a damaged dump)."""
+dumps with its event; the clear refusals (a step not dumped, no checkpoint before it, a damaged dump); and
+`tandem rl replay` finding the dump from the job's checkpoints through the gateway."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from tandem.events.v1 import event_pb2
 from tandem.events.v1 import events_service_pb2 as epb
 
 from tandem_jobs.config import Job
+from tests.cli.test_cli import Cli, publisher
+from tests.support.mesh import mesh_settings, running_mesh
 from tests.trainer.test_train_loop import demo_job
 from trainer import dump
 from trainer.dump import DumpError
@@ -181,3 +184,35 @@ async def test_the_budget_keeps_the_newest_dumps_and_an_event_names_what_it_remo
     assert [e.payload["step"] for e in pruned] == [2.0, 3.0]
     assert all(e.payload["freed_bytes"] > e.payload["budget_bytes"] == 1048 for e in pruned)
     assert "removed steps 1" in pruned[0].message
+
+
+async def test_tandem_rl_replay_finds_the_dump_from_the_jobs_checkpoints(run: Path, tmp_path: Path) -> None:
+    async with running_mesh(mesh_settings(tmp_path / "mesh")) as mesh:
+        cli = Cli(mesh.address("gateway"), mesh.settings.state_dir)
+        code, out, err = await cli.run("orgs", "create", "acme", "--state-dir", str(cli.state_dir), "--json")
+        assert code == 0, err
+        cli.key = json.loads(out)["key"]
+        code, _, err = await cli.run("rl", "replay", "replayed", "--step", "3")
+        assert code == 1 and "JOB_NOT_FOUND" in err
+        # The job's events as its trainer publishes them: first a step, then its checkpoints, which
+        # `tandem checkpoints list` shows and `tandem rl replay` finds the output folder by.
+        channel, events = await publisher(mesh.settings, mesh.address("events"))
+        first = event_pb2.Event(type="train.step", message="step 1")
+        first.train_step.step = 1
+        await events.Publish(epb.PublishRequest(job="orgs/acme/jobs/replayed", events=[first]))
+        code, _, err = await cli.run("rl", "replay", "replayed", "--step", "3")
+        assert code == 1 and "has saved no checkpoint yet" in err and "python -m trainer.replay" in err
+        announced = []
+        for step in range(1, STEPS + 1):
+            event = event_pb2.Event(type="checkpoint.saved", message=f"checkpoint at step {step}")
+            event.checkpoint_saved.checkpoint = f"orgs/acme/jobs/replayed/checkpoints/step-{step}"
+            event.checkpoint_saved.step = step
+            event.checkpoint_saved.uri = (run / "checkpoints" / f"step-{step:06d}").as_uri()
+            announced.append(event)
+        await events.Publish(epb.PublishRequest(job="orgs/acme/jobs/replayed", events=announced))
+        await channel.close()
+        code, out, err = await cli.run("rl", "replay", "replayed", "--step", "3")
+        assert code == 0, out + err
+        assert "step 3: bit-identical to what the job recorded" in out
+        code, out, err = await cli.run("rl", "replay", "replayed", "--step", "7", "--json")
+        assert code == 2 and "step 7 is not in the rollout dump" in err and "1-3" in err
