@@ -66,9 +66,10 @@ class Replayed:
 
 
 def same(a: object, b: object) -> bool:
-    """Bit-identical: floats compared by their 64-bit patterns (so NaN equals the same NaN, 0.0 not -0.0)."""
+    """Bit-identical: floats compared by their 64-bit patterns (0.0 is not -0.0), except that a NaN matches
+    any NaN: the dump's JSON keeps that a figure was NaN, not the NaN's sign and payload."""
     if isinstance(a, float) and isinstance(b, float):
-        return struct.pack("<d", a) == struct.pack("<d", b)
+        return (math.isnan(a) and math.isnan(b)) or struct.pack("<d", a) == struct.pack("<d", b)
     return type(a) is type(b) and a == b
 
 

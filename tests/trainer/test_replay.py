@@ -1,6 +1,7 @@
 """Rollout dump and replay on CPU: a short job with `[rollout_dump]` on (the embedded mesh, the example
 single-turn Task App, a real inference worker), then each step recomputed from its dump and the checkpoint
-before it, in a process of its own, bit-identical to what the job recorded; the budget pruning the oldest
+before it, in a process of its own, bit-identical to what the job recorded; a bad step (a non-finite loss,
+a NaN sampler log-prob) dumped as it went and replayed the same; the budget pruning the oldest
 dumps with its event; the clear refusals (a step not dumped, no checkpoint before it, a damaged dump); and
 `tandem rl replay` finding the dump from the job's checkpoints through the gateway."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -22,13 +24,14 @@ from tandem.events.v1 import events_service_pb2 as epb
 from tandem_jobs.config import Job
 from tests.cli.test_cli import Cli, publisher
 from tests.support.mesh import mesh_settings, running_mesh
+from tests.trainer.test_train_faults import episode
 from tests.trainer.test_train_loop import demo_job
 from trainer import dump
 from trainer.dump import DumpError
 from trainer.launch import local_environment
 from trainer.models import build_tiny_model
 from trainer.replay import NotReplayable, replay, same
-from trainer.train import Trainer
+from trainer.train import Environment, Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,8 +137,8 @@ def test_the_dump_holds_the_batch_as_it_was_trained(run: Path) -> None:
     rewards = t["episode_rewards"].view(4, 4)
     per_sequence = t["advantages"]
     centred = rewards - rewards.mean(dim=1, keepdim=True)
-    for row, episode in enumerate(t["sequence_episodes"].tolist()):
-        group, member = divmod(episode, 4)
+    for row, played in enumerate(t["sequence_episodes"].tolist()):
+        group, member = divmod(played, 4)
         assert (per_sequence[row] == 0) == bool(centred[group, member] == 0)
     # The trainer's log-probs are the trace's wherever those are finite; every sequence has its versions.
     finite = torch.isfinite(t["trace_logprobs"])
@@ -169,6 +172,36 @@ def test_a_step_that_cannot_be_replayed_says_why_and_which_can(run: Path, tmp_pa
     meta.write_text(meta.read_text()[:100])
     with pytest.raises(DumpError, match=r"the dump of step 1 .* cannot be read: JSONDecodeError"):
         replay(copy / "rollouts", 1)
+
+
+async def test_a_bad_step_is_dumped_as_it_went_and_replays_the_same(model_dir: Path, tmp_path: Path) -> None:
+    # The update step alone, fed by hand as tests/trainer/test_train_faults.py does: no mesh, no workers.
+    env = Environment(
+        proxy=None, workers=[], task_app="orgs/demo/taskApps/single-turn", job="j", output_dir=tmp_path
+    )
+    t = Trainer(dumping_job(model_dir, 10), env)
+    rollouts = tmp_path / "checkpoints" / "rollouts"
+    # A NaN reward makes NaN advantages and a non-finite loss: the update is skipped, and the dump keeps it.
+    report = await t._train(0, [[episode(math.nan, -1.0), episode(0.0, -1.0)]])
+    assert report.skipped and report.metrics["loss/non_finite"] == 1.0
+    result = replay(rollouts, 1)
+    assert not result.recorded.finite and not result.replayed.finite and result.identical
+    assert math.isnan(float(dump.read(rollouts, 1).tensors["advantages"][0]))
+    await t.save_checkpoint()  # the weights step 2 trains
+    # A NaN sampler log-prob at a trained position: dropped from the loss, kept in the dump's trace log-probs.
+    poisoned = [[episode(1.0, -1.0, logprobs=[-1.0, math.nan, -0.7]), episode(0.0, -1.0)]]
+    report = await t._train(1, poisoned)
+    assert not report.skipped and report.metrics["tokens/non_finite_logprob"] == 1.0
+    result = replay(rollouts, 2)
+    assert result.identical and result.recorded.finite and result.recorded.tokens == 5
+    assert result.batch["non_finite_trace_logprobs"] == 1 and result.weights.endswith("step-000001")
+    step = dump.read(rollouts, 2)
+    assert math.isnan(float(step.tensors["trace_logprobs"][1]))
+    assert step.sequences[0][2] == pytest.approx([-1.0, 0.0, -0.7]) and step.sequences[0][3] == [
+        True,
+        False,
+        True,
+    ]
 
 
 async def test_the_budget_keeps_the_newest_dumps_and_an_event_names_what_it_removed(
