@@ -204,7 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dump is None and args.checkpoint is None:
         parser.error("give --dump, --checkpoint or both")
-    root = args.dump or dump.folder(args.checkpoint)
+    if args.dump is not None:
+        root = args.dump
+    else:  # the folder of checkpoints holds the dump; so does the folder above one checkpoint
+        given = checkpoints.read(args.checkpoint)
+        root = dump.folder(args.checkpoint.parent if given is not None else args.checkpoint)
     try:
         result = replay(root, args.step, args.checkpoint, args.device)
     except DumpError as error:

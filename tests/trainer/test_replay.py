@@ -115,6 +115,8 @@ def test_the_table_says_bit_identical_and_names_a_figure_that_differs(run: Path,
     code, out, _ = replay_process("--checkpoint", str(run / "checkpoints"), "--step", "2")
     assert code == 0, out
     assert "grad_norm" in out and "step 2: bit-identical to what the job recorded" in out
+    code, out, _ = replay_process("--checkpoint", str(run / "checkpoints" / "step-000001"), "--step", "2")
+    assert code == 0 and "step 2, replayed from " + str(run / "checkpoints" / "step-000001") in out
     # A dump whose recorded loss is not what the batch gives: the replay finds it and says by how much.
     copy = tmp_path / "checkpoints"
     shutil.copytree(run / "checkpoints", copy)
