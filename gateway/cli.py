@@ -14,6 +14,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import grpc
 from google.protobuf import json_format
@@ -48,6 +50,7 @@ Online RL:
   tandem events watch demo                      live progress; Ctrl-C prints how to resume
   tandem rl status demo
   tandem checkpoints list demo
+  tandem rl replay demo --step 21               recompute a step from its rollout dump: debug a bad step
   tandem infer demo "Copy this letter: B"
   tandem rl cancel demo
 
@@ -434,6 +437,40 @@ async def _rl_cancel(args: argparse.Namespace) -> int:
     else:
         print(f"{job.name}: {job_state(job.state)}")
     return 0
+
+
+async def _rl_replay(args: argparse.Namespace) -> int:
+    """Find the job's output folder from its checkpoints' URIs (as `tandem checkpoints list` shows them) and
+    run the trainer's replay on it, in a process of its own: the replay needs torch, the CLI does not."""
+    async with _client(args) as client:
+        found = await client.list_checkpoints(args.job)
+    if not found:
+        raise CliError(
+            f"{args.job} has saved no checkpoint yet, so the folder its rollout dump is in is not known",
+            "on the job's machine: python -m trainer.replay --dump OUTPUT/checkpoints/rollouts --step N",
+        )
+    local = [c for c in found if c.uri.startswith("file://")]
+    if not local:
+        raise CliError(
+            f"{args.job}'s checkpoints are at {found[0].uri}, not in a file system this machine reads",
+            "run `tandem rl replay` where the job's output folder is, or copy it here and use"
+            " python -m trainer.replay --dump DIR --step N",
+        )
+    # Every checkpoint folder is `<output>/checkpoints/step-NNNNNN`; the dump is in `<output>/checkpoints/rollouts`.
+    checkpoints = Path(url2pathname(urlparse(local[0].uri).path)).parent
+    command = [
+        sys.executable,
+        "-m",
+        "trainer.replay",
+        "--checkpoint",
+        str(checkpoints),
+        "--step",
+        str(args.step),
+    ]
+    if args.json:
+        command.append("--json")
+    process = await asyncio.create_subprocess_exec(*command)
+    return await process.wait()
 
 
 async def _rl_logs(args: argparse.Namespace) -> int:
@@ -898,7 +935,8 @@ def _add_rl(sub: Any, gw: argparse.ArgumentParser) -> None:
         "start, inspect and cancel online-RL jobs",
         "  tandem rl start examples/jobs/demo.toml --job-id demo --watch\n"
         "  tandem rl status demo\n  tandem rl list\n"
-        "  tandem rl logs demo --task trainer --follow\n  tandem rl cancel demo",
+        "  tandem rl logs demo --task trainer --follow\n  tandem rl replay demo --step 21\n"
+        "  tandem rl cancel demo",
         [],
     )
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -942,6 +980,20 @@ def _add_rl(sub: Any, gw: argparse.ArgumentParser) -> None:
     q.add_argument("job", help="job id or name")
     q.add_argument("--task", default="", help="the task's name in the spec (optional for a one-task job)")
     _log_options(q)
+    q = _sub(
+        actions,
+        "replay",
+        "recompute one step of a job from its rollout dump ([rollout_dump] in the job's config) and the"
+        " checkpoint before it, and compare the loss, statistics and grad norm with what the job recorded"
+        " (bit-identical on a CPU); on the machine that holds the job's output folder, with the trainer's"
+        " packages installed",
+        "  tandem rl replay demo --step 21        (demo keeps a checkpoint every 20 steps)\n"
+        "  tandem rl replay demo --step 1 --json  (step 1 trains the job's initial model)",
+        [gw],
+    )
+    q.add_argument("job", help="job id or name")
+    q.add_argument("--step", type=int, required=True, help="the step to replay; the one after a checkpoint")
+    q.set_defaults(func=_async(_rl_replay))
 
 
 def _log_options(q: argparse.ArgumentParser) -> None:

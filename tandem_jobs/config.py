@@ -30,6 +30,7 @@ Sharding = Literal["ddp", "fsdp"]
 ComputeDtype = Literal["float32", "bfloat16"]
 MICRO_BATCH_TOKENS = 2048  # the default token budget of one forward pass of an update
 STD_FLOOR = 1e-3  # the default least std that group advantages are divided by
+ROLLOUT_DUMP_BUDGET_MIB = 1024  # the default size budget of a job's rollout dumps
 
 
 def _invalid(message: str, found: list[FieldViolation]) -> InvalidArgument:
@@ -330,6 +331,11 @@ class Job:
     def max_grad_norm(self) -> float:
         o = self.config.optimizer
         return o.max_grad_norm if o.HasField("max_grad_norm") else 1.0
+
+    @property
+    def rollout_dump_budget_mib(self) -> float:
+        """The most MiB the rollout dumps may take together (trainer/dump.py)."""
+        return self.config.rollout_dump.budget_mib or ROLLOUT_DUMP_BUDGET_MIB
 
     @property
     def reference(self) -> Reference:

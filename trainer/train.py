@@ -44,7 +44,7 @@ from tandem.taskapp.v1 import taskapp_service_pb2 as tpb
 from transformers import PreTrainedModel
 
 from tandem_jobs.config import Job
-from trainer import checkpoints, grpo, scoring
+from trainer import checkpoints, dump, grpo, scoring
 from trainer.checkpoints import STATE_FILE, TRIGGERS, CheckpointInfo, Trigger
 from trainer.control import Control
 from trainer.inference.publisher import WeightPublisher
@@ -145,6 +145,7 @@ class Trainer:
         self.history: list[StepReport] = []
         self.control = env.control
         self.progress = Progress(env.output_dir, env.job)
+        self.dumps = dump.RolloutDump.of(job, self.checkpoints(), env.events, env.job)  # None: off
         self._step_done = asyncio.Condition()
         self._bad_steps = 0
         self._empty_steps = 0
@@ -418,8 +419,22 @@ class Trainer:
             return report
         sequences, advantages, counts = self._sequences(kept)
         metrics.update(counts)
+        rng_state = torch.get_rng_state()  # what a replay of the step starts from
         # On a worker thread, so the producer keeps playing the next batches while this one trains.
         update = await asyncio.to_thread(self._update, sequences, advantages, job.learning_rate(index))
+        if self.dumps is not None:  # the batch and its outcome, for `tandem rl replay` (trainer/dump.py)
+            await self.dumps.record(
+                index + 1,
+                version=self.version,
+                lr=job.learning_rate(index),
+                job=job,
+                ranks=self.ranks.world_size,
+                groups=kept,
+                sequences=sequences,
+                advantages=advantages,
+                rng_state=rng_state,
+                update=update,
+            )
         if not update.finite:  # on any rank: every rank skipped it
             self._bad_steps += 1
             report.skipped = True

@@ -57,6 +57,7 @@ COMMANDS = [
     ["rl", "list"],
     ["rl", "cancel"],
     ["rl", "logs"],
+    ["rl", "replay"],
     ["launch"],
     ["queue"],
     ["logs"],

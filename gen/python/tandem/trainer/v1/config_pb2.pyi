@@ -193,6 +193,7 @@ class TrainerConfig(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     INFERENCE_FIELD_NUMBER: _builtins.int
     TRAINING_FIELD_NUMBER: _builtins.int
+    ROLLOUT_DUMP_FIELD_NUMBER: _builtins.int
     checkpoint_interval: _builtins.int
     """Optional. Save a checkpoint every this many steps, 0 to 1000000; 0 means only at the end."""
     eval_interval: _builtins.int
@@ -242,6 +243,12 @@ class TrainerConfig(_message.Message):
         checkpointing); unset fields take their defaults.
         """
 
+    @_builtins.property
+    def rollout_dump(self) -> Global___RolloutDumpConfig:
+        """Optional. `[rollout_dump]`: keep every step's training batch beside the checkpoints, so that
+        `tandem rl replay` can recompute the step; unset means off.
+        """
+
     def __init__(
         self,
         *,
@@ -257,14 +264,47 @@ class TrainerConfig(_message.Message):
         seed: _builtins.int = ...,
         inference: Global___InferenceConfig | None = ...,
         training: Global___TrainingConfig | None = ...,
+        rollout_dump: Global___RolloutDumpConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "data", b"data", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "sampling", b"sampling", "task_app", b"task_app", "topology", b"topology", "training", b"training"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "data", b"data", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "rollout_dump", b"rollout_dump", "sampling", b"sampling", "task_app", b"task_app", "topology", b"topology", "training", b"training"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "checkpoint_interval", b"checkpoint_interval", "data", b"data", "eval_interval", b"eval_interval", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "sampling", b"sampling", "seed", b"seed", "task_app", b"task_app", "topology", b"topology", "training", b"training"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "checkpoint_interval", b"checkpoint_interval", "data", b"data", "eval_interval", b"eval_interval", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "rollout_dump", b"rollout_dump", "sampling", b"sampling", "seed", b"seed", "task_app", b"task_app", "topology", b"topology", "training", b"training"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TrainerConfig: _TypeAlias = TrainerConfig  # noqa: Y015
+
+@_typing.final
+class RolloutDumpConfig(_message.Message):
+    """RolloutDumpConfig keeps each step's training batch (token ids, masks, sampler log-probs, weight versions,
+    rewards, advantages and the values the step recorded) in `<output>/checkpoints/rollouts/`, one
+    safetensors file and one JSON file per step, for replaying a step (`python -m trainer.replay`).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    BUDGET_MIB_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    """Optional. Whether the trainer writes the dumps; unset means false."""
+    budget_mib: _builtins.float
+    """Optional. The most MiB the dumps may take together, 0 to 1048576 (fractions allowed): beyond it the
+    oldest are removed (the newest step's is always kept) and a `rollout_dump.pruned` event names them.
+    Unset or 0 means 1024.
+    """
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        budget_mib: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_mib", b"budget_mib", "enabled", b"enabled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RolloutDumpConfig: _TypeAlias = RolloutDumpConfig  # noqa: Y015
 
 @_typing.final
 class InferenceConfig(_message.Message):
