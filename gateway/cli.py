@@ -531,6 +531,11 @@ def launch_spec(args: argparse.Namespace, uploads: list[Any] | None = None) -> A
                 raise UsageError(
                     f"--secret {name.split('=')[0]}: secrets come from the vault; give only a name"
                 )
+            # the vault secret in NAME, over the file's own NAME (an env, SkyPilot's empty secret, a binding)
+            task.envs.pop(name, None)
+            kept = [b for b in task.secrets if job_spec.secret_env_name(b) != name]
+            del task.secrets[:]
+            task.secrets.extend(kept)
             task.secrets.append(job_spec_pb2.SecretBinding(secret=name.lower().replace("_", "-"), env=name))
     if args.infra:  # as the file's `infra:` (services/scheduler/SPEC.md), over what the file says
         first = args.infra.strip().partition("/")[0]
@@ -1019,7 +1024,11 @@ def _add_launch(sub: Any, gw: argparse.ArgumentParser) -> None:
     )
     q.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]", help="set in every task")
     q.add_argument(
-        "--secret", action="append", default=[], metavar="NAME", help="a vault secret in every task"
+        "--secret",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a vault secret in every task, in the variable NAME (over the file's own NAME)",
     )
     q.add_argument("--gpus", default="", metavar="TYPE:COUNT", help="every task's accelerators (A100:8)")
     q.add_argument("--num-nodes", type=int, default=0, help="every task's node count")

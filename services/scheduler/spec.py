@@ -988,10 +988,17 @@ _FILLED = frozenset({"file_mounts", "workdir", "volumes"})
 _ENV_REFERENCE = re.compile(r"\$\{?\b([a-zA-Z_][a-zA-Z0-9_]*)\b\}?")
 _BUCKET_SCHEMES = (
     "names a public cloud's own object store (Google Cloud Storage, Azure Blob, IBM COS, OCI, Nebius, ...), "
-    "which Tandem does not open; it opens only S3 buckets: s3://, or any S3-compatible store (MinIO, Ceph, "
-    "Cloudflare R2, ...) through the task's AWS_ENDPOINT_URL"
+    "which Tandem does not open; it opens S3 buckets: s3://, or any S3-compatible store (MinIO, Ceph, "
+    "Cloudflare R2, ...; also r2:// and minio://) at the endpoint the task's AWS_ENDPOINT_URL names"
 )
-_ENV_IN_MOUNT = "names a variable that is none of the task's envs; SkyPilot fills only those into mount paths"
+# SkyPilot's stores that speak S3 at an endpoint of the user's own (its client reads the endpoint from a
+# file of its own: ~/.cloudflare/accountid for R2, its MinIO settings): S3 buckets here, at the endpoint the
+# task's AWS_ENDPOINT_URL names.
+_S3_COMPATIBLE = {
+    "r2": "Cloudflare R2 (https://ACCOUNT_ID.r2.cloudflarestorage.com)",
+    "minio": "MinIO (the server's URL)",
+}
+_ENV_IN_MOUNT = "is none of the task's envs; SkyPilot fills only those into mount paths"
 _SKY_MOUNT_KEYS = {
     "_is_sky_managed": "is SkyPilot's internal bookkeeping",
     "_bucket_sub_path": "is SkyPilot's internal bookkeeping",
@@ -1041,6 +1048,13 @@ _CLOUD_BACKENDS: dict[str, js.Backend.ValueType] = {
 _TASK_NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 _SKY_TASK_NAME = re.compile(r"[a-zA-Z0-9]+(?:[._-]{1,2}[a-zA-Z0-9]+)*")  # the names SkyPilot's tasks take
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def _unfilled(*texts: Any) -> str:
+    """The variables `texts` still name after SkyPilot's filling, as a message's subject: `$A` or `$A, $B`
+    (`a variable` where a `$` names none)."""
+    names = dict.fromkeys(n for t in texts if isinstance(t, str) for n in _ENV_REFERENCE.findall(t))
+    return ", ".join(f"${n}" for n in names) or "a variable"
 
 
 def parse_infra(text: str) -> tuple[js.Backend.ValueType, dict[str, str]]:
@@ -1671,7 +1685,8 @@ class _Reader:
     def alternatives(self, resources: types_pb2.Resources, doc: dict[str, Any], at: str) -> None:
         """SkyPilot's `any_of` / `ordered`: a list of resource tables, each over the keys beside it. Here the
         alternatives are GPU requests (the rest of a request is one), tried in the order written, the first
-        the cluster can satisfy placed, as `accelerators: [A100:8, H100:8]` is. SkyPilot's `any_of` picks the
+        the cluster can satisfy placed, as `accelerators: [A100:8, H100:8]` is; where none names accelerators
+        they may differ in `use_spot` alone. SkyPilot's `any_of` picks the
         cheapest; there are no prices here, so it is read in order too."""
         if "any_of" in doc and "ordered" in doc:
             self.fail(f"{at}.ordered", "set one of any_of and ordered")
@@ -1703,9 +1718,13 @@ class _Reader:
                         f"differs from {key}[0] in where it runs (cloud, infra); a job runs on one backend",
                     )
                 )
-            if not choice.gpus:
+            if not choice.gpus and any(c.gpus for c in choices):
                 self.found.append(
-                    FieldViolation(where, "names no accelerators; each alternative is a GPU request")
+                    FieldViolation(
+                        where,
+                        "names no accelerators where another alternative does; alternatives are GPU requests "
+                        "(or, with none naming accelerators, spot or not)",
+                    )
                 )
             rest, rest_first = types_pb2.Resources(), types_pb2.Resources()
             rest.CopyFrom(choice)
@@ -1895,6 +1914,8 @@ class _Reader:
         name = name.strip()
         if name.lower().startswith("tpu"):
             self.fail(at, f"{name} is a Google Cloud TPU; Tandem places NVIDIA GPUs")
+        if name.lower().startswith(("inferentia", "trainium")):
+            self.fail(at, f"{name} is an AWS Neuron accelerator, only on AWS; Tandem places NVIDIA GPUs")
         try:
             count = float(count_text) if count_text.strip() else 1.0
         except ValueError:
@@ -1958,11 +1979,20 @@ class _Reader:
 
     def secret_map(self, task: TaskSpec, value: dict[Any, Any], at: str) -> None:
         """SkyPilot's table of secrets: `NAME: null` is the vault secret `name` (`HF_TOKEN` -> `hf-token`) in
-        the variable NAME; a value written in the file is refused, as no secret is kept in a job spec."""
+        the variable NAME; `NAME: ""`, an empty secret, is the variable set empty; any other value written in
+        the file is refused, as no secret is kept in a job spec."""
         for index, (name, item) in enumerate(value.items()):
             where = f"{at}[{_key(name)}]"
             self.aliases[f"{at}[{index}]"] = where
             variable = str(name).removeprefix("secrets:")
+            if item == "" and _ENV_NAME.fullmatch(variable):
+                # SkyPilot's empty secret holds nothing to keep: the variable is set, empty (a secret given
+                # at launch, `tandem launch --secret NAME`, takes its place)
+                if variable in task.envs:
+                    self.found.append(FieldViolation(where, f"{variable} is also set in envs"))
+                task.envs[variable] = ""
+                self.aliases[f"{at.rsplit('.', 1)[0]}.envs[{_key(variable)}]"] = where
+                continue
             if item is not None:
                 self.found.append(
                     FieldViolation(
@@ -2013,7 +2043,7 @@ class _Reader:
             mount = task.file_mounts.add()
             mount.path = str(path)
             if "$" in mount.path or (isinstance(source, str) and "$" in source):
-                self.found.append(FieldViolation(where, _ENV_IN_MOUNT))
+                self.found.append(FieldViolation(where, f"{_unfilled(mount.path, source)} {_ENV_IN_MOUNT}"))
             if not mount.path.startswith("/") and not home_relative(mount.path):
                 self.found.append(FieldViolation(where, _mount_path_problem(str(path))))
             self.aliases[f"{proto}.path"] = where
@@ -2062,7 +2092,9 @@ class _Reader:
             self.fail(f"{at}.volume", "is not taken with a bucket's keys (name, store, mode, persistent)")
         if "store" in doc:
             store = self.text(doc["store"], f"{at}.store")
-            if store.lower() != "s3":
+            if store.lower() in _S3_COMPATIBLE:
+                self.s3_endpoint(store.lower(), f"{at}.store")
+            elif store.lower() != "s3":
                 self.fail(f"{at}.store", f"{store!r}: {_BUCKET_SCHEMES}")
         self.bucket_source(mount, doc, at)
         if "mode" in doc:
@@ -2171,12 +2203,25 @@ class _Reader:
 
     def bucket_url(self, mount: js.FileMount, url: str, at: str) -> None:
         scheme, _, rest = url.partition("://")
-        if scheme.lower() != "s3":
+        if scheme.lower() in _S3_COMPATIBLE:
+            self.s3_endpoint(scheme.lower(), at)
+        elif scheme.lower() != "s3":
             self.fail(at, f"{scheme}://: {_BUCKET_SCHEMES}")
         bucket = rest.split("/", 1)[0]
         if not _BUCKET_NAME.fullmatch(bucket):
             self.fail(at, f"{bucket!r} is not an S3 bucket name (3 to 63 of a-z, 0-9, '.' and '-')")
         mount.bucket.url = f"s3://{rest.rstrip('/')}"
+
+    def s3_endpoint(self, store: str, at: str) -> None:
+        """SkyPilot's `r2://` and `minio://` (or `store: r2` / `minio`): S3 at the user's own endpoint, which
+        the task's envs must name, as for any S3-compatible store here; refused, saying so, where they do not."""
+        if not s3_location(self.task_envs)[0]:
+            self.fail(
+                at,
+                f"{store}:// is {_S3_COMPATIBLE[store]}, an S3-compatible store: SkyPilot's client reads its "
+                "endpoint from its own settings; here the task names it in envs as AWS_ENDPOINT_URL (its "
+                "credentials as the secrets AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)",
+            )
 
     def workdir(self, task: TaskSpec, value: Any, at: str) -> None:
         """SkyPilot's `workdir`: a folder (relative to the current directory, as `sky launch` reads it, when
@@ -2194,7 +2239,7 @@ class _Reader:
         text = self.text(value, at)
         self.aliases[f"{at}.path"] = at
         if "$" in text:
-            self.fail(at, "names a variable that is none of the task's envs; SkyPilot fills only those in")
+            self.fail(at, f"{_unfilled(text)} is none of the task's envs; SkyPilot fills only those in")
         folder = Path(text).expanduser()
         if not folder.is_absolute():
             if self.base_dir is None:

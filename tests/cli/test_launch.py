@@ -196,3 +196,23 @@ run: cat "$TANDEM_MOUNT_ALL/runs/r1/step-1.bin"
     code, out, err = await cli.run("logs", "runs", "reader", "--follow")
     assert code == 0, err
     assert "weights" in out, out
+
+
+def test_a_secret_given_at_launch_takes_the_place_of_the_files_own(tmp_path: Path) -> None:
+    # SkyPilot's empty secret (`HF_TOKEN: ""`) is the variable set empty until `--secret HF_TOKEN` names the
+    # vault's; an env or a secret of the same variable in the file gives way the same way
+    import argparse  # noqa: PLC0415
+
+    from gateway.cli import launch_spec  # noqa: PLC0415
+    from services.scheduler.spec import secret_env_name  # noqa: PLC0415
+
+    task = tmp_path / "task.yaml"
+    task.write_text("envs: {WANDB_API_KEY: x}\nsecrets: {HF_TOKEN: '', GH_TOKEN: null}\nrun: x\n")
+    args = argparse.Namespace(file=str(task), env=[], gpus="", num_nodes=0, infra="", secret=[])
+    [plain] = launch_spec(args).tasks
+    assert dict(plain.envs) == {"WANDB_API_KEY": "x", "HF_TOKEN": ""}
+    args.secret = ["HF_TOKEN", "WANDB_API_KEY", "GH_TOKEN"]
+    [given] = launch_spec(args).tasks
+    assert dict(given.envs) == {}
+    bindings = {secret_env_name(b): b.secret for b in given.secrets}
+    assert bindings == {"HF_TOKEN": "hf-token", "WANDB_API_KEY": "wandb-api-key", "GH_TOKEN": "gh-token"}

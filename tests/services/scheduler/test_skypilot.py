@@ -330,8 +330,12 @@ def test_a_secrets_value_in_the_file_is_refused() -> None:
         ("run: x\nservice: {port: 80, replicas: 2}\n", "service.replicas", "SkyServe"),
         ("run: x\nconfig: {gcp: {vpc_name: net}}\n", "config.gcp", "public cloud"),
         ("run: x\nresources: {image_id: ami-0123}\n", "resources.image_id", "machine image"),
-        ("run: x\nfile_mounts: {/data: 'gs://bucket/data'}\n", 'file_mounts["/data"]', "only S3"),
-        ("run: x\nfile_mounts: {/data: {name: b, store: gcs}}\n", 'file_mounts["/data"].store', "only S3"),
+        ("run: x\nfile_mounts: {/data: 'gs://bucket/data'}\n", 'file_mounts["/data"]', "opens S3 buckets"),
+        (
+            "run: x\nfile_mounts: {/data: {name: b, store: gcs}}\n",
+            'file_mounts["/data"].store',
+            "opens S3 buckets",
+        ),
         ("run: x\nfile_mounts: {/data: /shared/$USER}\n", 'file_mounts["/data"]', "none of the task's envs"),
         (
             "run: x\nfile_mounts: {'/out/${RUN}': {volume: v}}\n",

@@ -109,8 +109,8 @@ def test_buckets_in_every_skypilot_form(value: str, url: str, mode: int, create:
 @pytest.mark.parametrize(
     ("value", "field", "words"),
     [
-        ("gs://bucket/data", "", "only S3"),
-        ("{name: bkt, store: gcs}", ".store", "only S3"),
+        ("gs://bucket/data", "", "opens S3 buckets"),
+        ("{name: bkt, store: gcs}", ".store", "opens S3 buckets"),
         ("{name: bkt, source: /local/dir}", ".source", "tandem launch"),
         ("{name: bkt, source: 's3://c'}", ".name", "not both"),
         ("{source: [/a, /b]}", ".name", "Storage name must be specified if the source is local."),
@@ -280,7 +280,12 @@ def test_resource_alternatives_are_gpu_requests_in_the_order_written(key: str) -
         ),
         ("{any_of: []}", "resources.any_of", "list of resource tables"),
         ("{any_of: [A100:8]}", "resources.any_of[0]", "table of resources"),
-        ("{any_of: [{cpus: 4}]}", "resources.any_of[0]", "names no accelerators"),
+        (
+            "{any_of: [{cpus: 4}, {accelerators: A100:8}]}",
+            "resources.any_of[0]",
+            "names no accelerators where another alternative does",
+        ),
+        ("{any_of: [{cpus: 4}, {cpus: 8}]}", "resources.any_of[1]", "differs from any_of[0] in cpus"),
         ("{any_of: [{any_of: [{accelerators: A100:8}]}]}", "resources.any_of[0].any_of", "do not nest"),
         (
             "{any_of: [{accelerators: A100:8}, {accelerators: H100:8, infra: k8s}]}",
@@ -610,3 +615,81 @@ def test_elastic_recovery_says_what_is_missing() -> None:
         "run: x\nnum_nodes: 4\nresources: {job_recovery: {strategy: DYNAMIC_NODE_SET, min_nodes: 2}}\n"
     )
     assert "SkyPilot server plugin" in found["resources.job_recovery.strategy"]
+
+
+def test_alternatives_without_accelerators_are_spot_or_not() -> None:
+    # SkyPilot's CPU task that may run on spot: the alternatives differ in use_spot alone
+    resources = parse("run: x\nresources: {cpus: 4, any_of: [{use_spot: true}, {use_spot: false}]}\n")
+    task = resources.tasks[0].resources
+    assert (task.cpus, task.gpus, list(task.gpu_alternatives), task.preemptible) == (4, "", [], True)
+    task = parse("run: x\nresources: {ordered: [{use_spot: false}, {use_spot: true}]}\n").tasks[0].resources
+    assert not task.preemptible
+
+
+def test_aws_neuron_accelerators_say_why() -> None:
+    for name in ("Inferentia:6", "Trainium2:16"):
+        found = refusals(f"run: x\nresources: {{accelerators: {name}}}\n")
+        assert "AWS Neuron accelerator, only on AWS" in found["resources.accelerators"], found
+
+
+@pytest.mark.parametrize("scheme", ["r2", "minio"])
+def test_s3_compatible_stores_are_s3_at_the_tasks_endpoint(scheme: str) -> None:
+    endpoint = "envs: {AWS_ENDPOINT_URL: 'https://objects.example.org'}\n"
+    [mount] = (
+        parse(f"run: x\n{endpoint}file_mounts: {{/data: {scheme}://my-data/train}}\n").tasks[0].file_mounts
+    )
+    assert mount.bucket.url == "s3://my-data/train"
+    [mount] = (
+        parse(f"run: x\n{endpoint}file_mounts: {{/data: {{name: my-data, store: {scheme}}}}}\n")
+        .tasks[0]
+        .file_mounts
+    )
+    assert mount.bucket.url == "s3://my-data"
+    found = refusals(f"run: x\nfile_mounts: {{/data: {scheme}://my-data}}\n")
+    assert "an S3-compatible store" in found['file_mounts["/data"]'], found
+    assert "AWS_ENDPOINT_URL" in found['file_mounts["/data"]']
+    found = refusals(f"run: x\nfile_mounts: {{/data: {{name: my-data, store: {scheme}}}}}\n")
+    assert "an S3-compatible store" in found['file_mounts["/data"].store'], found
+    found = refusals("run: x\nfile_mounts: {/data: gs://my-data}\n")
+    assert "public cloud's own object store" in found['file_mounts["/data"]'], found
+
+
+def test_an_empty_secret_is_the_variable_set_empty() -> None:
+    task = parse("run: x\nsecrets: {HF_TOKEN: '', WANDB_API_KEY: null}\n").tasks[0]
+    assert dict(task.envs) == {"HF_TOKEN": ""}
+    assert [S.secret_env_name(b) for b in task.secrets] == ["WANDB_API_KEY"]
+    found = refusals("run: x\nsecrets: {HF_TOKEN: hf_abc}\n")
+    assert "is a secret's value in the job file" in found['secrets["HF_TOKEN"]'], found
+    found = refusals("run: x\nenvs: {HF_TOKEN: x}\nsecrets: {HF_TOKEN: ''}\n")
+    assert any("also set in envs" in v for v in found.values()), found
+
+
+def test_a_variable_no_env_fills_is_named() -> None:
+    found = refusals("run: x\nfile_mounts: {/groups.txt: /shared/$GROUP_FILE}\n")
+    assert found['file_mounts["/groups.txt"]'].startswith("$GROUP_FILE is none of the task's envs"), found
+    found = refusals("run: x\nworkdir: /src/${WHO}/$WHERE\n")
+    assert found["workdir"].startswith("$WHO, $WHERE is none of the task's envs"), found
+
+
+@needs_skypilot
+def test_skypilot_reads_spot_alternatives_and_an_empty_secret_as_tandem_does(tmp_path: Path) -> None:
+    path = tmp_path / "task.yaml"
+    path.write_text(
+        "resources: {cpus: 4, any_of: [{use_spot: true}, {use_spot: false}]}\n"
+        "secrets: {HF_TOKEN: ''}\nrun: x\n"
+    )
+    sky = skypilot_reads(ORACLE_SPOT, path)
+    task = S.load_yaml(path).tasks[0]
+    assert sorted(sky["use_spot"]) == [False, True] and task.resources.preemptible
+    assert sky["secrets"] == {"HF_TOKEN": ""} == dict(task.envs)
+
+
+ORACLE_SPOT = """
+import json, sys
+import sky
+task = sky.Task.from_yaml(sys.argv[1])
+print(json.dumps({
+    "use_spot": [r.use_spot for r in task.resources],
+    "secrets": {k: v.get_secret_value() for k, v in task.secrets.items()},
+}))
+"""
