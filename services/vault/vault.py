@@ -84,13 +84,12 @@ class SecretMeta:
 
 @dataclass(frozen=True)
 class _Upload:
-    """A checked upload on its way to the store: the value already re-sealed and fingerprinted."""
+    """One PutSecret call, as its transaction program receives it."""
 
     org: str
     secret_id: str
     key_id: str
-    fingerprint: str
-    sealed: bytes
+    ciphertext: bytes
     actor: Actor
     body: bytes
     record: AuditRecord
@@ -296,83 +295,37 @@ class Vault:
     ) -> PutResult | bytes:
         """Store a sealed value as the secret's next version. Returns (created, version, secret), or the
         response bytes recorded for an earlier call with the same request_id (`encode` makes them, inside
-        the same transaction, so a retry after a lost answer never adds a second version)."""
-        name = secret_name(org, secret_id)
-        record = AuditRecord(org, actor, Action.ACTION_UPLOAD, secret=name, key_id=key_id)
-        replay, key = await self.db.read(self._put_check(org, key_id, actor, body))
-        if replay is not None:
-            return replay
-        if key is None or key["state"] != KeyState.STATE_ACTIVE:
-            raise await self.refuse(
-                record,
-                FailedPrecondition(
-                    "key_id is not the organization's active key; fetch the public key again and re-seal",
-                    reason=R.ERROR_REASON_STALE_KEY_ID,
-                ),
-                failed=True,
-            )
-        try:
-            value = crypto.unseal(self.master.unwrap(bytes(key["private_box"])), ciphertext)
-        except crypto.OpenFailed:
-            raise await self.refuse(
-                record,
-                InvalidArgument(
-                    "ciphertext does not open with the named key", reason=R.ERROR_REASON_CIPHERTEXT_INVALID
-                ),
-                failed=True,
-            ) from None
-        if len(value) > self.max_value_bytes:
-            raise await self.refuse(
-                record,
-                InvalidArgument(
-                    f"the value is larger than {self.max_value_bytes} bytes",
-                    reason=R.ERROR_REASON_SECRET_TOO_LARGE,
-                ),
-                failed=True,
-            )
-        fingerprint = self.master.fingerprint(org, value)
-        resealed = crypto.seal(bytes(key["public_key"]), value)
-        del value
-        stored = _Upload(org, secret_id, key_id, fingerprint, resealed, actor, body, record)
-        result = await self._run_audited(lambda step: self._put_program(stored, step, encode))
+        the same transaction, so a retry after a lost answer never adds a second version). The check of the
+        key, the crypto, the writes and the audit record are one transaction: one hand-off to the store."""
+        record = AuditRecord(
+            org, actor, Action.ACTION_UPLOAD, secret=secret_name(org, secret_id), key_id=key_id
+        )
+        upload = _Upload(org, secret_id, key_id, ciphertext, actor, body, record)
+        result = await self._run_audited(lambda step: self._put_program(upload, step, encode))
         if isinstance(result, TandemError):
             raise result
         return result
 
-    def _put_check(
-        self, org: str, key_id: str, actor: Actor, body: bytes
-    ) -> Program[tuple[bytes | None, Row | None]]:
-        """Reads before the crypto: an earlier answer for this request_id, and the named key."""
-        replay = yield from self._replayed_program(org, actor, "PutSecret", body)
-        if replay is not None:
-            return replay, None
-        keys: list[Row] = yield Fetch(
-            "SELECT * FROM vault_org_keys WHERE org = ? AND key_id = ?", (org, key_id)
-        )
-        return None, keys[0] if keys else None
-
     def _put_program(
         self, up: _Upload, step: _AuditStep, encode: Callable[[PutResult], bytes]
     ) -> Program[PutResult | bytes | TandemError]:
-        """The upload's transaction. A key rotated since the check is returned as an error, not raised, so
-        that its audit record commits."""
+        """The upload's transaction. A refusal is returned, not raised, so that its audit record commits."""
         org, secret_id, record = up.org, up.secret_id, up.record
         replay = yield from self._replayed_program(org, up.actor, "PutSecret", up.body)
         if replay is not None:
             return replay
         if self.db.dialect == "postgres":  # serialise with rotation (SQLite's write transactions are serial)
             yield Execute("SELECT pg_advisory_xact_lock(?)", (_org_lock_id(org),))
-        current: list[Row] = yield Fetch(
-            "SELECT state FROM vault_org_keys WHERE org = ? AND key_id = ?", (org, up.key_id)
+        keys: list[Row] = yield Fetch(
+            "SELECT public_key, private_box, state FROM vault_org_keys WHERE org = ? AND key_id = ?",
+            (org, up.key_id),
         )
-        if not current or current[0]["state"] != KeyState.STATE_ACTIVE:  # rotated while we checked
-            stale = FailedPrecondition(
-                "key_id was rotated during the upload; fetch the public key again and re-seal",
-                reason=R.ERROR_REASON_STALE_KEY_ID,
-            )
-            record.outcome, record.reason = Outcome.OUTCOME_FAILED, stale.reason
+        checked = self._open_upload(keys[0] if keys else None, up)
+        if isinstance(checked, TandemError):
+            record.outcome, record.reason = Outcome.OUTCOME_FAILED, checked.reason
             yield from step.insert([record])
-            return stale
+            return checked
+        fingerprint, sealed = checked
         now = time.time()
         existing: list[Row] = yield Fetch(
             "SELECT create_time FROM vault_secrets WHERE org = ? AND secret_id = ?", (org, secret_id)
@@ -395,9 +348,9 @@ class Vault:
         yield Execute(
             "INSERT INTO vault_versions (org, secret_id, version, state, fingerprint, key_id, sealed, create_time)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (org, secret_id, version, VersionState.STATE_ENABLED, up.fingerprint, up.key_id, up.sealed, now),
+            (org, secret_id, version, VersionState.STATE_ENABLED, fingerprint, up.key_id, sealed, now),
         )
-        record.version, record.fingerprint = version, up.fingerprint
+        record.version, record.fingerprint = version, fingerprint
         record.message = "created" if created else "new version"
         yield from step.insert([record])
         meta = yield from self._meta_program(org, secret_id)
@@ -406,6 +359,30 @@ class Vault:
         if up.actor.request_id:
             yield Execute(*_remember_statement(org, up.actor, "PutSecret", up.body, encode(result)))
         return result
+
+    def _open_upload(self, key: Row | None, up: _Upload) -> tuple[str, bytes] | TandemError:
+        """Check an upload against its key: (fingerprint, value sealed again), or why it is refused."""
+        if key is None or key["state"] != KeyState.STATE_ACTIVE:
+            return FailedPrecondition(
+                "key_id is not the organization's active key; fetch the public key again and re-seal",
+                reason=R.ERROR_REASON_STALE_KEY_ID,
+            )
+        public = bytes(key["public_key"])
+        try:
+            value = crypto.unseal(self.master.unwrap(bytes(key["private_box"])), up.ciphertext, public)
+        except crypto.OpenFailed:
+            return InvalidArgument(
+                "ciphertext does not open with the named key", reason=R.ERROR_REASON_CIPHERTEXT_INVALID
+            )
+        if len(value) > self.max_value_bytes:
+            return InvalidArgument(
+                f"the value is larger than {self.max_value_bytes} bytes",
+                reason=R.ERROR_REASON_SECRET_TOO_LARGE,
+            )
+        fingerprint = self.master.fingerprint(up.org, value)
+        sealed = crypto.seal(public, value)
+        del value
+        return fingerprint, sealed
 
     # ---- metadata -----------------------------------------------------------------------------
 
@@ -540,7 +517,7 @@ class Vault:
                 private = privates.get((org, row["key_id"]))
                 if private is None:
                     private = privates[(org, row["key_id"])] = self.master.unwrap(bytes(row["private_box"]))
-                value = crypto.unseal(private, bytes(row["sealed"]))
+                value = crypto.unseal(private, bytes(row["sealed"]), bytes(row["public_key"]))
             except crypto.OpenFailed:  # a stored value that does not open: wrong master key or damaged data
                 raise await self.refuse(
                     every,
@@ -560,7 +537,8 @@ class Vault:
         found: list[Row | None] = []
         for org, secret_id in secrets:
             rows: list[Row] = yield Fetch(
-                "SELECT v.version, v.fingerprint, v.key_id, v.sealed, k.private_box FROM vault_versions v"
+                "SELECT v.version, v.fingerprint, v.key_id, v.sealed, k.public_key, k.private_box"
+                " FROM vault_versions v"
                 " JOIN vault_org_keys k ON k.org = v.org AND k.key_id = v.key_id"
                 " WHERE v.org = ? AND v.secret_id = ? AND v.state = ? ORDER BY v.version DESC LIMIT 1",
                 (org, secret_id, VersionState.STATE_ENABLED),
