@@ -500,37 +500,50 @@ class Vault:
                         reason=R.ERROR_REASON_SECRET_NOT_DECLARED,
                     ),
                 )
-        rows = await self.db.read(self._enabled_versions([(org, secret_id) for org, secret_id, _ in parsed]))
+        result = await self._run_audited(lambda step: self._open_program(parsed, every, recipient, step))
+        if isinstance(result, TandemError):
+            raise result
+        return result
+
+    def _open_program(
+        self,
+        parsed: Sequence[tuple[str, str, str]],
+        every: Sequence[AuditRecord],
+        recipient: bytes,
+        step: _AuditStep,
+    ) -> Program[list[Opened] | TandemError]:
+        """An injection's transaction: read the N secrets, re-seal them on the store's thread (libsodium
+        runs without the GIL there, beside the event loop) and audit them in one insert. A refusal is
+        returned, not raised, so that its audit records commit."""
+        rows = yield from self._enabled_versions([(org, secret_id) for org, secret_id, _ in parsed])
         opened: list[Opened] = []
+        failure: TandemError | None = None
         privates: dict[tuple[str, str], bytes] = {}  # this call's unwrapped org keys, dropped on return
         for (org, _, name), record, row in zip(parsed, every, rows, strict=True):
             if row is None or row["private_box"] is None:
-                raise await self.refuse(
-                    every,
-                    NotFound(
-                        f"{name} does not exist or has no enabled version",
-                        reason=R.ERROR_REASON_SECRET_NOT_FOUND,
-                    ),
-                    failed=True,
+                failure = NotFound(
+                    f"{name} does not exist or has no enabled version", reason=R.ERROR_REASON_SECRET_NOT_FOUND
                 )
+                break
             try:
                 private = privates.get((org, row["key_id"]))
                 if private is None:
                     private = privates[(org, row["key_id"])] = self.master.unwrap(bytes(row["private_box"]))
                 value = crypto.unseal(private, bytes(row["sealed"]), bytes(row["public_key"]))
             except crypto.OpenFailed:  # a stored value that does not open: wrong master key or damaged data
-                raise await self.refuse(
-                    every,
-                    Internal("a stored secret could not be opened; check the vault's master key"),
-                    failed=True,
-                ) from None
+                failure = Internal("a stored secret could not be opened; check the vault's master key")
+                break
             sealed = crypto.seal(recipient, value)
             del value
             record.version, record.fingerprint = int(row["version"]), row["fingerprint"]
             opened.append(Opened(name, int(row["version"]), row["fingerprint"], sealed))
         privates.clear()
-        await self._write_audit(every)
-        return opened
+        if failure is not None:
+            opened.clear()
+            for record in every:
+                record.outcome, record.reason = Outcome.OUTCOME_FAILED, failure.reason
+        yield from step.insert(every)
+        return failure if failure is not None else opened
 
     def _enabled_versions(self, secrets: Sequence[tuple[str, str]]) -> Program[list[Row | None]]:
         """Each secret's newest ENABLED version with its key's wrapped private half, in one read."""
