@@ -125,7 +125,8 @@ class Database(Executor):
         ...
 
     async def run(self, program: Program[T]) -> T:
-        """Run a transaction program in one transaction."""
+        """Run a transaction program in one transaction (on SQLite, one it may share with other callers'
+        programs, each in a savepoint: see `SqliteDatabase`); returns once that transaction committed."""
         async with self.transaction() as tx:
             return await _drive(tx, program)
 
