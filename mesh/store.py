@@ -125,7 +125,8 @@ class Database(Executor):
         ...
 
     async def run(self, program: Program[T]) -> T:
-        """Run a transaction program in one transaction."""
+        """Run a transaction program in one transaction (on SQLite, one it may share with other callers'
+        programs, each in a savepoint: see `SqliteDatabase`); returns once that transaction committed."""
         async with self.transaction() as tx:
             return await _drive(tx, program)
 
@@ -315,15 +316,35 @@ def _run_to_completion(coroutine: Coroutine[Any, Any, T]) -> T:
     raise StoreError("a transaction program on SQLite's thread waited on something other than SQLite")
 
 
-def _sqlite_run_program(conn: sqlite3.Connection, program: Program[T]) -> T:
+Outcome = tuple[bool, Any]
+"""A program's end in a commit group: (True, its result) or (False, the exception it raised)."""
+
+
+def _sqlite_run_group(conn: sqlite3.Connection, programs: Sequence[Program[Any]]) -> list[Outcome]:
+    """Run several callers' programs in one transaction, each inside a savepoint, and commit once: one
+    fsync for the group. A program that raises (or whose statement fails) is rolled back to its savepoint
+    alone and its exception becomes its outcome; the others still commit. If the transaction itself cannot
+    go on (SQLite rolled it back, or COMMIT failed) the error comes out of here and no program committed."""
     conn.execute("BEGIN IMMEDIATE")
+    outcomes: list[Outcome] = []
     try:
-        result = _run_to_completion(_drive(_SqliteThreadTx(conn), program))
+        for program in programs:
+            conn.execute("SAVEPOINT tandem_program")
+            try:
+                result = _run_to_completion(_drive(_SqliteThreadTx(conn), program))
+            except Exception as exc:  # handed to the program's own caller
+                conn.execute("ROLLBACK TO tandem_program")
+                conn.execute("RELEASE tandem_program")
+                outcomes.append((False, exc))
+            else:
+                conn.execute("RELEASE tandem_program")
+                outcomes.append((True, result))
+        conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
         raise
-    conn.execute("COMMIT")
-    return result
+    return outcomes
 
 
 def _sqlite_read_program(conn: sqlite3.Connection, program: Program[T]) -> T:
@@ -365,15 +386,23 @@ def _enable_wal(conn: sqlite3.Connection) -> None:
 
 
 class SqliteDatabase(Database):
-    """One writer connection (serialised by a lock) and one reader connection; WAL lets them overlap."""
+    """One writer connection (serialised by a lock) and one reader connection; WAL lets them overlap.
+
+    `run` commits in groups: the programs callers hand it while a commit is under way queue up, and the
+    next commit runs them all in one transaction (a savepoint each) with one fsync. Each caller is answered
+    only after the commit that holds its writes, so an answered `run` is as durable as a lone one; a program
+    that fails fails only its own caller."""
 
     dialect: Dialect = "sqlite"
+    max_group = 64
 
     def __init__(self, url: str, writer: _SqliteConnection, reader: _SqliteConnection) -> None:
         self.url = url
         self._writer = writer
         self._reader = reader
         self._write_lock = asyncio.Lock()
+        self._queued: list[tuple[Program[Any], asyncio.Future[Any]]] = []
+        self._committer: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(cls, url: str, synchronous: str = "FULL") -> SqliteDatabase:
@@ -408,15 +437,50 @@ class SqliteDatabase(Database):
             await tx.execute("COMMIT")
 
     async def run(self, program: Program[T]) -> T:
-        # The whole program, Python between statements included, runs in one call on the writer's thread:
-        # a commit group costs one hand-off between threads, not one per statement.
-        async with self._write_lock:
-            return await self._writer.call(_sqlite_run_program, self._writer.raw, program)
+        # Whole programs, Python between statements included, run in one call on the writer's thread: a
+        # commit group costs one hand-off between threads and one fsync, not one per statement or caller.
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._queued.append((program, future))
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.create_task(self._commit_queued())
+        return await future
+
+    async def _commit_queued(self) -> None:
+        while self._queued:
+            group = [(p, f) for p, f in self._queued[: self.max_group] if not f.cancelled()]
+            del self._queued[: self.max_group]
+            if not group:
+                continue
+            try:
+                async with self._write_lock:
+                    outcomes = await self._writer.call(
+                        _sqlite_run_group, self._writer.raw, [p for p, _ in group]
+                    )
+            except BaseException as exc:
+                for _, future in group:
+                    if future.done():
+                        continue
+                    if isinstance(exc, asyncio.CancelledError):
+                        future.cancel()
+                    else:
+                        future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            for (_, future), (ok, value) in zip(group, outcomes, strict=True):
+                if future.done():
+                    continue
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
 
     async def read(self, program: Program[T]) -> T:
         return await self._reader.call(_sqlite_read_program, self._reader.raw, program)
 
     async def close(self) -> None:
+        if self._committer is not None:
+            await asyncio.gather(self._committer, return_exceptions=True)
         await self._writer.close()
         await self._reader.close()
 

@@ -2,8 +2,10 @@
 
 Every change and its audit record commit in one transaction, so a change that cannot be audited does not
 happen (fail closed: AUDIT_UNAVAILABLE). Refusals are audited in a transaction of their own before the
-refusal is returned. Plaintext exists only in this process's memory, between opening a sealed value and
-sealing it again (upload check, injection, rotation).
+refusal is returned. Uploads, injections and refusals are transaction programs (`mesh.store.Program`), so on
+SQLite concurrent calls share a commit (one fsync), each answered only once its own writes are committed.
+Plaintext exists only in this process's memory, between opening a sealed value and sealing it again
+(upload check, injection, rotation).
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tandem.vault.v1 import audit_pb2, org_key_pb2, secret_pb2
 
@@ -28,7 +30,7 @@ from mesh.errors import (
     TandemError,
     Unavailable,
 )
-from mesh.store import Database, Executor
+from mesh.store import Database, Execute, ExecuteMany, Executor, Fetch, Program, Row, run_on
 from services.vault import crypto
 
 Action = audit_pb2.AuditEvent.Action
@@ -80,15 +82,82 @@ class SecretMeta:
     versions: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Upload:
+    """One PutSecret call, as its transaction program receives it."""
+
+    org: str
+    secret_id: str
+    key_id: str
+    ciphertext: bytes
+    actor: Actor
+    body: bytes
+    record: AuditRecord
+
+
 PutResult = tuple[bool, dict[str, Any], "SecretMeta"]
 RotateResult = tuple[dict[str, Any], list[dict[str, Any]], int]
+T = TypeVar("T")
+
+_AUDIT_INSERT = (
+    "INSERT INTO vault_audit (org, time, actor_kind, actor_id, action, outcome, reason, secret,"
+    " version, fingerprint, key_id, request_id, message) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def _audit_row(record: AuditRecord) -> tuple[Any, ...]:
+    return (
+        record.org,
+        time.time(),
+        record.actor.kind,
+        record.actor.id,
+        record.action,
+        record.outcome,
+        record.reason,
+        record.secret,
+        record.version,
+        record.fingerprint,
+        record.key_id,
+        record.actor.request_id,
+        record.message,
+    )
+
+
+def _audit_unavailable() -> Unavailable:
+    return Unavailable(
+        "the audit log cannot be written, so the call was refused", reason=R.ERROR_REASON_AUDIT_UNAVAILABLE
+    )
+
+
+class _AuditStep:
+    """The audit insert of a write program, remembering whether it is the statement that failed: a store
+    failure there is AUDIT_UNAVAILABLE, anywhere else it is the store's own error."""
+
+    def __init__(self) -> None:
+        self.pending = False
+
+    def insert(self, records: Iterable[AuditRecord]) -> Program[None]:
+        self.pending = True
+        yield ExecuteMany(_AUDIT_INSERT, [_audit_row(r) for r in records])
+        self.pending = False
+
+
+def _org_lock_id(org: str) -> int:
+    return zlib.crc32(f"tandem.vault:{org}".encode())
 
 
 async def _lock_org(tx: Executor, org: str) -> None:
     """Serialise key creation, rotation and uploads of one organization (PostgreSQL; SQLite's write
     transactions are serial already)."""
     if tx.dialect == "postgres":
-        await tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(f"tandem.vault:{org}".encode()),))
+        await tx.execute("SELECT pg_advisory_xact_lock(?)", (_org_lock_id(org),))
+
+
+def _remember_statement(org: str, actor: Actor, method: str, body: bytes, response: bytes) -> tuple[str, Any]:
+    return (
+        "INSERT INTO vault_requests (org, request_id, method, fingerprint, response) VALUES (?, ?, ?, ?, ?)",
+        (org, actor.request_id, method, hashlib.sha256(body).hexdigest(), response),
+    )
 
 
 def secret_name(org: str, secret_id: str) -> str:
@@ -105,30 +174,25 @@ class Vault:
 
     async def _audit(self, tx: Executor, record: AuditRecord) -> None:
         try:
-            await tx.execute(
-                "INSERT INTO vault_audit (org, time, actor_kind, actor_id, action, outcome, reason, secret,"
-                " version, fingerprint, key_id, request_id, message) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    record.org,
-                    time.time(),
-                    record.actor.kind,
-                    record.actor.id,
-                    record.action,
-                    record.outcome,
-                    record.reason,
-                    record.secret,
-                    record.version,
-                    record.fingerprint,
-                    record.key_id,
-                    record.actor.request_id,
-                    record.message,
-                ),
-            )
+            await tx.execute(_AUDIT_INSERT, _audit_row(record))
         except Exception as exc:
-            raise Unavailable(
-                "the audit log cannot be written, so the call was refused",
-                reason=R.ERROR_REASON_AUDIT_UNAVAILABLE,
-            ) from exc
+            raise _audit_unavailable() from exc
+
+    async def _run_audited(self, make: Callable[[_AuditStep], Program[T]]) -> T:
+        """Run a write program that audits through the step it is given, in one transaction (shared with
+        other callers' programs on SQLite); its audit insert failing fails the call AUDIT_UNAVAILABLE."""
+        step = _AuditStep()
+        try:
+            return await self.db.run(make(step))
+        except TandemError:
+            raise
+        except Exception as exc:
+            if step.pending:
+                raise _audit_unavailable() from exc
+            raise
+
+    async def _write_audit(self, records: Sequence[AuditRecord]) -> None:
+        await self._run_audited(lambda step: step.insert(records))
 
     async def refuse(
         self, record: AuditRecord | Sequence[AuditRecord], error: TandemError, *, failed: bool = False
@@ -141,9 +205,7 @@ class Vault:
             item.outcome = Outcome.OUTCOME_FAILED if failed else Outcome.OUTCOME_DENIED
             item.reason = error.reason
         try:
-            async with self.db.transaction() as tx:
-                for item in records:
-                    await self._audit(tx, item)
+            await self._write_audit(records)
         except Unavailable as unavailable:
             return unavailable
         return error
@@ -151,14 +213,18 @@ class Vault:
     # ---- idempotency --------------------------------------------------------------------------
 
     async def _replayed(self, tx: Executor, org: str, actor: Actor, method: str, body: bytes) -> bytes | None:
+        return await run_on(tx, self._replayed_program(org, actor, method, body))
+
+    def _replayed_program(self, org: str, actor: Actor, method: str, body: bytes) -> Program[bytes | None]:
         if not actor.request_id:
             return None
-        row = await tx.fetchone(
+        rows: list[Row] = yield Fetch(
             "SELECT method, fingerprint, response FROM vault_requests WHERE org = ? AND request_id = ?",
             (org, actor.request_id),
         )
-        if row is None:
+        if not rows:
             return None
+        row = rows[0]
         if row["method"] != method or row["fingerprint"] != hashlib.sha256(body).hexdigest():
             raise AlreadyExists(
                 "request_id was already used for a different request", reason=R.ERROR_REASON_REQUEST_ID_REUSED
@@ -169,10 +235,7 @@ class Vault:
         self, tx: Executor, org: str, actor: Actor, method: str, body: bytes, response: bytes
     ) -> None:
         if actor.request_id:
-            await tx.execute(
-                "INSERT INTO vault_requests (org, request_id, method, fingerprint, response) VALUES (?, ?, ?, ?, ?)",
-                (org, actor.request_id, method, hashlib.sha256(body).hexdigest(), response),
-            )
+            await tx.execute(*_remember_statement(org, actor, method, body, response))
 
     # ---- org keys -----------------------------------------------------------------------------
 
@@ -232,107 +295,109 @@ class Vault:
     ) -> PutResult | bytes:
         """Store a sealed value as the secret's next version. Returns (created, version, secret), or the
         response bytes recorded for an earlier call with the same request_id (`encode` makes them, inside
-        the same transaction, so a retry after a lost answer never adds a second version)."""
-        name = secret_name(org, secret_id)
-        record = AuditRecord(org, actor, Action.ACTION_UPLOAD, secret=name, key_id=key_id)
-        async with self.db.transaction() as tx:
-            replay = await self._replayed(tx, org, actor, "PutSecret", body)
-            if replay is not None:
-                return replay
-            key = await tx.fetchone(
-                "SELECT * FROM vault_org_keys WHERE org = ? AND key_id = ?", (org, key_id)
-            )
-        if key is None or key["state"] != KeyState.STATE_ACTIVE:
-            raise await self.refuse(
-                record,
-                FailedPrecondition(
-                    "key_id is not the organization's active key; fetch the public key again and re-seal",
-                    reason=R.ERROR_REASON_STALE_KEY_ID,
-                ),
-                failed=True,
-            )
-        try:
-            value = crypto.unseal(self.master.unwrap(bytes(key["private_box"])), ciphertext)
-        except crypto.OpenFailed:
-            raise await self.refuse(
-                record,
-                InvalidArgument(
-                    "ciphertext does not open with the named key", reason=R.ERROR_REASON_CIPHERTEXT_INVALID
-                ),
-                failed=True,
-            ) from None
-        if len(value) > self.max_value_bytes:
-            raise await self.refuse(
-                record,
-                InvalidArgument(
-                    f"the value is larger than {self.max_value_bytes} bytes",
-                    reason=R.ERROR_REASON_SECRET_TOO_LARGE,
-                ),
-                failed=True,
-            )
-        fingerprint = self.master.fingerprint(org, value)
-        resealed = crypto.seal(bytes(key["public_key"]), value)
-        del value
-        now = time.time()
-        async with self.db.transaction() as tx:
-            replay = await self._replayed(tx, org, actor, "PutSecret", body)
-            if replay is not None:
-                return replay
-            await _lock_org(tx, org)
-            current = await tx.fetchone(
-                "SELECT state FROM vault_org_keys WHERE org = ? AND key_id = ?", (org, key_id)
-            )
-            if current is None or current["state"] != KeyState.STATE_ACTIVE:  # rotated while we checked
-                stale = FailedPrecondition(
-                    "key_id was rotated during the upload; fetch the public key again and re-seal",
-                    reason=R.ERROR_REASON_STALE_KEY_ID,
-                )
-                record.outcome, record.reason = Outcome.OUTCOME_FAILED, stale.reason
-                await self._audit(tx, record)
-                raise stale
-            existing = await tx.fetchone(
-                "SELECT create_time FROM vault_secrets WHERE org = ? AND secret_id = ?", (org, secret_id)
-            )
-            created = existing is None
-            if created:
-                await tx.execute(
-                    "INSERT INTO vault_secrets (org, secret_id, create_time, update_time) VALUES (?, ?, ?, ?)",
-                    (org, secret_id, now, now),
-                )
-            else:
-                await tx.execute(
-                    "UPDATE vault_secrets SET update_time = ? WHERE org = ? AND secret_id = ?",
-                    (now, org, secret_id),
-                )
-            row = await tx.fetchone(
-                "SELECT MAX(version) AS v FROM vault_versions WHERE org = ? AND secret_id = ?",
-                (org, secret_id),
-            )
-            version = int(row["v"] or 0) + 1 if row else 1
-            await tx.execute(
-                "INSERT INTO vault_versions (org, secret_id, version, state, fingerprint, key_id, sealed, create_time)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (org, secret_id, version, VersionState.STATE_ENABLED, fingerprint, key_id, resealed, now),
-            )
-            record.version, record.fingerprint = version, fingerprint
-            record.message = "created" if created else "new version"
-            await self._audit(tx, record)
-            meta = await self._meta(tx, org, secret_id)
-            assert meta is not None
-            result = (created, meta.versions[-1], meta)
-            await self._remember(tx, org, actor, "PutSecret", body, encode(result))
+        the same transaction, so a retry after a lost answer never adds a second version). The check of the
+        key, the crypto, the writes and the audit record are one transaction: one hand-off to the store."""
+        record = AuditRecord(
+            org, actor, Action.ACTION_UPLOAD, secret=secret_name(org, secret_id), key_id=key_id
+        )
+        upload = _Upload(org, secret_id, key_id, ciphertext, actor, body, record)
+        result = await self._run_audited(lambda step: self._put_program(upload, step, encode))
+        if isinstance(result, TandemError):
+            raise result
         return result
+
+    def _put_program(
+        self, up: _Upload, step: _AuditStep, encode: Callable[[PutResult], bytes]
+    ) -> Program[PutResult | bytes | TandemError]:
+        """The upload's transaction. A refusal is returned, not raised, so that its audit record commits."""
+        org, secret_id, record = up.org, up.secret_id, up.record
+        replay = yield from self._replayed_program(org, up.actor, "PutSecret", up.body)
+        if replay is not None:
+            return replay
+        if self.db.dialect == "postgres":  # serialise with rotation (SQLite's write transactions are serial)
+            yield Execute("SELECT pg_advisory_xact_lock(?)", (_org_lock_id(org),))
+        keys: list[Row] = yield Fetch(
+            "SELECT public_key, private_box, state FROM vault_org_keys WHERE org = ? AND key_id = ?",
+            (org, up.key_id),
+        )
+        checked = self._open_upload(keys[0] if keys else None, up)
+        if isinstance(checked, TandemError):
+            record.outcome, record.reason = Outcome.OUTCOME_FAILED, checked.reason
+            yield from step.insert([record])
+            return checked
+        fingerprint, sealed = checked
+        now = time.time()
+        existing: list[Row] = yield Fetch(
+            "SELECT create_time FROM vault_secrets WHERE org = ? AND secret_id = ?", (org, secret_id)
+        )
+        created = not existing
+        if created:
+            yield Execute(
+                "INSERT INTO vault_secrets (org, secret_id, create_time, update_time) VALUES (?, ?, ?, ?)",
+                (org, secret_id, now, now),
+            )
+        else:
+            yield Execute(
+                "UPDATE vault_secrets SET update_time = ? WHERE org = ? AND secret_id = ?",
+                (now, org, secret_id),
+            )
+        top: list[Row] = yield Fetch(
+            "SELECT MAX(version) AS v FROM vault_versions WHERE org = ? AND secret_id = ?", (org, secret_id)
+        )
+        version = int(top[0]["v"] or 0) + 1 if top else 1
+        yield Execute(
+            "INSERT INTO vault_versions (org, secret_id, version, state, fingerprint, key_id, sealed, create_time)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (org, secret_id, version, VersionState.STATE_ENABLED, fingerprint, up.key_id, sealed, now),
+        )
+        record.version, record.fingerprint = version, fingerprint
+        record.message = "created" if created else "new version"
+        yield from step.insert([record])
+        meta = yield from self._meta_program(org, secret_id)
+        assert meta is not None
+        result = (created, meta.versions[-1], meta)
+        if up.actor.request_id:
+            yield Execute(*_remember_statement(org, up.actor, "PutSecret", up.body, encode(result)))
+        return result
+
+    def _open_upload(self, key: Row | None, up: _Upload) -> tuple[str, bytes] | TandemError:
+        """Check an upload against its key: (fingerprint, value sealed again), or why it is refused."""
+        if key is None or key["state"] != KeyState.STATE_ACTIVE:
+            return FailedPrecondition(
+                "key_id is not the organization's active key; fetch the public key again and re-seal",
+                reason=R.ERROR_REASON_STALE_KEY_ID,
+            )
+        public = bytes(key["public_key"])
+        try:
+            value = crypto.unseal(self.master.unwrap(bytes(key["private_box"])), up.ciphertext, public)
+        except crypto.OpenFailed:
+            return InvalidArgument(
+                "ciphertext does not open with the named key", reason=R.ERROR_REASON_CIPHERTEXT_INVALID
+            )
+        if len(value) > self.max_value_bytes:
+            return InvalidArgument(
+                f"the value is larger than {self.max_value_bytes} bytes",
+                reason=R.ERROR_REASON_SECRET_TOO_LARGE,
+            )
+        fingerprint = self.master.fingerprint(up.org, value)
+        sealed = crypto.seal(public, value)
+        del value
+        return fingerprint, sealed
 
     # ---- metadata -----------------------------------------------------------------------------
 
     async def _meta(self, ex: Executor, org: str, secret_id: str) -> SecretMeta | None:
-        row = await ex.fetchone(
+        return await run_on(ex, self._meta_program(org, secret_id))
+
+    def _meta_program(self, org: str, secret_id: str) -> Program[SecretMeta | None]:
+        rows: list[Row] = yield Fetch(
             "SELECT create_time, update_time FROM vault_secrets WHERE org = ? AND secret_id = ?",
             (org, secret_id),
         )
-        if row is None:
+        if not rows:
             return None
-        versions = await ex.fetchall(
+        row = rows[0]
+        versions: list[Row] = yield Fetch(
             "SELECT version, state, fingerprint, key_id, create_time, disable_time FROM vault_versions"
             " WHERE org = ? AND secret_id = ? ORDER BY version",
             (org, secret_id),
@@ -348,8 +413,7 @@ class Vault:
         if meta is None or not visible:
             missing = NotFound(f"{name} not found", reason=R.ERROR_REASON_SECRET_NOT_FOUND)
             raise await self.refuse(record, missing, failed=visible)
-        async with self.db.transaction() as tx:
-            await self._audit(tx, record)
+        await self._write_audit([record])
         return meta
 
     async def list_secrets(self, org: str, after: str, limit: int, actor: Actor) -> list[SecretMeta]:
@@ -358,11 +422,9 @@ class Vault:
             (org, after, limit),
         )
         metas = [m for r in rows if (m := await self._meta(self.db, org, r["secret_id"])) is not None]
-        async with self.db.transaction() as tx:
-            await self._audit(
-                tx,
-                AuditRecord(org, actor, Action.ACTION_READ_METADATA, message=f"listed {len(metas)} secrets"),
-            )
+        await self._write_audit(
+            [AuditRecord(org, actor, Action.ACTION_READ_METADATA, message=f"listed {len(metas)} secrets")]
+        )
         return metas
 
     # ---- changes ------------------------------------------------------------------------------
@@ -438,40 +500,64 @@ class Vault:
                         reason=R.ERROR_REASON_SECRET_NOT_DECLARED,
                     ),
                 )
+        result = await self._run_audited(lambda step: self._open_program(parsed, every, recipient, step))
+        if isinstance(result, TandemError):
+            raise result
+        return result
+
+    def _open_program(
+        self,
+        parsed: Sequence[tuple[str, str, str]],
+        every: Sequence[AuditRecord],
+        recipient: bytes,
+        step: _AuditStep,
+    ) -> Program[list[Opened] | TandemError]:
+        """An injection's transaction: read the N secrets, re-seal them on the store's thread (libsodium
+        runs without the GIL there, beside the event loop) and audit them in one insert. A refusal is
+        returned, not raised, so that its audit records commit."""
+        rows = yield from self._enabled_versions([(org, secret_id) for org, secret_id, _ in parsed])
         opened: list[Opened] = []
-        for (org, secret_id, name), record in zip(parsed, every, strict=True):
-            row = await self.db.fetchone(
-                "SELECT v.version, v.fingerprint, v.sealed, k.private_box FROM vault_versions v"
-                " JOIN vault_org_keys k ON k.org = v.org AND k.key_id = v.key_id"
-                " WHERE v.org = ? AND v.secret_id = ? AND v.state = ? ORDER BY v.version DESC LIMIT 1",
-                (org, secret_id, VersionState.STATE_ENABLED),
-            )
+        failure: TandemError | None = None
+        privates: dict[tuple[str, str], bytes] = {}  # this call's unwrapped org keys, dropped on return
+        for (org, _, name), record, row in zip(parsed, every, rows, strict=True):
             if row is None or row["private_box"] is None:
-                raise await self.refuse(
-                    every,
-                    NotFound(
-                        f"{name} does not exist or has no enabled version",
-                        reason=R.ERROR_REASON_SECRET_NOT_FOUND,
-                    ),
-                    failed=True,
+                failure = NotFound(
+                    f"{name} does not exist or has no enabled version", reason=R.ERROR_REASON_SECRET_NOT_FOUND
                 )
+                break
             try:
-                value = crypto.unseal(self.master.unwrap(bytes(row["private_box"])), bytes(row["sealed"]))
+                private = privates.get((org, row["key_id"]))
+                if private is None:
+                    private = privates[(org, row["key_id"])] = self.master.unwrap(bytes(row["private_box"]))
+                value = crypto.unseal(private, bytes(row["sealed"]), bytes(row["public_key"]))
             except crypto.OpenFailed:  # a stored value that does not open: wrong master key or damaged data
-                raise await self.refuse(
-                    every,
-                    Internal("a stored secret could not be opened; check the vault's master key"),
-                    failed=True,
-                ) from None
+                failure = Internal("a stored secret could not be opened; check the vault's master key")
+                break
             sealed = crypto.seal(recipient, value)
             del value
             record.version, record.fingerprint = int(row["version"]), row["fingerprint"]
             opened.append(Opened(name, int(row["version"]), row["fingerprint"], sealed))
-        records = every
-        async with self.db.transaction() as tx:
-            for record in records:
-                await self._audit(tx, record)
-        return opened
+        privates.clear()
+        if failure is not None:
+            opened.clear()
+            for record in every:
+                record.outcome, record.reason = Outcome.OUTCOME_FAILED, failure.reason
+        yield from step.insert(every)
+        return failure if failure is not None else opened
+
+    def _enabled_versions(self, secrets: Sequence[tuple[str, str]]) -> Program[list[Row | None]]:
+        """Each secret's newest ENABLED version with its key's wrapped private half, in one read."""
+        found: list[Row | None] = []
+        for org, secret_id in secrets:
+            rows: list[Row] = yield Fetch(
+                "SELECT v.version, v.fingerprint, v.key_id, v.sealed, k.public_key, k.private_box"
+                " FROM vault_versions v"
+                " JOIN vault_org_keys k ON k.org = v.org AND k.key_id = v.key_id"
+                " WHERE v.org = ? AND v.secret_id = ? AND v.state = ? ORDER BY v.version DESC LIMIT 1",
+                (org, secret_id, VersionState.STATE_ENABLED),
+            )
+            found.append(rows[0] if rows else None)
+        return found
 
     # ---- rotation -----------------------------------------------------------------------------
 

@@ -387,6 +387,52 @@ async def test_audit_failure_fails_closed(tmp_path: Path) -> None:
         await caller.channel.close()
 
 
+async def test_an_injection_that_cannot_be_audited_returns_nothing(tmp_path: Path) -> None:
+    settings = mesh_settings(tmp_path)
+    async with running_mesh(settings, services=["vault"]) as mesh:
+        signer = TokenSigner(load_signing_key("", settings.state_dir))
+        owner = Caller(mesh, signer.issue("user", "alice", org="acme"))
+        injector = Caller(mesh, signer.issue("service", "events"))
+        await upload(owner.stub, "env-key", VALUE)
+        with sqlite3.connect(settings.state_dir / "vault.db") as raw:
+            raw.execute(
+                "CREATE TRIGGER audit_down BEFORE INSERT ON vault_audit BEGIN SELECT RAISE(ABORT, 'disk'); END"
+            )
+        with pytest.raises(RpcError) as info:
+            await open_with(injector.stub, [SECRET], job_token(signer, [SECRET]))
+        assert (info.value.code, info.value.reason) == (grpc.StatusCode.UNAVAILABLE, "AUDIT_UNAVAILABLE")
+        assert VALUE.decode()[:8] not in str(info.value)
+        await owner.channel.close()
+        await injector.channel.close()
+
+
+async def test_concurrent_uploads_each_commit_with_their_audit_record_and_a_bad_one_fails_alone(
+    callers: dict[str, vault_service_pb2_grpc.VaultServiceStub],
+) -> None:
+    acme = callers["acme"]
+    key = await acme.GetPublicKey(pb.GetPublicKeyRequest(parent=ORG))
+    box = nacl.public.SealedBox(nacl.public.PublicKey(key.public_key))
+    ciphertexts = {f"s{i}": box.encrypt(b"value-%d" % i) for i in range(20)}
+    ciphertexts["broken"] = b"\x00" * 80
+    calls = [
+        acme.PutSecret(pb.PutSecretRequest(parent=ORG, secret_id=name, key_id=key.key_id, ciphertext=sealed))
+        for name, sealed in ciphertexts.items()
+    ]
+    answers = dict(zip(ciphertexts, await asyncio.gather(*calls, return_exceptions=True), strict=True))
+    broken = answers.pop("broken")
+    assert isinstance(broken, RpcError) and broken.reason == "CIPHERTEXT_INVALID"
+    assert all(isinstance(a, pb.PutSecretResponse) and a.version.version == 1 for a in answers.values())
+    opened = await open_with(callers["proxy"], [f"orgs/acme/secrets/s{i}" for i in range(20)])
+    assert opened == [b"value-%d" % i for i in range(20)]
+    audit = await acme.ListAuditEvents(
+        pb.ListAuditEventsRequest(parent=ORG, actions=[audit_pb2.AuditEvent.ACTION_UPLOAD], page_size=100)
+    )
+    outcomes = {e.secret.rsplit("/", 1)[1]: e.outcome for e in audit.audit_events}
+    assert len(audit.audit_events) == 21
+    assert outcomes["broken"] == audit_pb2.AuditEvent.OUTCOME_FAILED
+    assert all(outcomes[name] == audit_pb2.AuditEvent.OUTCOME_ALLOWED for name in answers)
+
+
 async def test_plaintext_never_reaches_storage_or_logs(
     mesh: Mesh,
     callers: dict[str, vault_service_pb2_grpc.VaultServiceStub],
