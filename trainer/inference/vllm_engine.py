@@ -283,7 +283,9 @@ class VllmEngine(Engine):
             max_tokens=min(sampling.max_tokens or room, room),
             stop=list(sampling.stop) or None,
             stop_token_ids=list(sampling.stop_token_ids) or None,
-            seed=sampling.seed,
+            # vLLM's CPU build fails a seeded request's sampling ("CPU Generator does not use offset", vLLM
+            # 0.32 CPU), which kills its engine core; there the seed is not passed, and sampling is unseeded
+            seed=None if self.info.device == "cpu" else sampling.seed,
             logprobs=sampling.top_logprobs,
             output_kind=RequestOutputKind.DELTA,
         )
