@@ -300,6 +300,12 @@ class Job:
         return "sequence" if sequence else "token"
 
     @property
+    def decoupled(self) -> bool:
+        """Whether lagging turns get the decoupled objective (`staleness_correction = DECOUPLED`)."""
+        correction = self.config.algorithm.staleness_correction
+        return correction == config_pb2.STALENESS_CORRECTION_DECOUPLED
+
+    @property
     def compute_dtype(self) -> ComputeDtype:
         return "bfloat16" if self.config.training.compute_dtype == "bfloat16" else "float32"
 

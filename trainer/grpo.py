@@ -147,6 +147,7 @@ def policy_loss(
     lagging: torch.Tensor | None = None,
     ratio_level: RatioLevel = "token",
     weights: torch.Tensor | None = None,
+    decoupled: bool = False,
 ) -> tuple[torch.Tensor, LossStats]:
     """The GRPO loss (to minimise) for one batch and its diagnostics.
 
@@ -161,7 +162,13 @@ def policy_loss(
     costs at most `max_ratio * |A|` instead of an unbounded amount; it applies to the sequences `lagging`
     [B] marks (those sampled by older weights than the policy's), to every sequence when `lagging` is None.
     `weights` [B, T]: the batch's `token_weights` when this is a micro-batch of it; None computes them from
-    the mask with `aggregation` (and `constant_tokens` for "constant")."""
+    the mask with `aggregation` (and `constant_tokens` for "constant").
+
+    `decoupled` (the decoupled objective: Hilton et al., 2022; AReaL, Fu et al., 2025) changes the loss of
+    the `lagging` sequences: their ratio is taken to the weights being trained (the proximal policy, which
+    with one optimizer step a batch is the policy itself, so the ratio is 1 with the policy's gradient) and
+    clipped around them, and the gap to the sampler is an importance weight exp(logp - sampler_logp), without
+    gradient, truncated at `max_ratio` (2 when None); the dual clip does not apply to them."""
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs the reference model's log-probs")
     trained = mask.bool() & torch.isfinite(sampler_logprobs)
@@ -178,10 +185,17 @@ def policy_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    lag = lagging.bool().unsqueeze(1) if lagging is not None else torch.ones_like(trained)
     if max_ratio is not None:
         capped = torch.where(adv < 0, torch.minimum(per_token, -max_ratio * adv), per_token)
-        applies = lagging.bool().unsqueeze(1) if lagging is not None else torch.ones_like(trained)
-        per_token = torch.where(applies, capped, per_token)
+        per_token = torch.where(lag if not decoupled else torch.zeros_like(lag), capped, per_token)
+    if decoupled:
+        proximal = torch.exp(logprobs - logprobs.detach())  # 1, with the policy's gradient
+        behaviour = torch.exp(log_ratio.detach()).clamp(max=max_ratio if max_ratio is not None else 2.0)
+        surrogate = torch.minimum(
+            proximal * adv, torch.clamp(proximal, 1.0 - clip_low, 1.0 + clip_high) * adv
+        )
+        per_token = torch.where(lag, -behaviour * surrogate, per_token)
     kl = zeros  # and 0 off the trained positions, whatever the reference holds there
     if ref_logprobs is not None:
         kl = kl_k3(logprobs, torch.where(trained, ref_logprobs, logprobs.detach()))

@@ -330,6 +330,7 @@ def _micro_loss(
         lagging=part.lagging,
         ratio_level=job.ratio_level,
         weights=weights,
+        decoupled=job.decoupled,
     )
     return loss, stats, scores.entropy_sum
 

@@ -293,6 +293,43 @@ def test_the_dual_clip_applies_to_lagging_sequences_only() -> None:
     assert float(loss) == fp32((2.0 + 5.0) / 2)  # the on-policy sequence keeps its unbounded cost
 
 
+def test_the_decoupled_objective_keeps_the_gradient_of_a_lagging_token_the_clip_would_drop() -> None:
+    """A lagging token the current weights find 1.5x as likely as its sampler did (outside the 0.2 clip):
+    the clipped objective gives it no gradient; the decoupled one gives -w * A, w = 1.5 the behaviour
+    weight, and truncates w at `max_ratio`. On-policy rows are the clipped objective's either way."""
+    sampler = torch.log(torch.tensor([[0.2], [0.2]]))
+    adv = torch.tensor([1.0, 1.0])
+    lagging = torch.tensor([True, False])
+
+    def grads(decoupled: bool, max_ratio: float) -> tuple[float, list[float]]:
+        logp = torch.log(torch.tensor([[0.3], [0.3]])).requires_grad_()
+        loss, _ = policy_loss(
+            logp, sampler, adv, torch.ones(2, 1), max_ratio=max_ratio, lagging=lagging, decoupled=decoupled
+        )
+        loss.backward()
+        assert logp.grad is not None
+        return float(loss), logp.grad.flatten().tolist()
+
+    loss, (lagged, on_policy) = grads(False, 2.0)
+    assert lagged == on_policy == 0.0  # both clipped at 1.2
+    loss, (lagged, on_policy) = grads(True, 2.0)
+    assert lagged == pytest.approx(-1.5 / 2)  # token mean over 2 tokens
+    assert on_policy == 0.0
+    assert loss == pytest.approx((-1.5 - 1.2) / 2)
+    _, (lagged, _) = grads(True, 1.25)
+    assert lagged == pytest.approx(-1.25 / 2)  # the behaviour weight truncated
+
+
+def test_the_decoupled_objective_changes_nothing_without_lagging_turns() -> None:
+    logp = torch.log(torch.tensor([[0.3, 0.5], [0.1, 0.4]]))
+    sampler = torch.log(torch.tensor([[0.2, 0.5], [0.2, 0.3]]))
+    adv = torch.tensor([1.0, -1.0])
+    fresh = torch.tensor([False, False])
+    plain, _ = policy_loss(logp, sampler, adv, torch.ones(2, 2), max_ratio=2.0, lagging=fresh)
+    both, _ = policy_loss(logp, sampler, adv, torch.ones(2, 2), max_ratio=2.0, lagging=fresh, decoupled=True)
+    assert torch.equal(plain, both)
+
+
 def test_token_logprobs_and_entropy_follow_the_temperature() -> None:
     logits = torch.tensor([[[2.0, 0.0]]])
     tokens = torch.tensor([[0]])

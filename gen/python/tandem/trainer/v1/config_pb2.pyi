@@ -83,6 +83,49 @@ Sequence ratios stay much closer to 1 than token ratios: use clip ranges far bel
 """
 Global___RatioLevel: _TypeAlias = RatioLevel  # noqa: Y015
 
+class _StalenessCorrection:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _StalenessCorrectionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StalenessCorrection.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    STALENESS_CORRECTION_UNSPECIFIED: _StalenessCorrection.ValueType  # 0
+    """Not set; treated as CLIP."""
+    STALENESS_CORRECTION_CLIP: _StalenessCorrection.ValueType  # 1
+    """The clipped objective with the ratio taken to the sampler's log-probs, as for on-policy turns, and the
+    dual clip `max_importance_ratio` on negative advantages. A lagging token whose ratio left the clip range
+    adds no gradient, so stale batches teach less per step.
+    """
+    STALENESS_CORRECTION_DECOUPLED: _StalenessCorrection.ValueType  # 2
+    """The decoupled objective (Hilton et al., 2022; AReaL, Fu et al., 2025): the clip is taken around the
+    weights being trained (the proximal policy), and the gap between them and the weights that sampled the
+    turn is corrected by an importance weight, their probability ratio truncated at `max_importance_ratio`,
+    through which no gradient flows. Every lagging token adds gradient, weighted by how likely the current
+    weights find it.
+    """
+
+class StalenessCorrection(_StalenessCorrection, metaclass=_StalenessCorrectionEnumTypeWrapper):
+    """StalenessCorrection says how the loss treats a turn sampled by older weights than the policy being trained
+    (a turn `max_staleness` let through). Turns the policy's own weights sampled get the clipped objective
+    either way.
+    """
+
+STALENESS_CORRECTION_UNSPECIFIED: StalenessCorrection.ValueType  # 0
+"""Not set; treated as CLIP."""
+STALENESS_CORRECTION_CLIP: StalenessCorrection.ValueType  # 1
+"""The clipped objective with the ratio taken to the sampler's log-probs, as for on-policy turns, and the
+dual clip `max_importance_ratio` on negative advantages. A lagging token whose ratio left the clip range
+adds no gradient, so stale batches teach less per step.
+"""
+STALENESS_CORRECTION_DECOUPLED: StalenessCorrection.ValueType  # 2
+"""The decoupled objective (Hilton et al., 2022; AReaL, Fu et al., 2025): the clip is taken around the
+weights being trained (the proximal policy), and the gap between them and the weights that sampled the
+turn is corrected by an importance weight, their probability ratio truncated at `max_importance_ratio`,
+through which no gradient flows. Every lagging token adds gradient, weighted by how likely the current
+weights find it.
+"""
+Global___StalenessCorrection: _TypeAlias = StalenessCorrection  # noqa: Y015
+
 class _LrSchedule:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -582,6 +625,7 @@ class AlgorithmConfig(_message.Message):
     MASK_TRUNCATED_FIELD_NUMBER: _builtins.int
     RATIO_LEVEL_FIELD_NUMBER: _builtins.int
     CONSTANT_TOKENS_FIELD_NUMBER: _builtins.int
+    STALENESS_CORRECTION_FIELD_NUMBER: _builtins.int
     group_size: _builtins.int
     """Required. Episodes per prompt (seed); advantages are normalized within a group. 2 to 1024."""
     prompts_per_step: _builtins.int
@@ -633,6 +677,10 @@ class AlgorithmConfig(_message.Message):
     completions, divide the loss's sum; 1 to 1048576. Unset means `sampling.max_tokens`, which must then
     be set.
     """
+    staleness_correction: Global___StalenessCorrection.ValueType
+    """Optional. How turns sampled by older weights are corrected (see StalenessCorrection); unset means CLIP.
+    DECOUPLED is for async jobs (`max_staleness` above 0) whose policy moves far in a step.
+    """
     def __init__(
         self,
         *,
@@ -650,10 +698,11 @@ class AlgorithmConfig(_message.Message):
         mask_truncated: _builtins.bool = ...,
         ratio_level: Global___RatioLevel.ValueType = ...,
         constant_tokens: _builtins.int | None = ...,
+        staleness_correction: Global___StalenessCorrection.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high", "_clip_low", b"_clip_low", "_constant_tokens", b"_constant_tokens", "_max_importance_ratio", b"_max_importance_ratio", "_max_staleness", b"_max_staleness", "_normalize_std", b"_normalize_std", "_std_floor", b"_std_floor", "clip_high", b"clip_high", "clip_low", b"clip_low", "constant_tokens", b"constant_tokens", "max_importance_ratio", b"max_importance_ratio", "max_staleness", b"max_staleness", "normalize_std", b"normalize_std", "std_floor", b"std_floor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high", "_clip_low", b"_clip_low", "_constant_tokens", b"_constant_tokens", "_max_importance_ratio", b"_max_importance_ratio", "_max_staleness", b"_max_staleness", "_normalize_std", b"_normalize_std", "_std_floor", b"_std_floor", "clip_high", b"clip_high", "clip_low", b"clip_low", "constant_tokens", b"constant_tokens", "group_size", b"group_size", "kl_coef", b"kl_coef", "loss_aggregation", b"loss_aggregation", "mask_truncated", b"mask_truncated", "max_importance_ratio", b"max_importance_ratio", "max_staleness", b"max_staleness", "normalize_std", b"normalize_std", "prompts_per_step", b"prompts_per_step", "ratio_level", b"ratio_level", "std_floor", b"std_floor", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high", "_clip_low", b"_clip_low", "_constant_tokens", b"_constant_tokens", "_max_importance_ratio", b"_max_importance_ratio", "_max_staleness", b"_max_staleness", "_normalize_std", b"_normalize_std", "_std_floor", b"_std_floor", "clip_high", b"clip_high", "clip_low", b"clip_low", "constant_tokens", b"constant_tokens", "group_size", b"group_size", "kl_coef", b"kl_coef", "loss_aggregation", b"loss_aggregation", "mask_truncated", b"mask_truncated", "max_importance_ratio", b"max_importance_ratio", "max_staleness", b"max_staleness", "normalize_std", b"normalize_std", "prompts_per_step", b"prompts_per_step", "ratio_level", b"ratio_level", "staleness_correction", b"staleness_correction", "std_floor", b"std_floor", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__clip_high: _TypeAlias = _typing.Literal["clip_high"]  # noqa: Y015
     _WhichOneofArgType__clip_high: _TypeAlias = _typing.Literal["_clip_high", b"_clip_high"]  # noqa: Y015
