@@ -104,6 +104,18 @@ class Episode:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class Played:
+    """A played batch as the producer hands it over: the step it trains, its groups of episodes, how long
+    playing it took, and how long the producer waited before it could start (the staleness bound: the
+    generation side idle)."""
+
+    index: int
+    groups: list[list[Episode]]
+    rollouts_s: float
+    idle_s: float
+
+
 @dataclass
 class StepReport:
     step: int
@@ -167,11 +179,18 @@ class Trainer:
             if self.version:  # resumed: the workers start from the checkpoint the job began with
                 await self.publisher.publish(self.version, self._named_weights())
             control.training(self.step, self.version, steps)
-            batches: asyncio.Queue[tuple[int, list[list[Episode]]]] = asyncio.Queue()
+            batches: asyncio.Queue[Played] = asyncio.Queue()
             producer = asyncio.create_task(self._produce(batches, steps), name="rollouts")
             while self.step < steps and not control.stop_requested:  # a stop ends it after this step
-                index, groups = await _next_batch(batches, producer)
-                report = await self._train(index, groups)
+                waited = time.perf_counter()
+                played = await _next_batch(batches, producer)
+                waited = time.perf_counter() - waited
+                timings = {
+                    "time/rollouts_s": played.rollouts_s,
+                    "time/generation_idle_s": played.idle_s,
+                    "time/trainer_idle_s": waited,
+                }
+                report = await self._train(played.index, played.groups, timings)
                 self.history.append(report)
                 if self._eval_due(steps):
                     report.metrics.update(await self.evaluate())
@@ -217,14 +236,17 @@ class Trainer:
             return Trigger.INTERVAL
         return Trigger.REQUESTED if self.control.save_wanted else None
 
-    async def _produce(self, batches: asyncio.Queue[tuple[int, list[list[Episode]]]], steps: int) -> None:
+    async def _produce(self, batches: asyncio.Queue[Played], steps: int) -> None:
         """Play batch k once step k - max_staleness is done: its weights (or, after a skipped step, the
         unchanged ones) are in service, so no episode of batch k is more than max_staleness versions old."""
         lag = self.job.max_staleness
         for index in range(self.step, steps):
+            idle = time.perf_counter()
             async with self._step_done:
                 await self._step_done.wait_for(lambda index=index: self.step >= index - lag)  # type: ignore[misc]
-            await batches.put((index, await self._play(index)))
+            started = time.perf_counter()
+            groups = await self._play(index)
+            await batches.put(Played(index, groups, time.perf_counter() - started, started - idle))
 
     async def _play(self, index: int) -> list[list[Episode]]:
         algorithm = self.job.config.algorithm
@@ -384,7 +406,11 @@ class Trainer:
 
     # ---- one update ---------------------------------------------------------------------------
 
-    async def _train(self, index: int, groups: list[list[Episode]]) -> StepReport:
+    async def _train(
+        self, index: int, groups: list[list[Episode]], timings: dict[str, float] | None = None
+    ) -> StepReport:
+        """One step on a played batch; `timings` (how long it was played, and how long each side waited for
+        the other) join its metrics."""
         started = time.perf_counter()
         job = self.job
         failed = sum(1 for g in groups for e in g if e.reward is None)
@@ -406,6 +432,7 @@ class Trainer:
             "reward/mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "episodes/failed": float(failed),
             **{f"staleness/{k}": float(v) for k, v in grpo.staleness_counts(decisions).items()},
+            **(timings or {}),
         }
         report = StepReport(index + 1, self.version, metrics)
         if not kept:
@@ -697,9 +724,7 @@ class WorkerLost(RuntimeError):
     """An inference worker of the job stopped answering."""
 
 
-async def _next_batch(
-    batches: asyncio.Queue[tuple[int, list[list[Episode]]]], producer: asyncio.Task[None]
-) -> tuple[int, list[list[Episode]]]:
+async def _next_batch(batches: asyncio.Queue[Played], producer: asyncio.Task[None]) -> Played:
     """The next played batch, or the producer's error if it fails first (it would never put the batch)."""
     getter = asyncio.ensure_future(batches.get())
     await asyncio.wait({getter, producer}, return_when=asyncio.FIRST_COMPLETED)
