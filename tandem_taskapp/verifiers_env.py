@@ -14,7 +14,10 @@ How the contract maps onto verifiers:
 - Each rollout plays one `Env.run_episode(task, ModelContext(model, client=EvalClientConfig(...)))`. The
   client is the episode's policy: `base_url` is `policy.config.inference_url` (which embeds the correlation
   id), every model call carries the `X-Trace-Correlation-Id` header, and the request's sampling
-  (temperature, `max_completion_tokens`, `top_p`, `top_k`, `min_p`) is the episode's `Sampling`. The key it
+  (temperature, `max_completion_tokens`, `top_p`, `top_k`, `min_p`, and the sampling `seed`) is the
+  episode's `Sampling`. Every model call of an episode carries the episode's seed (verifiers sends one
+  sampling config per episode; the SDK's `Policy` instead adds the turn's index), so a run replays its
+  episodes exactly, and the turns of one episode draw from the same random stream. The key it
   sends comes from `TANDEM_POLICY_API_KEY` (verifiers sends `EMPTY` when that is unset, as Tandem's
   inference workers need no key).
 - The reward is the mean `Trace.reward` of the episode's trainable traces (one trace for a single-agent
@@ -207,6 +210,8 @@ def _sampling(policy: Policy) -> dict[str, Any]:
         values["temperature"] = policy.temperature
     if policy.max_completion_tokens:
         values["max_tokens"] = policy.max_completion_tokens
+    if policy.config.seed is not None:  # passed through as the request's `seed` (verifiers' extra keys)
+        values["seed"] = policy.config.seed
     return values
 
 

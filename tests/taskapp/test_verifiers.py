@@ -79,7 +79,9 @@ def test_a_single_turn_episode_reaches_the_policy_with_its_correlation_id_and_an
     policy = FakePolicyServer(["B", "D"])
     with serve_in_thread(policy.app) as policy_url:
         inference = FakePolicyServer.inference_url(policy_url, "vf-single-1")
-        good = _rollout(single_turn, rollout_body("vf-single-1", inference, seed=5))
+        body = rollout_body("vf-single-1", inference, seed=5)
+        body["policy"]["config"]["seed"] = 1234  # the episode's sampling seed
+        good = _rollout(single_turn, body)
         inference = FakePolicyServer.inference_url(policy_url, "vf-single-2")
         wrong = _rollout(single_turn, rollout_body("vf-single-2", inference, seed=5))
     assert good.status_code == 200, good.text
@@ -103,7 +105,10 @@ def test_a_single_turn_episode_reaches_the_policy_with_its_correlation_id_and_an
     assert call.path == "/v1/traces/vf-single-1/chat/completions"
     assert call.body["model"] == "tiny-policy"
     assert call.body["temperature"] == 0.7 and call.body["max_tokens"] == 16
+    assert call.body["seed"] == 1234
     assert call.messages == [{"role": "user", "content": "Copy this letter: B"}]
+    (unseeded,) = policy.requests_for("vf-single-2")
+    assert "seed" not in unseeded.body
 
 
 @needs_verifiers
