@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import time
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -30,7 +30,7 @@ from mesh.errors import (
     TandemError,
     Unavailable,
 )
-from mesh.store import Database, Execute, ExecuteMany, Executor, Fetch, Program, Row, run_on
+from mesh.store import Database, Execute, Executor, Fetch, Program, Row, run_on
 from services.vault import crypto
 
 Action = audit_pb2.AuditEvent.Action
@@ -99,16 +99,19 @@ PutResult = tuple[bool, dict[str, Any], "SecretMeta"]
 RotateResult = tuple[dict[str, Any], list[dict[str, Any]], int]
 T = TypeVar("T")
 
-_AUDIT_INSERT = (
+_AUDIT_COLUMNS = (
     "INSERT INTO vault_audit (org, time, actor_kind, actor_id, action, outcome, reason, secret,"
-    " version, fingerprint, key_id, request_id, message) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " version, fingerprint, key_id, request_id, message) VALUES "
 )
+_AUDIT_ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_AUDIT_INSERT = _AUDIT_COLUMNS + _AUDIT_ROW
+_AUDIT_ROWS_PER_INSERT = 64  # 13 parameters a row: well under SQLite's oldest limit of 999 a statement
 
 
-def _audit_row(record: AuditRecord) -> tuple[Any, ...]:
+def _audit_row(record: AuditRecord, now: float | None = None) -> tuple[Any, ...]:
     return (
         record.org,
-        time.time(),
+        time.time() if now is None else now,
         record.actor.kind,
         record.actor.id,
         record.action,
@@ -136,9 +139,15 @@ class _AuditStep:
     def __init__(self) -> None:
         self.pending = False
 
-    def insert(self, records: Iterable[AuditRecord]) -> Program[None]:
+    def insert(self, records: Sequence[AuditRecord]) -> Program[None]:
+        """One multi-row INSERT for the records (an injection's N secrets): one statement, so one round
+        trip on PostgreSQL, for up to 64 records."""
         self.pending = True
-        yield ExecuteMany(_AUDIT_INSERT, [_audit_row(r) for r in records])
+        now = time.time()
+        for start in range(0, len(records), _AUDIT_ROWS_PER_INSERT):
+            chunk = records[start : start + _AUDIT_ROWS_PER_INSERT]
+            params = [value for record in chunk for value in _audit_row(record, now)]
+            yield Execute(_AUDIT_COLUMNS + ", ".join([_AUDIT_ROW] * len(chunk)), params)
         self.pending = False
 
 
@@ -327,24 +336,29 @@ class Vault:
             return checked
         fingerprint, sealed = checked
         now = time.time()
-        existing: list[Row] = yield Fetch(
-            "SELECT create_time FROM vault_secrets WHERE org = ? AND secret_id = ?", (org, secret_id)
-        )
-        created = not existing
-        if created:
-            yield Execute(
-                "INSERT INTO vault_secrets (org, secret_id, create_time, update_time) VALUES (?, ?, ?, ?)",
-                (org, secret_id, now, now),
+        # A new secret (the common upload) is one INSERT that finds no row in the way; its version is 1 and
+        # its metadata is what this program wrote, so nothing is read back. An existing one is updated and
+        # its versions are read.
+        created = bool(
+            (
+                yield Execute(
+                    "INSERT INTO vault_secrets (org, secret_id, create_time, update_time) VALUES (?, ?, ?, ?)"
+                    " ON CONFLICT (org, secret_id) DO NOTHING",
+                    (org, secret_id, now, now),
+                )
             )
-        else:
+        )
+        version = 1
+        if not created:
             yield Execute(
                 "UPDATE vault_secrets SET update_time = ? WHERE org = ? AND secret_id = ?",
                 (now, org, secret_id),
             )
-        top: list[Row] = yield Fetch(
-            "SELECT MAX(version) AS v FROM vault_versions WHERE org = ? AND secret_id = ?", (org, secret_id)
-        )
-        version = int(top[0]["v"] or 0) + 1 if top else 1
+            top: list[Row] = yield Fetch(
+                "SELECT MAX(version) AS v FROM vault_versions WHERE org = ? AND secret_id = ?",
+                (org, secret_id),
+            )
+            version = int(top[0]["v"] or 0) + 1 if top else 1
         yield Execute(
             "INSERT INTO vault_versions (org, secret_id, version, state, fingerprint, key_id, sealed, create_time)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -353,8 +367,20 @@ class Vault:
         record.version, record.fingerprint = version, fingerprint
         record.message = "created" if created else "new version"
         yield from step.insert([record])
-        meta = yield from self._meta_program(org, secret_id)
-        assert meta is not None
+        if created:
+            row: dict[str, Any] = {
+                "version": version,
+                "state": VersionState.STATE_ENABLED,
+                "fingerprint": fingerprint,
+                "key_id": up.key_id,
+                "create_time": now,
+                "disable_time": None,
+            }
+            meta = SecretMeta(org, secret_id, now, now, [row])
+        else:
+            found = yield from self._meta_program(org, secret_id)
+            assert found is not None
+            meta = found
         result = (created, meta.versions[-1], meta)
         if up.actor.request_id:
             yield Execute(*_remember_statement(org, up.actor, "PutSecret", up.body, encode(result)))
@@ -546,18 +572,26 @@ class Vault:
         return failure if failure is not None else opened
 
     def _enabled_versions(self, secrets: Sequence[tuple[str, str]]) -> Program[list[Row | None]]:
-        """Each secret's newest ENABLED version with its key's wrapped private half, in one read."""
-        found: list[Row | None] = []
+        """Each secret's newest ENABLED version with its key's wrapped private half (None where it has
+        none): one SELECT per organization named, whatever the number of secrets."""
+        by_org: dict[str, list[str]] = {}
         for org, secret_id in secrets:
+            by_org.setdefault(org, []).append(secret_id)
+        enabled = VersionState.STATE_ENABLED
+        found: dict[tuple[str, str], Row] = {}
+        for org, ids in by_org.items():
+            placeholders = ", ".join("?" for _ in ids)  # the ids themselves are bound parameters
             rows: list[Row] = yield Fetch(
-                "SELECT v.version, v.fingerprint, v.key_id, v.sealed, k.public_key, k.private_box"
-                " FROM vault_versions v"
+                f"SELECT v.secret_id, v.version, v.fingerprint, v.key_id, v.sealed, k.public_key,"  # noqa: S608
+                " k.private_box FROM vault_versions v"
                 " JOIN vault_org_keys k ON k.org = v.org AND k.key_id = v.key_id"
-                " WHERE v.org = ? AND v.secret_id = ? AND v.state = ? ORDER BY v.version DESC LIMIT 1",
-                (org, secret_id, VersionState.STATE_ENABLED),
+                f" WHERE v.org = ? AND v.secret_id IN ({placeholders}) AND v.state = ?"
+                " AND v.version = (SELECT MAX(w.version) FROM vault_versions w"
+                " WHERE w.org = v.org AND w.secret_id = v.secret_id AND w.state = ?)",
+                (org, *ids, enabled, enabled),
             )
-            found.append(rows[0] if rows else None)
-        return found
+            found.update(((org, row["secret_id"]), row) for row in rows)
+        return [found.get(key) for key in secrets]
 
     # ---- rotation -----------------------------------------------------------------------------
 

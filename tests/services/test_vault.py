@@ -9,6 +9,7 @@ import logging
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import nacl.public
@@ -28,6 +29,10 @@ from tandem.vault.v1 import (
 from mesh.clients import open_channel
 from mesh.identity import TokenSigner, load_signing_key
 from mesh.status import RpcError
+from mesh.store import Program, Statement, open_database
+from services.vault import crypto
+from services.vault.store import MIGRATIONS
+from services.vault.vault import Actor, ActorKind, Vault
 from tests.support.mesh import Mesh, mesh_settings, running_mesh
 
 pytestmark = pytest.mark.timeout(60)
@@ -534,3 +539,58 @@ async def test_a_deployment_value_limit_is_enforced(tmp_path: Path, monkeypatch:
             await upload(caller.stub, "long", b"0123456789abcdef!")
         assert (info.value.code, info.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "SECRET_TOO_LARGE")
         await caller.channel.close()
+
+
+async def test_an_injection_is_one_read_and_one_audit_insert_in_the_order_asked(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight secrets of two organizations, one with a newer disabled version: one SELECT per organization and
+    one audit INSERT for the call; the values come back in the order asked, each the newest ENABLED one."""
+    db = await open_database(store_url, "vault", MIGRATIONS)
+    try:
+        vault = Vault(db, crypto.MasterKey(bytes(range(32))))
+        owner = Actor(ActorKind.KIND_API_KEY, "alice")
+        names: list[str] = []
+        for org in ("acme", "globex"):
+            key = await vault.active_key(org, owner)
+            for index in range(4):
+                value = f"{org}-{index}".encode()
+                sealed = crypto.seal(bytes(key["public_key"]), value)
+                await vault.put_secret(org, f"s{index}", key["key_id"], sealed, owner, b"", lambda _: b"")
+                names.append(f"orgs/{org}/secrets/s{index}")
+            newer = crypto.seal(bytes(key["public_key"]), b"disabled")
+            await vault.put_secret(org, "s0", key["key_id"], newer, owner, b"", lambda _: b"")
+            await vault.set_version_state(org, "s0", 2, False, owner)
+        statements: list[Statement] = []
+
+        def recorded(program: Program[Any]) -> Program[Any]:
+            try:
+                statement = next(program)
+                while True:
+                    statements.append(statement)
+                    statement = program.send((yield statement))
+            except StopIteration as stop:
+                return stop.value
+
+        run = db.run
+        monkeypatch.setattr(db, "run", lambda program: run(recorded(program)))
+        recipient = nacl.public.PrivateKey.generate()
+        asked = list(reversed(names))
+        opened = await vault.open_secrets(
+            asked, bytes(recipient.public_key), Actor(ActorKind.KIND_SERVICE, "taskapp_proxy"), None, None
+        )
+        box = nacl.public.SealedBox(recipient)
+        assert [o.secret for o in opened] == asked
+        assert [box.decrypt(o.sealed_value) for o in opened] == [
+            n.replace("orgs/", "").replace("/secrets/s", "-").encode() for n in asked
+        ]
+        assert [o.version for o in opened] == [1] * 8
+        reads = [s for s in statements if s.sql.startswith("SELECT")]
+        writes = [s for s in statements if not s.sql.startswith("SELECT")]
+        assert len(reads) == 2  # one per organization
+        assert len(writes) == 1 and writes[0].sql.startswith("INSERT INTO vault_audit")
+        audit = [*await vault.list_audit("acme", 0, 100), *await vault.list_audit("globex", 0, 100)]
+        injected = [r for r in audit if r["action"] == audit_pb2.AuditEvent.ACTION_INJECT]
+        assert sorted(r["secret"] for r in injected) == sorted(names)
+    finally:
+        await db.close()
