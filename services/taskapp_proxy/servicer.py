@@ -45,7 +45,7 @@ log = logging.getLogger("tandem.taskapp_proxy")
 Outcome = event_pb2.RolloutCompleted
 APP_CACHE_S = 2.0
 BATCH_LINGER_S = 0.1  # how long a rollout event waits for others to share its Publish call
-MAX_BATCH = 500
+MAX_BATCH = 500  # events per Publish call; the contract allows 1,000
 PUBLISH_RETRIES = 5
 STOP_FLUSH_S = 2.0
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -103,7 +103,7 @@ class RolloutEvents:
     async def stop(self) -> None:
         if self._task is not None:
             await cancel_and_wait(self._task)
-        self._take(self._queue.qsize())
+        self._take(len(self._unsent) + self._queue.qsize())
         with contextlib.suppress(Exception):
             async with asyncio.timeout(STOP_FLUSH_S):
                 await self._send(retries=0)
@@ -149,11 +149,16 @@ class RolloutEvents:
             await self._send(retries=PUBLISH_RETRIES)
 
     async def _send(self, retries: int) -> None:
-        """Publishes `_unsent`, one call per job, and empties it."""
+        """Publishes `_unsent`, one call per job and `MAX_BATCH` events, and empties it."""
         by_job: dict[str, list[event_pb2.Event]] = {}
         for job, event in self._unsent:
             by_job.setdefault(job, []).append(event)
-        for job, events in by_job.items():
+        batches = [
+            (job, events[start : start + MAX_BATCH])
+            for job, events in by_job.items()
+            for start in range(0, len(events), MAX_BATCH)
+        ]
+        for job, events in batches:
             backoff = 0.2
             for attempt in range(retries + 1):
                 try:

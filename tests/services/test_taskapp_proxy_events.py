@@ -10,7 +10,7 @@ from tandem.events.v1 import event_pb2, events_service_pb2
 from tandem.taskapp.v1 import rollout_pb2
 
 from mesh.status import RpcError
-from services.taskapp_proxy.servicer import BATCH_LINGER_S, RolloutEvents
+from services.taskapp_proxy.servicer import BATCH_LINGER_S, MAX_BATCH, RolloutEvents
 
 JOB = "orgs/acme/jobs/j1"
 OTHER_JOB = "orgs/acme/jobs/j2"
@@ -105,3 +105,13 @@ async def test_stop_sends_what_is_still_queued() -> None:
         events.record(JOB, APP, result(f"r{i}"))
     await events.stop()  # within the linger: nothing was sent yet
     assert fake.ids(JOB) == ["r0", "r1", "r2"]
+
+
+async def test_stop_sends_a_backlog_in_calls_the_contract_allows() -> None:
+    fake = FakeEvents()
+    events = RolloutEvents(fake)  # never started: everything is still queued at stop
+    for i in range(1200):
+        events.record(JOB, APP, result(f"r{i}"))
+    await events.stop()
+    assert [len(c.events) for c in fake.calls] == [MAX_BATCH, MAX_BATCH, 1200 - 2 * MAX_BATCH]
+    assert fake.ids(JOB) == [f"r{i}" for i in range(1200)]
