@@ -26,16 +26,17 @@ correlation id, for a short warm-up that is not counted and then a measured wind
 * direct: POST /rollout on one shared `httpx.AsyncClient` (1,024 connections, as the proxy) with the key and
   the very JSON body the proxy sends (`spec_json` of the same RolloutSpec); the answer is parsed and its
   echoed correlation id checked.
-* proxy: `TaskAppService.Rollout` on one gRPC channel with a `job` token of org bench, the request naming
-  the job (so the proxy also records a `rollout.completed` event per rollout, as for a trainer); a result
-  carrying an error counts as a failure.
+* proxy: `TaskAppService.Rollout` on one gRPC channel with a `job` token of org bench that names the app
+  (as the scheduler's token for a job whose config names it), the request naming the job (so the proxy
+  also records a `rollout.completed` event per rollout, as for a trainer); a result carrying an error
+  counts as a failure.
 
 Direct and proxy alternate in rounds at each concurrency (summed), so slow drifts of the shared machine
 touch both columns alike. Rollouts/s counts rollouts completed in the measured windows; the latency of a
 rollout is its wall time in the client, and added p50/p99 is the proxy's percentile minus the direct one at
 the same concurrency. Goals (from the issue): added p50 <= 2 ms, judged at 1 concurrent rollout, where it is
 the proxy's own cost (in a closed loop at higher concurrency latency is concurrency / throughput, so there it
-restates the throughput ratio: reported, not judged); proxy throughput >= 0.7x direct at 256.
+restates the throughput ratio: reported, not judged); proxy throughput >= 0.7x direct at 16 and 256.
 
 Under the table: the cores the client, the app and the mesh kept busy in each measured window, and the
 process that was at a core, i.e. the one that limited a figure (one Python process cannot use much more than
@@ -426,12 +427,10 @@ def verdict(value: float, met: bool) -> str:
     return "n/a" if math.isnan(value) else "met" if met else "MISSED"
 
 
-def goal(row: Row, ratio: float, added_p50: float, last: int) -> str:
+def goal(row: Row, ratio: float, added_p50: float) -> str:
     if row.concurrency == 1:
         return f"added p50 <= 2 ms: {verdict(added_p50, added_p50 <= 2.0)}"
-    if row.concurrency == last:
-        return f"ratio >= 0.7x: {verdict(ratio, ratio >= 0.7)}"
-    return "-"
+    return f"ratio >= 0.7x: {verdict(ratio, ratio >= 0.7)}"
 
 
 def limiter(sample: Sample) -> str:
@@ -453,7 +452,6 @@ def report(rows: Sequence[Row], plan: Plan, elapsed_s: float, load: tuple[float,
             "goal",
         )
     ]
-    last = max(plan.concurrencies)
     for row in rows:
         d, p = row.direct, row.proxy
         ratio = p.per_s / d.per_s if d.per_s else math.nan
@@ -472,7 +470,7 @@ def report(rows: Sequence[Row], plan: Plan, elapsed_s: float, load: tuple[float,
                 pair(d50, d99),
                 pair(p50, p99),
                 pair(p50 - d50, p99 - d99, signed=True),
-                goal(row, ratio, p50 - d50, last),
+                goal(row, ratio, p50 - d50),
             )
         )
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
@@ -546,7 +544,7 @@ async def run_benchmark(plan: Plan, profile_path: Path | None) -> int:
             await wait_for_mesh(mesh)
             print(f"Task App at {app_url}; mesh up (proxy at 127.0.0.1:{ports['taskapp_proxy']})", flush=True)
             await upload_key_and_register(ports, signer, app_url, key)
-            job = bearer(signer.issue("job", JOB, org=ORG, ttl_s=3600))
+            job = bearer(signer.issue("job", JOB, org=ORG, ttl_s=3600, extra={"task_apps": [APP_NAME]}))
             paths: list[Direct | Proxied] = [Direct(http, app_url, key), Proxied(channel, job)]
             for path in paths:  # one call each, so a broken setup fails here with its own message
                 try:

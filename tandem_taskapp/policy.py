@@ -244,8 +244,20 @@ def policy_session() -> aiohttp.ClientSession:
         connector=aiohttp.TCPConnector(limit=0, ssl=_tls_context()),
         timeout=aiohttp.ClientTimeout(total=None),
         cookie_jar=aiohttp.DummyCookieJar(),
-        trust_env=bool(urllib.request.getproxies()),
+        trust_env=proxy_configured(),
     )
+
+
+PROXIED_SCHEMES = ("http", "https", "ws", "wss")  # the ones aiohttp reads from `*_PROXY` variables
+
+
+def proxy_configured() -> bool:
+    """Whether an `HTTP(S)_PROXY` (or `WS(S)_PROXY`) variable is set, i.e. whether an aiohttp session should
+    trust the environment. The scheme matters: urllib takes every variable ending in `_proxy` for one, the
+    mesh's own `TANDEM_PORTS__TASKAPP_PROXY` included, and a session that trusts the environment looks up
+    proxies and `.netrc` in a worker thread on every request."""
+    proxies = urllib.request.getproxies()
+    return any(scheme in proxies for scheme in PROXIED_SCHEMES)
 
 
 @functools.cache

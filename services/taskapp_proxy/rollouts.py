@@ -16,7 +16,6 @@ import asyncio
 import json
 import math
 import time
-import urllib.request
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from opentelemetry import propagate, trace
 from tandem.taskapp.v1 import rollout_pb2, task_app_pb2
 
 from tandem_taskapp import hosted, schema
+from tandem_taskapp.policy import proxy_configured
 
 Kind = rollout_pb2.RolloutError.Kind
 KeyFetcher = Callable[[str], Awaitable[str]]
@@ -52,7 +52,7 @@ def http_session(max_connections: int = MAX_CONNECTIONS) -> aiohttp.ClientSessio
         timeout=aiohttp.ClientTimeout(total=None),
         cookie_jar=aiohttp.DummyCookieJar(),
         # Proxy variables are looked up on every request when trusted; where none is set, skip that.
-        trust_env=bool(urllib.request.getproxies()),
+        trust_env=proxy_configured(),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 
 from tandem_taskapp import Message, Policy, PolicyConfig, PolicyError, Turn, TurnLimitReached
 from tandem_taskapp.models import RolloutRequest
-from tandem_taskapp.policy import policy_session
+from tandem_taskapp.policy import policy_session, proxy_configured
 from tandem_taskapp.testing import FakePolicyServer, serve_in_thread
 
 CONFIG = PolicyConfig(model="tiny", inference_url="http://policy.test/v1/traces/ep-1", temperature=0.5)
@@ -224,3 +225,25 @@ async def test_a_slow_policy_over_a_session_times_out_as_a_policy_error() -> Non
             policy = Policy(config, trace_correlation_id="ep-slow", session=session, timeout=0.3)
             with pytest.raises(PolicyError, match="policy call failed"):
                 await policy.chat([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize(
+    ("variables", "configured"),
+    [
+        ({}, False),
+        # Every variable ending in _PROXY is a proxy to urllib, the mesh's own port setting too.
+        ({"TANDEM_PORTS__TASKAPP_PROXY": "50053", "TANDEM_TARGETS__TASKAPP_PROXY": "proxy:50053"}, False),
+        ({"NO_PROXY": "localhost"}, False),
+        ({"HTTPS_PROXY": "http://proxy.test:3128"}, True),
+        ({"http_proxy": "http://proxy.test:3128"}, True),
+    ],
+)
+def test_sessions_trust_the_environment_only_when_an_http_proxy_is_set(
+    monkeypatch: pytest.MonkeyPatch, variables: dict[str, str], configured: bool
+) -> None:
+    for name in list(os.environ):
+        if name.lower().endswith("_proxy"):
+            monkeypatch.delenv(name)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert proxy_configured() is configured
