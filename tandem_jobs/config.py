@@ -203,6 +203,7 @@ def _cross_field(config: config_pb2.TrainerConfig) -> list[FieldViolation]:
             )
         )
     found.extend(_inference(config.inference))
+    found.extend(_weights(config))
     found.extend(_model_build(config.model))
     if config.optimizer.warmup_steps > algorithm.steps:
         found.append(FieldViolation("optimizer.warmup_steps", f"is more than the {algorithm.steps} steps"))
@@ -213,6 +214,18 @@ def _inference(inference: config_pb2.InferenceConfig) -> list[FieldViolation]:
     if inference.max_batch and inference.engine == "vllm":
         return [
             FieldViolation("inference.max_batch", "is the torch engine's; vLLM schedules its own batches")
+        ]
+    return []
+
+
+def _weights(config: config_pb2.TrainerConfig) -> list[FieldViolation]:
+    if config.weights.in_flight and config.inference.engine == "vllm":
+        return [
+            FieldViolation(
+                "weights.in_flight",
+                "needs the torch engine: vLLM loads weights in place, so its workers must pause for an update "
+                '(drop it, or set [inference] engine = "torch")',
+            )
         ]
     return []
 

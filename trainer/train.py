@@ -177,7 +177,9 @@ class Trainer:
             self.resume()
             await self.publisher.connect()
             if self.version:  # resumed: the workers start from the checkpoint the job began with
-                await self.publisher.publish(self.version, self._named_weights())
+                await self.publisher.publish(
+                    self.version, self._named_weights(), in_flight=self.job.config.weights.in_flight
+                )
             control.training(self.step, self.version, steps)
             batches: asyncio.Queue[Played] = asyncio.Queue()
             producer = asyncio.create_task(self._produce(batches, steps), name="rollouts")
@@ -496,7 +498,9 @@ class Trainer:
 
     async def _finish_step(self, report: StepReport, started: float, *, update: bool) -> None:
         if update:
-            sync = await self.publisher.publish(report.step, self._named_weights())
+            sync = await self.publisher.publish(
+                report.step, self._named_weights(), in_flight=self.job.config.weights.in_flight
+            )
             report.metrics["weight_sync_s"] = sync.total_s
         async with self._step_done:
             self.step = report.step

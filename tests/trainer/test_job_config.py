@@ -151,6 +151,20 @@ def test_max_batch_is_the_torch_engines(tmp_path: Path) -> None:
     assert "inference.max_batch" in [v.field for v in info.value.violations]
 
 
+def test_in_flight_weight_updates_are_the_torch_engines(tmp_path: Path) -> None:
+    assert not Job(load_job(write(tmp_path, GOOD))).config.weights.in_flight  # unset: workers pause
+    torch = Job(load_job(write(tmp_path, GOOD + "\n[weights]\nin_flight = true\n")))
+    assert torch.config.weights.in_flight
+    with pytest.raises(InvalidArgument) as info:
+        load_job(write(tmp_path, GOOD + '\n[weights]\nin_flight = true\n\n[inference]\nengine = "vllm"\n'))
+    assert [v.field for v in info.value.violations] == ["weights.in_flight"]
+    assert "vLLM loads weights in place" in info.value.violations[0].description
+    assert "weights.in_flight" in str(info.value)
+    with pytest.raises(InvalidArgument) as info:
+        load_job(write(tmp_path, GOOD + "\n[weights]\nin_flite = true\n"))
+    assert "in_flight" in info.value.violations[0].description  # the valid keys of [weights]
+
+
 def test_an_unknown_key_is_named_as_the_file_spells_it_with_the_valid_keys(tmp_path: Path) -> None:
     text = GOOD.replace("steps = 50", "steps = 50\nprompts_per_stepz = 4").replace(
         "max_tokens = 32", 'topP = "high"'

@@ -580,6 +580,41 @@ async def test_a_commit_during_keep_serves_the_rest_with_the_new_weights(
     assert continued.tokens == result.tokens[switch:]  # the cache was rebuilt from the new weights
 
 
+async def test_an_in_flight_update_swaps_the_weights_under_a_running_generation(
+    tiny_model: Path, reference: Reference, prompt: list[int]
+) -> None:
+    engine = await TorchEngine.load(str(tiny_model))
+    try:
+        assert engine.in_flight_updates
+        stream = Stream(engine, prompt, Sampling(temperature=0, max_tokens=32))
+        await stream.next_chunk()
+        await stream.next_chunk()
+        # Staged and committed while the generation streams: no pause at any point.
+        staged = dict(engine.stage_update(engine.manifest()))
+        perturbed(engine, staged)
+        await stream.next_chunk()  # the generation ran on while the update was staged
+        await engine.commit_update(1)
+        assert not engine.paused
+        result = await stream.rest()
+    finally:
+        await engine.close()
+    versions = [chunk.weight_version for chunk in result.chunks]
+    assert versions[:3] == [0, 0, 0] and versions[-1] == 1
+    switch = versions.index(1)
+    assert set(versions[switch:]) == {1}  # every token after the swap, from the new weights
+    assert result.finished == Finished("length", len(prompt), 32, 0, 1)
+
+    done = result.tokens[:switch]
+    reference.assert_same_greedy(prompt, done, reference.greedy(prompt, switch))
+    updated = Reference(tiny_model)
+    updated.model.load_state_dict(staged, strict=False)
+    # The rest is what the new weights give from the prefix sampled before the swap: the generation was
+    # prefilled again (prompt and completion so far) with them, not continued from the old cache.
+    updated.assert_same_greedy(
+        prompt + done, result.tokens[switch:], updated.greedy(prompt + done, 32 - switch)
+    )
+
+
 async def test_a_partial_update_touches_only_its_tensors_and_discard_touches_nothing(
     engine: TorchEngine,
 ) -> None:

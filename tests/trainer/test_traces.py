@@ -8,7 +8,7 @@ import pytest
 from tandem.inference.v1 import generation_pb2, trace_pb2
 
 from mesh.errors import InvalidArgument, NotFound, OutOfRange
-from trainer.inference.traces import TraceStore
+from trainer.inference.traces import TraceStore, token_versions
 
 
 def store(retain: int = 100, idle_timeout_s: float = 60.0) -> TraceStore:
@@ -34,6 +34,27 @@ def test_every_turn_of_an_episode_joins_one_trace_in_order() -> None:
     assert (trace.min_weight_version, trace.max_weight_version) == (2, 3)
     assert trace.turns[0].finish_reason == generation_pb2.FINISH_REASON_STOP
     assert len(traces.get("ep-2").turns) == 1
+
+
+def test_each_completion_token_records_the_weight_version_that_sampled_it() -> None:
+    traces = store()
+    handle = traces.begin_turn("ep-1", [1, 2], 1.0, 1.0)
+    traces.end_turn(handle, [3, 4, 5, 6], [-0.5] * 4, "stop", 4, 5, completion_weight_versions=[4, 4, 5, 5])
+    handle = traces.begin_turn("ep-1", [1, 2, 3], 1.0, 1.0)
+    traces.end_turn(handle, [7, 8], [-0.5] * 2, "length", 5, 5)  # nothing reported: the turn's version
+    trace = traces.get("ep-1")
+    assert [list(t.completion_weight_versions) for t in trace.turns] == [[4, 4, 5, 5], [5, 5]]
+    assert (trace.min_weight_version, trace.max_weight_version) == (4, 5)  # the earliest bounds staleness
+
+
+def test_reported_token_versions_are_made_to_agree_with_the_first_and_last() -> None:
+    assert token_versions(0, [], 1, 1) == []
+    assert token_versions(3, [2, 3, 3], 2, 3) == [2, 3, 3]  # the torch engine's report passes unchanged
+    # vLLM tags a chunk with the version served when it arrived; its spans give the ends.
+    assert token_versions(4, [3, 3, 3, 3], 2, 3) == [2, 3, 3, 3]
+    assert token_versions(4, [2, 2, 2, 2], 2, 3) == [2, 2, 2, 3]
+    assert token_versions(3, [5, 1, 9], 2, 3) == [2, 3, 3]  # clamped and never going back
+    assert token_versions(2, [7], 2, 2) == [2, 2]  # a report of another length is not used
 
 
 def test_a_turn_records_the_seed_it_was_sampled_with() -> None:

@@ -25,11 +25,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def demo_job(
-    model_dir: Path, steps: int, sampling: dict[str, object] | None = None, **algorithm: object
+    model_dir: Path,
+    steps: int,
+    sampling: dict[str, object] | None = None,
+    weights: dict[str, object] | None = None,
+    **algorithm: object,
 ) -> Job:
     return Job(
         parse_job(
             {
+                **({"weights": weights} if weights else {}),
                 "seed": 3,
                 "checkpoint_interval": 2,
                 "model": {"dir": str(model_dir)},
@@ -124,6 +129,35 @@ async def test_steps_train_sync_report_checkpoint_and_resume(model_dir: Path, tm
             )
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+async def test_in_flight_weight_updates_train_without_pausing_the_worker(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    # [weights] in_flight: each step's weights land while the next batch's episodes generate (max_staleness
+    # 1 overlaps them), with no pause; every token's version is recorded and the worker ends on the policy.
+    job = demo_job(model_dir, steps=2, weights={"in_flight": True}, max_staleness=1)
+    async with local_environment(job, tmp_path / "run") as env:
+        trainer = Trainer(job, env)
+        reports = await trainer.run()
+        assert [r.step for r in reports] == [1, 2]
+        info = (await env.workers[0].stub.GetWeightInfo(ipb.GetWeightInfoRequest())).weight_info
+        assert info.weight_version == trainer.version == 2 and not info.paused
+        await trainer.publisher.verify(trainer._named_weights())
+        listed = await env.events.ListEvents(epb.ListEventsRequest(job=env.job, types=["weights.updated"]))
+        updates = [e.weights_updated for e in listed.events]
+        assert [u.weight_version for u in updates] == [1, 2]
+        assert all(u.paused_duration.ToNanoseconds() == 0 for u in updates)
+        assert all(e.payload["in_flight"] for e in listed.events)
+        stream = env.workers[0].stub.StreamTraces(ipb.StreamTracesRequest())
+        turns = []
+        async for item in stream:
+            if not item.HasField("trace"):
+                break  # a heartbeat: every sealed trace has been read
+            turns.extend(item.trace.turns)
+        stream.cancel()
+    assert turns and all(len(t.completion_weight_versions) == len(t.completion_token_ids) for t in turns)
+    assert all(t.completion_weight_versions[0] == t.weight_version for t in turns if t.completion_token_ids)
 
 
 async def test_a_bf16_model_trains_in_float32_and_its_workers_and_checkpoints_hold_bf16(

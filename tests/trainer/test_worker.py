@@ -16,12 +16,15 @@ from safetensors.torch import load_file
 from tandem.inference.v1 import generation_pb2, trace_pb2, weights_pb2
 from tandem.inference.v1 import inference_service_pb2 as pb
 
+from mesh.errors import FailedPrecondition, R
 from mesh.status import RpcError
 from tests.support.workers import Worker, start_worker, stop_worker, worker_stub
 from trainer.inference.config import WorkerSettings
-from trainer.inference.engine import PauseMode, Sampling
+from trainer.inference.engine import EngineInfo, PauseMode, Sampling
 from trainer.inference.publisher import WeightPublisher, WeightSyncError
+from trainer.inference.sync import WeightSync
 from trainer.inference.torch_engine import TorchEngine
+from trainer.inference.vllm_engine import VllmEngine
 from trainer.inference.worker import InferenceWorker
 from trainer.models import build_tiny_model
 
@@ -103,6 +106,9 @@ async def test_an_episode_over_the_openai_endpoint_becomes_one_trace(
             body = {"model": model, "messages": history, "max_tokens": 5, "temperature": 0, "logprobs": True}
             answer = (await http.post(url, json=body)).json()
             assert answer["choices"][0]["logprobs"]["content"]
+            versions = answer["tandem"]["completion_weight_versions"]
+            assert len(versions) == len(answer["tandem"]["completion_token_ids"])
+            assert set(versions) == {answer["tandem"]["weight_version"]}
             history += [answer["choices"][0]["message"], {"role": "user", "content": "again"}]
         sealed = (await stubs[0].FinishTrace(pb.FinishTraceRequest(correlation_id=cid))).trace  # type: ignore[attr-defined]
         assert sealed.state == trace_pb2.Trace.STATE_FINISHED and len(sealed.turns) == 2
@@ -308,3 +314,105 @@ def test_a_worker_with_an_idle_limit_exits_by_itself(model_dir: Path, mesh_key: 
         assert worker.proc.wait(timeout=120) == 0  # no call came: it stopped cleanly, status 0
     finally:
         stop_worker(worker)
+
+
+async def test_an_in_flight_update_lands_under_a_streaming_generation_without_a_pause(
+    model_dir: Path, stubs: list[object]
+) -> None:
+    stub = stubs[0]
+    assert (await stub.GetWorkerInfo(pb.GetWorkerInfoRequest())).worker_info.in_flight_updates  # type: ignore[attr-defined]
+    old = (await stub.GetWeightInfo(pb.GetWeightInfoRequest())).weight_info.weight_version  # type: ignore[attr-defined]
+    new = old + 1
+    update = modified(model_dir, 0.05)
+    publisher = WeightPublisher([stub], bucket_size_bytes=1 << 20, transfer_timeout_s=20, rpc_timeout_s=30)
+    cid = "ep-in-flight-" + secrets.token_hex(4)
+    call = stub.Generate(  # type: ignore[attr-defined]
+        pb.GenerateRequest(
+            correlation_id=cid,
+            messages=[generation_pb2.ChatMessage(role="user", content="count to three")],
+            sampling=generation_pb2.SamplingParams(max_tokens=400, temperature=0.0),
+        )
+    )
+    streamed: list[int] = []  # the version of each token as the stream delivered it
+    publishing: asyncio.Future[object] | None = None
+    try:
+        async for item in call:
+            assert item.HasField("delta"), "the generation ended before the update landed"
+            streamed += [item.delta.weight_version] * len(item.delta.token_ids)
+            if publishing is None:  # the generation is under way: publish into it
+                publishing = asyncio.ensure_future(publisher.publish(new, update, in_flight=True))
+            elif publishing.done() and streamed[-1] == new:
+                break  # tokens of the new version arrived on the same stream: enough
+        assert publishing is not None
+        report = await publishing
+    finally:
+        call.cancel()  # the turn is recorded as aborted with every token sampled so far
+        publisher.close()
+    assert report.in_flight and report.pause_s == 0 and report.resume_s == 0  # type: ignore[attr-defined]
+    info = (await stub.GetWeightInfo(pb.GetWeightInfoRequest())).weight_info  # type: ignore[attr-defined]
+    assert info.weight_version == new and not info.paused
+    assert info.transfer_state == weights_pb2.WeightInfo.TRANSFER_STATE_READY
+
+    turn = None
+    for _ in range(100):  # the cancelled turn is recorded as the worker notices the cancellation
+        trace = (await stub.GetTrace(pb.GetTraceRequest(correlation_id=cid))).trace  # type: ignore[attr-defined]
+        if trace.turns and trace.turns[0].HasField("end_time"):
+            turn = trace.turns[0]
+            break
+        await asyncio.sleep(0.1)
+    assert turn is not None
+    versions = list(turn.completion_weight_versions)
+    assert len(versions) == len(turn.completion_token_ids) >= len(streamed)
+    assert versions[: len(streamed)] == streamed  # the trace says what the stream said, token by token
+    assert versions[0] == turn.weight_version == old and versions[-1] == turn.last_weight_version == new
+    assert set(versions) == {old, new} and versions == sorted(versions)
+    await publisher.verify(update)  # the weights in service are the trainer's, bit for bit
+
+
+async def test_an_in_flight_begin_is_taken_paused_or_not_and_refused_by_an_engine_that_loads_in_place(
+    model_dir: Path, stubs: list[object]
+) -> None:
+    stub = stubs[1]
+    publisher = WeightPublisher([stub], bucket_size_bytes=1 << 20, transfer_timeout_s=20, rpc_timeout_s=30)
+    try:
+        old = (await stub.GetWeightInfo(pb.GetWeightInfoRequest())).weight_info.weight_version  # type: ignore[attr-defined]
+        idle = modified(model_dir, 0.06)
+        await publisher.publish(old + 1, idle, in_flight=True)  # running, nothing generating
+        await publisher.verify(idle)
+        await stub.PauseGeneration(pb.PauseGenerationRequest(mode=weights_pb2.PAUSE_MODE_KEEP))  # type: ignore[attr-defined]
+        paused = modified(model_dir, 0.07)
+        await publisher.publish(old + 2, paused, in_flight=True)  # paused by someone else: it stays paused
+        info = (await stub.GetWeightInfo(pb.GetWeightInfoRequest())).weight_info  # type: ignore[attr-defined]
+        assert info.paused and info.weight_version == old + 2
+        await publisher.verify(paused)
+        await stub.ResumeGeneration(pb.ResumeGenerationRequest())  # type: ignore[attr-defined]
+        # Without in_flight, a running worker still refuses to be updated.
+        begin = pb.BeginWeightUpdateRequest(
+            weight_version=old + 3,
+            manifest=[
+                weights_pb2.TensorSpec(name=n, dtype="float32", shape=list(t.shape)) for n, t in paused
+            ],
+        )
+        with pytest.raises(RpcError) as running:
+            await stub.BeginWeightUpdate(begin)  # type: ignore[attr-defined]
+        assert reason(running.value) == "WEIGHT_UPDATE_CONFLICT"
+    finally:
+        publisher.close()
+
+    # An engine that loads in place (vLLM) refuses an in-flight Begin by a reason of its own; the publisher
+    # refuses before anything moves when GetWorkerInfo says a worker cannot take one.
+    info = EngineInfo("m", "/m", "/m", 512, "vllm", "0.32", 1, "cpu", "float32")
+    vllm = VllmEngine(None, None, info, [])
+    with pytest.raises(FailedPrecondition) as refused:
+        await WeightSync(vllm, 5.0).begin(1, [], 1 << 20, True, in_flight=True)
+    assert refused.value.reason == R.ERROR_REASON_IN_FLIGHT_UPDATE_UNSUPPORTED
+    assert "loads weights in place" in refused.value.message
+    lone = WeightPublisher([stub], bucket_size_bytes=1 << 20, transfer_timeout_s=20, rpc_timeout_s=30)
+    try:
+        await lone.connect()
+        lone._in_flight_updates = [False]  # what a vLLM worker's GetWorkerInfo says
+        with pytest.raises(WeightSyncError) as early:
+            await lone.publish(old + 3, paused, in_flight=True)
+        assert early.value.phase == "GetWorkerInfo" and "loads weights in place" in early.value.failures[0]
+    finally:
+        lone.close()

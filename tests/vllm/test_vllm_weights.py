@@ -25,7 +25,7 @@ from mesh.status import RpcError
 from tests.support.weights_peer import publisher_that_dies
 from tests.support.workers import Worker, start_worker, stop_worker, worker_stub
 from tests.vllm.conftest import START_S, VLLM_CPU, greedy
-from trainer.inference.publisher import WeightPublisher
+from trainer.inference.publisher import WeightPublisher, WeightSyncError
 from trainer.models import build_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -201,3 +201,28 @@ async def test_a_trainer_killed_mid_broadcast_leaves_the_workers_inconsistent_un
         assert info.transfer_state == weights_pb2.WeightInfo.TRANSFER_STATE_READY and not info.paused
         assert info.weight_version == current + 2
         assert [await greedy(stub, list(p)) for p in PROMPTS] == expected
+
+
+@pytest.mark.parametrize("pair", [True], ids=["tied"], indirect=True)  # the refusal does not depend on it
+async def test_an_in_flight_update_is_refused_before_anything_moves(pair: Pair, stubs: list[object]) -> None:
+    info = (await stubs[0].GetWorkerInfo(pb.GetWorkerInfoRequest())).worker_info  # type: ignore[attr-defined]
+    assert not info.in_flight_updates  # vLLM loads weights in place: its workers pause for an update
+    current = (await weight_info(stubs[0])).weight_version
+    named = trainer_weights(pair.model_dir, current + 1)
+    publisher = WeightPublisher(stubs, backend="gloo", bucket_size_bytes=BUCKET, transfer_timeout_s=60)
+    try:
+        with pytest.raises(WeightSyncError) as refused:
+            await publisher.publish(current + 1, named, in_flight=True)
+        assert refused.value.phase == "GetWorkerInfo" and set(refused.value.failures) == {0, 1}
+        begin = pb.BeginWeightUpdateRequest(
+            weight_version=current + 1,
+            manifest=[weights_pb2.TensorSpec(name=n, dtype="float32", shape=list(t.shape)) for n, t in named],
+            in_flight=True,
+        )
+        with pytest.raises(RpcError) as direct:
+            await stubs[0].BeginWeightUpdate(begin)  # type: ignore[attr-defined]
+        assert direct.value.reason == "IN_FLIGHT_UPDATE_UNSUPPORTED"
+        for stub in stubs:
+            assert (await weight_info(stub)).weight_version == current  # nothing moved
+    finally:
+        publisher.close()

@@ -9,7 +9,9 @@ Weight updates go through the engine in three steps so a worker never serves hal
 `stage_update` gives the receiver a buffer for every tensor of the manifest (the torch engine allocates
 staging copies; nothing in service changes), `commit_update` makes the staged tensors the weights in
 service in one step between two generation steps, and `discard_update` drops the staging area, leaving
-the previous version in service.
+the previous version in service. Because nothing in service changes before the commit, an engine that
+stages (`in_flight_updates`) can receive while it generates: an in-flight update, each token's
+`TokenChunk.weight_version` naming the weights that sampled it.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ class Engine(abc.ABC):
     """One model in service. Every method is called from the worker's event loop."""
 
     info: EngineInfo
+    # Whether a weight update may be staged while generation runs (an in-flight update): `commit_update` then
+    # swaps the weights in between two generation steps and the generations in flight continue with them.
+    # False for an engine that loads in place (vLLM), which must pause.
+    in_flight_updates: bool = False
 
     @property
     @abc.abstractmethod

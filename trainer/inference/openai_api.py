@@ -15,7 +15,8 @@ token ids), `max_tokens` / `max_completion_tokens` (at least 1), `temperature`, 
 `top_logprobs` (chat) or `logprobs: N` (completions), `n` (1 to 16: sample 0 in the correlation id's trace,
 sample i in `{id}:{i}`'s; seeds s, s + 1, ...), `chat_template_kwargs`. Fields no engine here honours are
 refused naming them (`tandem_jobs.openai_fields`). The answer adds a `tandem` object: the weight
-version and the prompt and completion token ids (and, with n > 1, each sample's as `samples`). Errors have
+versions (the first and last token's, and `completion_weight_versions`, one per token) and the prompt and
+completion token ids (and, with n > 1, each sample's as `samples`). Errors have
 OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the mesh's stable reason as `code`
 and the refused field as `param`; an unknown route is 404 NOT_FOUND. Each completion is a server span
 continuing the caller's W3C `traceparent`.
@@ -23,8 +24,8 @@ continuing the caller's W3C `traceparent`.
 The generate route takes `token_ids` (one prompt, or a list of prompts: a batch) and `sampling_params`
 (`tandem_jobs.openai_fields.check_generate` lists what it honours and what it refuses), tokenises nothing
 and answers each choice's `token_ids`, their log-probs (tokens named `token_id:<id>`), finish reason and
-weight versions; choice k = b * n + i is sample i of prompt b, recorded in the trace `{id}` for k = 0 and
-`{id}:{k}` otherwise.
+weight versions (`completion_weight_versions`: one per token); choice k = b * n + i is sample i of prompt
+b, recorded in the trace `{id}` for k = 0 and `{id}:{k}` otherwise.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from starlette.routing import Route
 from mesh.errors import FieldViolation, InvalidArgument, R, TandemError
 from tandem_jobs.openai_fields import check_generate, generate_prompts, invalid, refuse_unsupported
 from trainer.inference.engine import Finished, PromptTooLong, Sampling, TokenChunk
+from trainer.inference.traces import token_versions
 
 if TYPE_CHECKING:
     from trainer.inference.worker import InferenceWorker
@@ -334,6 +336,7 @@ class OpenAIApi:
                 "finish_reason": finished.reason if finished else "abort",
                 "weight_version": finished.weight_version if finished else self.worker.engine.weight_version,
                 "last_weight_version": finished.last_weight_version if finished else 0,
+                "completion_weight_versions": _token_versions(chunks, finished),
             }
             if choice.sample.correlation_id:
                 answer["correlation_id"] = choice.sample.correlation_id
@@ -450,6 +453,7 @@ class OpenAIApi:
                 "last_weight_version": finished.last_weight_version if finished else 0,
                 "completion_token_ids": [t for c in chunks for t in c.token_ids],
                 "completion_logprobs": [p for c in chunks for p in c.logprobs],
+                "completion_weight_versions": _token_versions(chunks, finished),
             }
             if samples[index].correlation_id:
                 extra["correlation_id"] = samples[index].correlation_id
@@ -671,6 +675,14 @@ class _Run:
                 return chunks, item
             chunks.append(item)
         return chunks, None
+
+
+def _token_versions(chunks: list[TokenChunk], finished: Finished | None) -> list[int]:
+    """Each completion token's weight version, as its trace turn records it (`completion_weight_versions`)."""
+    reported = [c.weight_version for c in chunks for _ in c.token_ids]
+    if finished is None:
+        return reported
+    return token_versions(len(reported), reported, finished.weight_version, finished.last_weight_version)
 
 
 async def _merged(runs: list[_Run]) -> AsyncIterator[tuple[int, TokenChunk | Finished]]:

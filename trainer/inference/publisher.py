@@ -4,7 +4,10 @@
                 every worker concurrently (worker i takes rank i + 1) while this process joins as rank 0.
     publish():  PauseGeneration(mode) -> BeginWeightUpdate(version, manifest, bucket size) on every worker
                 -> the packed broadcast -> FinishWeightUpdate(version) -> ResumeGeneration, timed per phase,
-                and a `weights.updated` event on the job's log.
+                and a `weights.updated` event on the job's log. In flight (`in_flight=True`, `[weights]
+                in_flight`): no pause and no resume; BeginWeightUpdate(in_flight) and the workers generate
+                through the broadcast, each swapping the new weights in between two generation steps at
+                FinishWeightUpdate. Only engines whose WorkerInfo has `in_flight_updates` (torch) take it.
     verify():   ComputeWeightChecksums on every worker against the trainer's own tensors.
 
 The tensors are taken whole one bucket at a time through `gather` (a `Gather`): a sharded trainer (FSDP,
@@ -108,6 +111,7 @@ class UpdateReport:
     finish_s: float
     resume_s: float
     total_s: float
+    in_flight: bool = False  # generation ran through the update: nothing was paused
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -294,6 +298,7 @@ class WeightPublisher:
         self.backend = backend
         self._gather = gather
         self._transport: _Transport | None = None
+        self._in_flight_updates: list[bool] = []  # per worker, from GetWorkerInfo at `connect`
 
     @property
     def connected(self) -> bool:
@@ -314,6 +319,7 @@ class WeightPublisher:
             "GetWorkerInfo",
             [w.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=self.rpc_timeout_s) for w in self.workers],
         )
+        self._in_flight_updates = [i.worker_info.in_flight_updates for i in infos]
         sizes = [max(i.worker_info.tensor_parallel_size, 1) for i in infos]
         offsets = [1 + sum(sizes[:index]) for index in range(len(sizes))]
         world = 1 + sum(sizes)
@@ -350,14 +356,31 @@ class WeightPublisher:
         self._transport = transport
 
     async def publish(
-        self, version: int, named: Sequence[tuple[str, torch.Tensor]], mode: PauseMode = PauseMode.KEEP
+        self,
+        version: int,
+        named: Sequence[tuple[str, torch.Tensor]],
+        mode: PauseMode = PauseMode.KEEP,
+        *,
+        in_flight: bool = False,
     ) -> UpdateReport:
         """Put `named` tensors (checkpoint names, in a fixed order) into service on every worker as
-        `version`. Raises WeightSyncError naming the workers that failed; the update is then aborted."""
+        `version`, pausing generation in `mode` for the update, or, `in_flight`, without pausing (the report's
+        `pause_s` and `resume_s` are then 0). Raises WeightSyncError naming the workers that failed; the
+        update is then aborted. In flight, a worker whose engine loads in place (vLLM) is refused before
+        anything moves."""
         if self._transport is None:
             await self.connect()
         transport = self._transport
         assert transport is not None
+        if in_flight:
+            unable = {
+                index: "its engine loads weights in place (vLLM) and takes no in-flight update; "
+                "publish with the pause instead ([weights] in_flight = false)"
+                for index, able in enumerate(self._in_flight_updates)
+                if not able
+            }
+            if unable:
+                raise WeightSyncError("GetWorkerInfo", unable)
         manifest = manifest_of(named)
         buckets = plan_buckets(manifest, self.bucket_size)
         t0 = time.perf_counter()
@@ -369,13 +392,15 @@ class WeightPublisher:
             bucket_size_bytes=self.bucket_size,
             packed=True,
             ipc_handles=transport.handles(named),
+            in_flight=in_flight,
         )
         try:
-            pause = pb.PauseGenerationRequest(mode=PAUSE_MODES[mode])
-            await self._all(
-                "PauseGeneration",
-                [w.PauseGeneration(pause, timeout=self.rpc_timeout_s) for w in self.workers],
-            )
+            if not in_flight:
+                pause = pb.PauseGenerationRequest(mode=PAUSE_MODES[mode])
+                await self._all(
+                    "PauseGeneration",
+                    [w.PauseGeneration(pause, timeout=self.rpc_timeout_s) for w in self.workers],
+                )
             t1 = time.perf_counter()
             await self._all(
                 "BeginWeightUpdate",
@@ -397,27 +422,29 @@ class WeightPublisher:
             )
             t4 = time.perf_counter()
         except WeightSyncError:
-            await self._abort(version)
+            await self._abort(version, resume=not in_flight)
             raise
-        await self._all(
-            "ResumeGeneration",
-            [
-                w.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=self.rpc_timeout_s)
-                for w in self.workers
-            ],
-        )
+        if not in_flight:
+            await self._all(
+                "ResumeGeneration",
+                [
+                    w.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=self.rpc_timeout_s)
+                    for w in self.workers
+                ],
+            )
         t5 = time.perf_counter()
         report = UpdateReport(
             version=version,
             workers=len(self.workers),
             bytes=stats[0],
             buckets=stats[1],
-            pause_s=t1 - t0,
+            pause_s=0.0 if in_flight else t1 - t0,
             begin_s=t2 - t1,
             transfer_s=t3 - t2,
             finish_s=t4 - t3,
-            resume_s=t5 - t4,
+            resume_s=0.0 if in_flight else t5 - t4,
             total_s=t5 - t0,
+            in_flight=in_flight,
         )
         await self._publish_event(report)
         return report
@@ -426,28 +453,20 @@ class WeightPublisher:
         with self._gather(named, bucket_groups(buckets)) as tensors:
             return transport.send(named, buckets, tensors)
 
-    async def _abort(self, version: int) -> None:
-        """Best effort on every worker: abort the update and resume generation, so each keeps serving its
-        previous version. The group is dropped and re-formed by the next `publish`."""
+    async def _abort(self, version: int, *, resume: bool = True) -> None:
+        """Best effort on every worker: abort the update and resume generation (unless `resume` is False: an
+        in-flight update paused nothing), so each keeps serving its previous version. The group is dropped
+        and re-formed by the next `publish`."""
         self.close()
-        for phase, calls in (
-            (
-                "AbortWeightUpdate",
-                [
-                    w.AbortWeightUpdate(
-                        pb.AbortWeightUpdateRequest(weight_version=version), timeout=self.rpc_timeout_s
-                    )
-                    for w in self.workers
-                ],
-            ),
-            (
-                "ResumeGeneration",
-                [
-                    w.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=self.rpc_timeout_s)
-                    for w in self.workers
-                ],
-            ),
-        ):
+        abort = pb.AbortWeightUpdateRequest(weight_version=version)
+        phases = ["AbortWeightUpdate", "ResumeGeneration"] if resume else ["AbortWeightUpdate"]
+        for phase in phases:
+            calls = [
+                w.AbortWeightUpdate(abort, timeout=self.rpc_timeout_s)
+                if phase == "AbortWeightUpdate"
+                else w.ResumeGeneration(pb.ResumeGenerationRequest(), timeout=self.rpc_timeout_s)
+                for w in self.workers
+            ]
             results = await asyncio.gather(*calls, return_exceptions=True)
             for index, result in enumerate(results):
                 if isinstance(result, BaseException):
@@ -506,9 +525,14 @@ class WeightPublisher:
         updated.transfer_duration.CopyFrom(_duration(report.transfer_s))
         updated.finish_duration.CopyFrom(_duration(report.finish_s))
         updated.total_duration.CopyFrom(_duration(report.total_s))
-        updated.paused_duration.CopyFrom(_duration(report.total_s))
+        updated.paused_duration.CopyFrom(_duration(0.0 if report.in_flight else report.total_s))
         event.payload.update(
-            {"pause_s": report.pause_s, "resume_s": report.resume_s, "buckets": report.buckets}
+            {
+                "pause_s": report.pause_s,
+                "resume_s": report.resume_s,
+                "buckets": report.buckets,
+                "in_flight": report.in_flight,
+            }
         )
         try:
             await self._events.Publish(

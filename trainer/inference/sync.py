@@ -7,10 +7,13 @@
 `begin` validates the manifest against the model and the bucket geometry before any byte moves, has the
 engine allocate staging buffers, and starts the receive on a side thread (the collective blocks; the event
 loop must not). `finish` waits for the receive with a deadline, then has the engine swap the staged tensors
-in between two generation steps. The torch engine never writes into the weights in service before that
-swap, so a failed or aborted update leaves the previous version serving; the transfer group is unusable
-after a failed collective, so the state returns to UNINITIALIZED and the trainer re-forms the group. Every
-wait is bounded: the join and each bucket by `transfer_timeout_s`.
+in between two generation steps. Generation is paused for an update, except an in-flight one (`begin(...,
+in_flight=True)`, engines with `in_flight_updates`: the torch engine), where it runs on while the buckets
+arrive and the generations in flight continue with the new weights after the swap. The torch engine never
+writes into the weights in service before that swap, so a failed or aborted update leaves the previous
+version serving; the transfer group is unusable after a failed collective, so the state returns to
+UNINITIALIZED and the trainer re-forms the group. Every wait is bounded: the join and each bucket by
+`transfer_timeout_s`.
 
 An engine with a transfer engine of its own (`RemoteTransfer`: vLLM, over NCCL, IPC or Tandem's gloo engine)
 moves through the same states, but it loads in place, so an update that fails once started (the receive
@@ -189,7 +192,12 @@ class WeightSync:
         bucket_size: int,
         packed: bool,
         ipc_handles: bytes = b"",
+        *,
+        in_flight: bool = False,
     ) -> _Update:
+        """Arm the receive of `version`. Generation must be paused unless `in_flight`, which only an engine
+        with `in_flight_updates` takes: it keeps generating while the buckets arrive and `finish` swaps the
+        weights in between two of its steps."""
         async with self._lock:
             if self._update is not None and self._update.version == version:
                 return self._update  # a repeated Begin for the version being received
@@ -197,6 +205,12 @@ class WeightSync:
                 raise FailedPrecondition(
                     f"version {self.pending_version} is being received",
                     reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT,
+                )
+            if in_flight and not self.engine.in_flight_updates:
+                raise FailedPrecondition(
+                    f"the {self.engine.info.kind} engine loads weights in place, so it cannot take an "
+                    "in-flight update; pause generation and update without in_flight",
+                    reason=R.ERROR_REASON_IN_FLIGHT_UPDATE_UNSUPPORTED,
                 )
             if self._group is None and not self._remote:
                 raise FailedPrecondition(
@@ -208,7 +222,7 @@ class WeightSync:
                     f"version {version} is not above the version in service, {self.engine.weight_version}",
                     reason=R.ERROR_REASON_WEIGHT_VERSION_REGRESSION,
                 )
-            if not self.engine.paused:
+            if not in_flight and not self.engine.paused:
                 raise FailedPrecondition(
                     "pause generation before a weight update", reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT
                 )

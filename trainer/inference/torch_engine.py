@@ -20,8 +20,11 @@ same step (prompt plus any completion so far, left-padded with the other joiners
 merged in, the shorter side padded on the left. A finished generation's row is dropped at the next step,
 and leading columns that became padding in every row are trimmed. A weight commit drops the whole cache,
 so every token after a commit is computed from the new weights alone (the in-flight generations are
-prefilled again). Costs: a join costs one prefill of the joiners plus a copy of the cache (the merge); a
-leave costs a copy. Models whose cache is not made of plain full-attention layers (sliding windows,
+prefilled again). That is what makes an in-flight update exact: staging and receiving touch nothing in
+service, so generation runs on during the transfer, and after the commit each generation in flight is
+prefilled (prompt plus completion so far) with the new weights and continues from there, its next tokens
+tagged with the new version. Costs: a join costs one prefill of the joiners plus a copy of the cache (the
+merge); a leave costs a copy. Models whose cache is not made of plain full-attention layers (sliding windows,
 linear attention) are detected after the first forward and served by recomputing every sequence in full
 each step: exact, quadratic in length. Padding makes a batched row's logits differ from a solo run's in
 the last float bits (~1e-5 here), as in every batched engine; only a near-tie can tip greedy one way.
@@ -154,6 +157,8 @@ class _KvBatch:
 
 class TorchEngine(Engine):
     """A Hugging Face causal LM in service; see the module docstring for batching, sampling and weights."""
+
+    in_flight_updates = True  # updates are staged apart from the weights in service and swapped between steps
 
     def __init__(
         self,

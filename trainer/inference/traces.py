@@ -38,6 +38,23 @@ def _stamp(seconds: float) -> timestamp_pb2.Timestamp:
     return stamp
 
 
+def token_versions(count: int, reported: Sequence[int], first: int, last: int) -> list[int]:
+    """One weight version per completion token, agreeing with the turn's first and last versions: what the
+    engine reported per token (the torch engine tags each token with the weights of its step), else `first`
+    throughout; kept non-decreasing and within [first, last], the first token `first` and the last `last`.
+    vLLM reports per chunk the version it served when the chunk arrived and its own spans for the ends, which
+    this reconciles; the torch engine's report already agrees and passes unchanged."""
+    if count == 0:
+        return []
+    versions = list(reported) if len(reported) == count else [first] * count
+    out, floor = [], first
+    for version in versions:
+        floor = min(max(floor, version), last)
+        out.append(floor)
+    out[0], out[-1] = first, last
+    return out
+
+
 @dataclass
 class TurnHandle:
     correlation_id: str
@@ -109,8 +126,12 @@ class TraceStore:
         finish_reason: str,
         weight_version: int,
         last_weight_version: int,
+        *,
+        completion_weight_versions: Sequence[int] = (),
     ) -> None:
-        """Record what the turn produced. Every sampled token is trained on (loss mask true)."""
+        """Record what the turn produced. Every sampled token is trained on (loss mask true).
+        `completion_weight_versions` is the version of each token as the engine reported it; see
+        `token_versions` for how it is made to agree with the first and last versions."""
         trace = self._open.get(handle.correlation_id) or self._sealed.get(handle.correlation_id)
         self._pending_turns[handle.correlation_id] = self._pending_turns.get(handle.correlation_id, 1) - 1
         if trace is None:
@@ -119,6 +140,11 @@ class TraceStore:
         turn.completion_token_ids.extend(completion_token_ids)
         turn.sampler_logprobs.extend(sampler_logprobs)
         turn.loss_mask.extend([True] * len(completion_token_ids))
+        turn.completion_weight_versions.extend(
+            token_versions(
+                len(completion_token_ids), completion_weight_versions, weight_version, last_weight_version
+            )
+        )
         turn.weight_version = weight_version
         turn.last_weight_version = last_weight_version
         turn.finish_reason = FINISH_REASONS[finish_reason]

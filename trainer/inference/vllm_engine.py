@@ -114,6 +114,8 @@ _SAFETENSORS_DTYPES = {
 
 
 class VllmEngine(Engine):
+    in_flight_updates = False  # vLLM loads weights in place: generation must pause while an update lands
+
     def __init__(self, llm: Any, tokenizer: Any, info: EngineInfo, manifest: list[TensorMeta]) -> None:
         self._llm = llm
         self._tokenizer = tokenizer

@@ -232,6 +232,7 @@ class InferenceWorker:
         )
         tokens: list[int] = []
         logprobs: list[float] = []
+        versions: list[int] = []  # per token: the weights that sampled it
         first_version = last_version = self.engine.weight_version
         recorded = False
         try:
@@ -242,11 +243,18 @@ class InferenceWorker:
                     last_version = item.weight_version
                     tokens.extend(item.token_ids)
                     logprobs.extend(item.logprobs)
+                    versions.extend([item.weight_version] * len(item.token_ids))
                     yield item
                     continue
                 if handle is not None:
                     self.traces.end_turn(
-                        handle, tokens, logprobs, item.reason, item.weight_version, item.last_weight_version
+                        handle,
+                        tokens,
+                        logprobs,
+                        item.reason,
+                        item.weight_version,
+                        item.last_weight_version,
+                        completion_weight_versions=versions,
                     )
                     recorded = True
                 yield item
@@ -257,7 +265,15 @@ class InferenceWorker:
         finally:
             if handle is not None and not recorded:
                 # Cancelled by the caller (or failed): keep what was sampled, as an aborted turn.
-                self.traces.end_turn(handle, tokens, logprobs, "abort", first_version, last_version)
+                self.traces.end_turn(
+                    handle,
+                    tokens,
+                    logprobs,
+                    "abort",
+                    first_version,
+                    last_version,
+                    completion_weight_versions=versions,
+                )
 
     def transfer_backends(self) -> tuple[str, ...]:
         engine = self.engine
@@ -328,6 +344,7 @@ class InferenceWorker:
             ],
             incarnation=self.incarnation,
             start_time=_timestamp(self.start_time),
+            in_flight_updates=self.engine.in_flight_updates,
         )
 
 
@@ -478,7 +495,12 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         if request.packed and bucket < MIN_BUCKET_BYTES:
             raise InvalidArgument(f"bucket_size_bytes must be at least {MIN_BUCKET_BYTES} (1 MiB), or unset")
         update = await self.worker.sync.begin(
-            request.weight_version, manifest, bucket, request.packed, request.ipc_handles
+            request.weight_version,
+            manifest,
+            bucket,
+            request.packed,
+            request.ipc_handles,
+            in_flight=request.in_flight,
         )
         size, broadcasts = self.worker.sync.expected(update)
         return pb.BeginWeightUpdateResponse(expected_bytes=size, expected_broadcasts=broadcasts)

@@ -158,6 +158,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """
     ERROR_REASON_TRACE_FINISHED: _ErrorReason.ValueType  # 151
     """The trace for this correlation id is already sealed; start a new episode id. FAILED_PRECONDITION."""
+    ERROR_REASON_IN_FLIGHT_UPDATE_UNSUPPORTED: _ErrorReason.ValueType  # 152
+    """The worker's engine cannot take a weight update while it generates (vLLM loads weights in place);
+    pause generation for the update instead. FAILED_PRECONDITION.
+    """
     ERROR_REASON_INVALID_CONFIG: _ErrorReason.ValueType  # 160
     """The trainer job config is invalid; a `google.rpc.BadRequest` detail names each field. INVALID_ARGUMENT."""
     ERROR_REASON_PLACEMENT_INVALID: _ErrorReason.ValueType  # 161
@@ -306,6 +310,10 @@ FAILED_PRECONDITION.
 """
 ERROR_REASON_TRACE_FINISHED: ErrorReason.ValueType  # 151
 """The trace for this correlation id is already sealed; start a new episode id. FAILED_PRECONDITION."""
+ERROR_REASON_IN_FLIGHT_UPDATE_UNSUPPORTED: ErrorReason.ValueType  # 152
+"""The worker's engine cannot take a weight update while it generates (vLLM loads weights in place);
+pause generation for the update instead. FAILED_PRECONDITION.
+"""
 ERROR_REASON_INVALID_CONFIG: ErrorReason.ValueType  # 160
 """The trainer job config is invalid; a `google.rpc.BadRequest` detail names each field. INVALID_ARGUMENT."""
 ERROR_REASON_PLACEMENT_INVALID: ErrorReason.ValueType  # 161

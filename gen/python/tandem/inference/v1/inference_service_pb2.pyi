@@ -557,6 +557,7 @@ class BeginWeightUpdateRequest(_message.Message):
     BUCKET_SIZE_BYTES_FIELD_NUMBER: _builtins.int
     PACKED_FIELD_NUMBER: _builtins.int
     IPC_HANDLES_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.int
     """Required. The version being sent, above the version in service."""
     bucket_size_bytes: _builtins.int
@@ -574,6 +575,14 @@ class BeginWeightUpdateRequest(_message.Message):
     never cross a network; the trainer keeps them alive until FinishWeightUpdate. Empty for the broadcast
     backends.
     """
+    in_flight: _builtins.bool
+    """Optional. An in-flight update: the worker receives while generation runs, without PauseGeneration, and
+    FinishWeightUpdate swaps the weights in between two generation steps; generation was never paused, so
+    no ResumeGeneration follows, and generations in flight continue with the new weights (each token's
+    trace entry names the version that sampled it). Refused with FAILED_PRECONDITION /
+    IN_FLIGHT_UPDATE_UNSUPPORTED by an engine that loads weights in place (vLLM); WorkerInfo
+    `in_flight_updates` says which engines take it. Unset means false: generation must be paused.
+    """
     @_builtins.property
     def manifest(self) -> _containers.RepeatedCompositeFieldContainer[_weights_pb2.TensorSpec]:
         """Required. Every tensor the trainer will send, in broadcast order; at most 100000. Packed buckets hold the
@@ -588,10 +597,11 @@ class BeginWeightUpdateRequest(_message.Message):
         bucket_size_bytes: _builtins.int = ...,
         packed: _builtins.bool = ...,
         ipc_handles: _builtins.bytes = ...,
+        in_flight: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_size_bytes", b"bucket_size_bytes", "ipc_handles", b"ipc_handles", "manifest", b"manifest", "packed", b"packed", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_size_bytes", b"bucket_size_bytes", "in_flight", b"in_flight", "ipc_handles", b"ipc_handles", "manifest", b"manifest", "packed", b"packed", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -35,8 +35,11 @@ class InferenceServiceStub:
     Weight sync, once per job: GetWorkerInfo on every worker, then InitWeightTransfer on all of them
     concurrently while the trainer joins as rank 0. Per update: PauseGeneration, BeginWeightUpdate (validates
     the manifest and arms the receivers), the trainer broadcasts the buckets on the collective,
-    FinishWeightUpdate (waits for the last bucket, loads, sets the version), ResumeGeneration. Only metadata
-    travels in these messages; tensors never do.
+    FinishWeightUpdate (waits for the last bucket, loads, sets the version), ResumeGeneration. An in-flight
+    update (BeginWeightUpdate `in_flight`, on an engine whose WorkerInfo has `in_flight_updates`) skips the
+    pause and the resume: generation runs on while the buckets arrive and FinishWeightUpdate swaps the new
+    weights in between two generation steps, each token's trace entry naming the version that sampled it.
+    Only metadata travels in these messages; tensors never do.
 
     The mutations here are idempotent by their natural key (correlation id, weight version, the transfer
     group's parameters) and have a single caller, the job's trainer, so they carry no `request_id`. Every
@@ -128,8 +131,11 @@ class InferenceServiceServicer:
     Weight sync, once per job: GetWorkerInfo on every worker, then InitWeightTransfer on all of them
     concurrently while the trainer joins as rank 0. Per update: PauseGeneration, BeginWeightUpdate (validates
     the manifest and arms the receivers), the trainer broadcasts the buckets on the collective,
-    FinishWeightUpdate (waits for the last bucket, loads, sets the version), ResumeGeneration. Only metadata
-    travels in these messages; tensors never do.
+    FinishWeightUpdate (waits for the last bucket, loads, sets the version), ResumeGeneration. An in-flight
+    update (BeginWeightUpdate `in_flight`, on an engine whose WorkerInfo has `in_flight_updates`) skips the
+    pause and the resume: generation runs on while the buckets arrive and FinishWeightUpdate swaps the new
+    weights in between two generation steps, each token's trace entry naming the version that sampled it.
+    Only metadata travels in these messages; tensors never do.
 
     The mutations here are idempotent by their natural key (correlation id, weight version, the transfer
     group's parameters) and have a single caller, the job's trainer, so they carry no `request_id`. Every
@@ -214,12 +220,13 @@ class InferenceServiceServicer:
     def BeginWeightUpdate(self, request, context):
         """Starts a weight update: validates the whole manifest against the loaded model before any byte moves,
         arms the receivers, and returns once the worker is ready for the trainer's broadcast. Generation must
-        be paused. Repeating the call for the version being received is a no-op. Fails with INVALID_ARGUMENT /
-        WEIGHT_MANIFEST_MISMATCH with a `google.rpc.BadRequest` detail naming each missing, unknown or
-        mis-typed tensor; FAILED_PRECONDITION / WEIGHT_TRANSFER_NOT_INITIALIZED; FAILED_PRECONDITION /
-        WEIGHT_VERSION_REGRESSION when `weight_version` is not above the version in service;
-        FAILED_PRECONDITION / WEIGHT_UPDATE_CONFLICT when another version is being received or generation is
-        not paused.
+        be paused, unless `in_flight` is set. Repeating the call for the version being received is a no-op.
+        Fails with INVALID_ARGUMENT / WEIGHT_MANIFEST_MISMATCH with a `google.rpc.BadRequest` detail naming
+        each missing, unknown or mis-typed tensor; FAILED_PRECONDITION / WEIGHT_TRANSFER_NOT_INITIALIZED;
+        FAILED_PRECONDITION / WEIGHT_VERSION_REGRESSION when `weight_version` is not above the version in
+        service; FAILED_PRECONDITION / WEIGHT_UPDATE_CONFLICT when another version is being received or
+        generation is not paused (without `in_flight`); FAILED_PRECONDITION / IN_FLIGHT_UPDATE_UNSUPPORTED
+        with `in_flight` on an engine that loads weights in place (vLLM).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -227,9 +234,11 @@ class InferenceServiceServicer:
 
     def FinishWeightUpdate(self, request, context):
         """Waits for the rest of the broadcast, loads the weights, puts `weight_version` in service and returns the
-        update's timings. Generation stays paused until ResumeGeneration. Finishing the version already in
-        service returns its timings again. Fails with FAILED_PRECONDITION / WEIGHT_UPDATE_CONFLICT when
-        `weight_version` is neither being received nor in service; ABORTED / WEIGHT_TRANSFER_FAILED when the
+        update's timings. Generation stays paused until ResumeGeneration; after an in-flight Begin, generation
+        was never paused and the weights are swapped in between two generation steps, generations in flight
+        continuing with them. Finishing the version already in service returns its timings again. Fails with
+        FAILED_PRECONDITION / WEIGHT_UPDATE_CONFLICT when `weight_version` is neither being received nor in
+        service; ABORTED / WEIGHT_TRANSFER_FAILED when the
         collective fails or times out (the transfer state becomes INCONSISTENT if any tensor was loaded,
         READY otherwise).
         """
@@ -359,8 +368,11 @@ class InferenceService:
     Weight sync, once per job: GetWorkerInfo on every worker, then InitWeightTransfer on all of them
     concurrently while the trainer joins as rank 0. Per update: PauseGeneration, BeginWeightUpdate (validates
     the manifest and arms the receivers), the trainer broadcasts the buckets on the collective,
-    FinishWeightUpdate (waits for the last bucket, loads, sets the version), ResumeGeneration. Only metadata
-    travels in these messages; tensors never do.
+    FinishWeightUpdate (waits for the last bucket, loads, sets the version), ResumeGeneration. An in-flight
+    update (BeginWeightUpdate `in_flight`, on an engine whose WorkerInfo has `in_flight_updates`) skips the
+    pause and the resume: generation runs on while the buckets arrive and FinishWeightUpdate swaps the new
+    weights in between two generation steps, each token's trace entry naming the version that sampled it.
+    Only metadata travels in these messages; tensors never do.
 
     The mutations here are idempotent by their natural key (correlation id, weight version, the transfer
     group's parameters) and have a single caller, the job's trainer, so they carry no `request_id`. Every

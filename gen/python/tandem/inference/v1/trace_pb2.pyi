@@ -134,13 +134,15 @@ class TraceTurn(_message.Message):
     TOP_K_FIELD_NUMBER: _builtins.int
     MIN_P_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    COMPLETION_WEIGHT_VERSIONS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Output only. The turn's index in the trace, from 0."""
     weight_version: _builtins.int
     """Output only. The weight version that sampled the first completion token."""
     last_weight_version: _builtins.int
     """Output only. The weight version that sampled the last completion token; larger than `weight_version`
-    only when a weight update happened while the turn was paused in KEEP mode.
+    only when a weight update happened while the turn was paused in KEEP mode or, with an in-flight
+    update, while it generated.
     """
     temperature: _builtins.float
     """Output only. The temperature the turn was sampled with; the trainer scales its logits the same way."""
@@ -187,6 +189,14 @@ class TraceTurn(_message.Message):
     def end_time(self) -> _timestamp_pb2.Timestamp:
         """Output only. When the generation ended."""
 
+    @_builtins.property
+    def completion_weight_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Output only. One entry per completion token, in order: the weight version that sampled it. Versions
+        differ within a turn only when weights changed while it generated: an in-flight update (the torch
+        engine swaps weights between two steps) or a KEEP pause. The first entry is `weight_version` and the
+        last `last_weight_version`.
+        """
+
     def __init__(
         self,
         *,
@@ -205,10 +215,11 @@ class TraceTurn(_message.Message):
         top_k: _builtins.int = ...,
         min_p: _builtins.float = ...,
         seed: _builtins.int | None = ...,
+        completion_weight_versions: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "end_time", b"end_time", "seed", b"seed", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "completion_token_ids", b"completion_token_ids", "end_time", b"end_time", "finish_reason", b"finish_reason", "index", b"index", "last_weight_version", b"last_weight_version", "loss_mask", b"loss_mask", "min_p", b"min_p", "prompt_token_ids", b"prompt_token_ids", "sampler_logprobs", b"sampler_logprobs", "seed", b"seed", "start_time", b"start_time", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "completion_token_ids", b"completion_token_ids", "completion_weight_versions", b"completion_weight_versions", "end_time", b"end_time", "finish_reason", b"finish_reason", "index", b"index", "last_weight_version", b"last_weight_version", "loss_mask", b"loss_mask", "min_p", b"min_p", "prompt_token_ids", b"prompt_token_ids", "sampler_logprobs", b"sampler_logprobs", "seed", b"seed", "start_time", b"start_time", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015

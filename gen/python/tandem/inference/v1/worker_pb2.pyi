@@ -64,6 +64,7 @@ class WorkerInfo(_message.Message):
     WEIGHT_TRANSFER_BACKENDS_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_UPDATES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Output only. The model id the worker serves: the `model` to send on its OpenAI-compatible endpoint."""
     model_path: _builtins.str
@@ -88,6 +89,11 @@ class WorkerInfo(_message.Message):
     """Output only. The base URL of the OpenAI-compatible HTTP endpoint Task Apps call, ending in `/v1`."""
     incarnation: _builtins.str
     """Output only. A random id for this worker process; trace cursors from another incarnation are stale."""
+    in_flight_updates: _builtins.bool
+    """Output only. Whether the engine takes in-flight weight updates (BeginWeightUpdate `in_flight`): it
+    receives while generating and swaps the new weights in between two generation steps. True for the
+    torch engine; false for vLLM, which loads in place and must pause.
+    """
     @_builtins.property
     def weight_transfer_backends(self) -> _containers.RepeatedScalarFieldContainer[_weights_pb2.WeightTransferBackend.ValueType]:
         """Output only. The weight-transfer backends this worker supports."""
@@ -112,10 +118,11 @@ class WorkerInfo(_message.Message):
         weight_transfer_backends: _abc.Iterable[_weights_pb2.WeightTransferBackend.ValueType] | None = ...,
         incarnation: _builtins.str = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
+        in_flight_updates: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "engine_kind", b"engine_kind", "engine_version", b"engine_version", "incarnation", b"incarnation", "max_context_tokens", b"max_context_tokens", "model", b"model", "model_path", b"model_path", "openai_base_url", b"openai_base_url", "start_time", b"start_time", "tensor_parallel_size", b"tensor_parallel_size", "tokenizer", b"tokenizer", "weight_transfer_backends", b"weight_transfer_backends"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "engine_kind", b"engine_kind", "engine_version", b"engine_version", "in_flight_updates", b"in_flight_updates", "incarnation", b"incarnation", "max_context_tokens", b"max_context_tokens", "model", b"model", "model_path", b"model_path", "openai_base_url", b"openai_base_url", "start_time", b"start_time", "tensor_parallel_size", b"tensor_parallel_size", "tokenizer", b"tokenizer", "weight_transfer_backends", b"weight_transfer_backends"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

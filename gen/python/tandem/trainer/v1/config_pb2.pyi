@@ -237,6 +237,7 @@ class TrainerConfig(_message.Message):
     INFERENCE_FIELD_NUMBER: _builtins.int
     TRAINING_FIELD_NUMBER: _builtins.int
     ROLLOUT_DUMP_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FIELD_NUMBER: _builtins.int
     checkpoint_interval: _builtins.int
     """Optional. Save a checkpoint every this many steps, 0 to 1000000; 0 means only at the end."""
     eval_interval: _builtins.int
@@ -292,6 +293,12 @@ class TrainerConfig(_message.Message):
         `tandem rl replay` can recompute the step; unset means off.
         """
 
+    @_builtins.property
+    def weights(self) -> Global___WeightsConfig:
+        """Optional. `[weights]`: how the trainer puts each step's weights into service on the inference workers;
+        unset means every worker pauses generation (KEEP) for each update.
+        """
+
     def __init__(
         self,
         *,
@@ -308,14 +315,42 @@ class TrainerConfig(_message.Message):
         inference: Global___InferenceConfig | None = ...,
         training: Global___TrainingConfig | None = ...,
         rollout_dump: Global___RolloutDumpConfig | None = ...,
+        weights: Global___WeightsConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "data", b"data", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "rollout_dump", b"rollout_dump", "sampling", b"sampling", "task_app", b"task_app", "topology", b"topology", "training", b"training"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "data", b"data", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "rollout_dump", b"rollout_dump", "sampling", b"sampling", "task_app", b"task_app", "topology", b"topology", "training", b"training", "weights", b"weights"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "checkpoint_interval", b"checkpoint_interval", "data", b"data", "eval_interval", b"eval_interval", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "rollout_dump", b"rollout_dump", "sampling", b"sampling", "seed", b"seed", "task_app", b"task_app", "topology", b"topology", "training", b"training"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "checkpoint_interval", b"checkpoint_interval", "data", b"data", "eval_interval", b"eval_interval", "inference", b"inference", "model", b"model", "optimizer", b"optimizer", "rollout_dump", b"rollout_dump", "sampling", b"sampling", "seed", b"seed", "task_app", b"task_app", "topology", b"topology", "training", b"training", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TrainerConfig: _TypeAlias = TrainerConfig  # noqa: Y015
+
+@_typing.final
+class WeightsConfig(_message.Message):
+    """WeightsConfig chooses how each update reaches the inference workers."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    in_flight: _builtins.bool
+    """Optional. Workers keep generating during the transfer and swap the new weights in between two
+    generation steps: sequences in flight continue with them and each token is tagged with the version
+    that sampled it (the trace's `completion_weight_versions`). Only the torch engine; refused with
+    `[inference] engine = "vllm"`, which loads weights in place and must pause. Unset means false: every
+    worker pauses generation (KEEP) while it receives.
+    """
+    def __init__(
+        self,
+        *,
+        in_flight: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_flight", b"in_flight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightsConfig: _TypeAlias = WeightsConfig  # noqa: Y015
 
 @_typing.final
 class RolloutDumpConfig(_message.Message):
