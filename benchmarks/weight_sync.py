@@ -7,6 +7,7 @@ Run from the repository root:
     .venv/bin/python benchmarks/weight_sync.py             # 10M, 100M and 500M parameters, ~2.5 minutes
     .venv/bin/python benchmarks/weight_sync.py --quick     # the 10M model only, ~20 s
     .venv/bin/python benchmarks/weight_sync.py --bucket-mib 8 --repeats 9
+    .venv/bin/python benchmarks/weight_sync.py --models 10M,100M --split 1   # plain 32 MiB buckets
 
 (or `make bench-weights`). Memory: about 10 GB at the 500M model (each worker holds the model three times:
 staging, weights, flat buffer).
@@ -28,7 +29,7 @@ to the embedding, lm_head; bfloat16 with random values:
 Per model, the same tensors move in these ways, each timed on the trainer until both workers hold every
 byte (the figures of (a) and (c) are the transport's, the others include their control plane):
 
-(a) packed: `send_packed` (double-buffered buckets of --bucket-mib) into `receive_packed` on each worker,
+(a) packed: `send_packed` (double-buffered buckets, sized as below) into `receive_packed` on each worker,
     armed beforehand over the pipe, exactly like (c). The workers receive into staging targets laid out as
     the plan (`staging_targets`), so a bucket of several tensors lands in place without being unpacked.
 (a) + Begin/Finish: the contract's whole update. `BeginWeightUpdate` (whole manifest, packed) to both
@@ -50,7 +51,8 @@ byte (the figures of (a) and (c) are the transport's, the others include their c
 
 Two variants are printed below the table: (a) into separately allocated targets (what an engine does when
 its staging is not laid out as the plan: each bucket of several tensors is unpacked with a copy), and one
-broadcast per tensor without gRPC (the contract's unpacked mode, `plan_per_tensor`).
+broadcast per tensor without gRPC (the contract's unpacked mode, `plan_per_tensor`); beside them, (b)'s
+time over (c)'s: the most (a) + Begin/Finish could gain on (b) (a bound on the second goal, same run).
 
 GB/s is tensor bytes per second of update, the rate at which each worker receives. Every figure is the
 median of --repeats runs after one warm-up run of each (first touches of fresh buffers are not measured);
@@ -61,12 +63,14 @@ each worker's checksum digest of what it received is compared with the trainer's
 Goals: (a) reaches >= 0.85x the ceiling's GB/s; (a) + Begin/Finish is >= 5x faster than (b) on the 100M
 model.
 
-Bucket size: 32 MiB by default. A tensor larger than the bucket goes on its own, from and into its memory
-without a copy, and the sender packs bucket k+1 while bucket k is on the wire. On the 2-core machine this
-was written on, 8, 32 and 256 MiB gave ratios to the ceiling within the run-to-run noise of one another
-(about +-0.1; 8 MiB sends the 500M model's 8.7 MB MLP matrices without a copy but makes four times the
-broadcasts of 32 MiB on the 100M model); 32 MiB keeps the two staging buffers at 64 MiB per rank and still
-gives the 500M model 25 buckets to overlap packing with sending.
+Bucket size: as the trainer's publisher chooses it (`bucket_size_for`): up to --bucket-mib (32 MiB by
+default), and a model smaller than --split (8) such buckets goes in about --split buckets of at least 1 MiB,
+so that the 10M model's 22 MB moves in 8 buckets, not one that is packed whole before its first byte moves;
+`--split 1` gives the plain --bucket-mib plan (one bucket for 10M, six for 100M), for a before/after in the
+same conditions. A tensor larger than the bucket goes on its own, from and into its memory without a copy,
+and the sender packs bucket k+1 while bucket k is on the wire. Earlier, on the 2-core machine this was
+written on, 8, 32 and 256 MiB gave ratios to the ceiling within the run-to-run noise of one another (about
++-0.1); 32 MiB keeps the two staging buffers at 64 MiB per rank and still gives the 500M model 25 buckets.
 
 Shortcuts: one machine, so "network" is loopback TCP and the three processes share its cores (each runs
 torch with one intra-op thread so they do not fight over them; on 2 cores, every copy the transport makes
@@ -99,9 +103,11 @@ from tandem.inference.v1 import inference_service_pb2_grpc, weights_pb2
 
 from trainer.inference.engine import TensorMeta
 from trainer.inference.weights import (
+    OVERLAP_BUCKETS,
     Bucket,
     TransferGroup,
     TransferStats,
+    bucket_size_for,
     checksum_digest,
     dtype_of,
     expected_bytes,
@@ -321,7 +327,9 @@ class Worker:
 class Trainer:
     group: TransferGroup
     workers: list[Worker]
-    bucket_size: int
+    max_bucket_size: int
+    split: int  # bucket_size_for's `buckets`
+    bucket_size: int = 0  # the loaded model's, as the publisher chooses it
     version: int = 0
     buckets: list[Bucket] = field(default_factory=list)  # the loaded model's plans
     per_tensor: list[Bucket] = field(default_factory=list)
@@ -403,6 +411,7 @@ class Row:
     params: int
     tensors: int
     nbytes: int
+    buckets: int
     seconds: dict[str, float]
     exact: dict[str, bool]
 
@@ -429,12 +438,13 @@ def measure(trainer: Trainer, shape: ModelShape, repeats: int) -> Row:
     ]
     total = sum(t.nbytes for t in tensors)
     flat = torch.ones(total, dtype=torch.uint8)
+    trainer.bucket_size = bucket_size_for(manifest, trainer.max_bucket_size, trainer.split)
     trainer.buckets = plan_buckets(manifest, trainer.bucket_size)
     trainer.per_tensor = plan_per_tensor(manifest)
     assert trainer.all("load", manifest, trainer.bucket_size) == ["loaded"] * WORKERS
     print(
-        f"{shape.name}: {len(manifest)} tensors, {total / 1e6:.1f} MB, buckets of (a): {len(trainer.buckets)}; "
-        "measuring",
+        f"{shape.name}: {len(manifest)} tensors, {total / 1e6:.1f} MB, buckets of (a): {len(trainer.buckets)} "
+        f"of up to {trainer.bucket_size / (1 << 20):.2f} MiB; measuring",
         flush=True,
     )
     seconds = median_of(
@@ -461,19 +471,23 @@ def measure(trainer: Trainer, shape: ModelShape, repeats: int) -> Row:
         trainer.all("zero")
         run()
         exact[method] = trainer.all(DIGEST, held) == want
-    return Row(shape, sum(t.numel() for t in tensors), len(manifest), total, seconds, exact)
+    return Row(
+        shape, sum(t.numel() for t in tensors), len(manifest), total, len(trainer.buckets), seconds, exact
+    )
 
 
 def cell(row: Row, method: str) -> str:
     return f"{row.seconds[method]:6.3f}s {row.gbps(method):5.2f}GB/s"
 
 
-def table(rows: Sequence[Row], bucket_size: int, repeats: int) -> str:
+def table(rows: Sequence[Row], trainer: Trainer, repeats: int) -> str:
     lines = [
-        f"weight sync: 1 trainer + {WORKERS} workers, gloo on loopback, bfloat16 random weights, "
-        f"bucket {bucket_size / (1 << 20):g} MiB, median of {repeats}; {os.cpu_count()} CPU cores for the 3 processes",
+        f"weight sync: 1 trainer + {WORKERS} workers, gloo on loopback, bfloat16 random weights, buckets of "
+        f"up to {trainer.max_bucket_size / (1 << 20):g} MiB, a model under {trainer.split} of them in "
+        f"{trainer.split}, median of {repeats}; {os.cpu_count()} CPU cores for the 3 processes",
         "",
-        f"{'model':<6} {'params':>7} {'tensors':>7} {'bytes':>8} | {'(a) packed':>16} | {'(a) + Begin/Finish':>18} | "
+        f"{'model':<6} {'params':>7} {'tensors':>7} {'bytes':>8} {'buckets':>7} | {'(a) packed':>16} | "
+        f"{'(a) + Begin/Finish':>18} | "
         f"{'(b) per-tensor+gRPC':>19} | {'(c) flat ceiling':>16} | {'(a)/(c)':>7} {'goal':>6} | "
         f"{'(a)+ vs (b)':>11} {'goal':>6}",
     ]
@@ -482,7 +496,8 @@ def table(rows: Sequence[Row], bucket_size: int, repeats: int) -> str:
         speedup = row.seconds["b"] / row.seconds["a_rpc"]
         speed_goal = ("met" if speedup >= 5 else "missed") if row.shape.name == "100M" else "-"
         lines.append(
-            f"{row.shape.name:<6} {row.params / 1e6:6.1f}M {row.tensors:>7} {row.nbytes / 1e6:6.1f}MB | "
+            f"{row.shape.name:<6} {row.params / 1e6:6.1f}M {row.tensors:>7} {row.nbytes / 1e6:6.1f}MB "
+            f"{row.buckets:>7} | "
             f"{cell(row, 'a'):>16} | {cell(row, 'a_rpc'):>18} | {cell(row, 'b'):>19} | {cell(row, 'c'):>16} | "
             f"{ratio:6.2f}x {'met' if ratio >= 0.85 else 'missed':>6} | {speedup:10.1f}x {speed_goal:>6}"
         )
@@ -494,7 +509,7 @@ def table(rows: Sequence[Row], bucket_size: int, repeats: int) -> str:
         "",
         "variants, same run:",
         f"{'model':<6} | {'(a) into separate targets':>26} | {'per-tensor broadcasts, no gRPC':>30} | "
-        f"{'(a) + Begin/Finish':>18}",
+        f"{'(a) + Begin/Finish':>18} | {'(b) / (c)':>9}",
     ]
     for row in rows:
         versus = {
@@ -502,10 +517,13 @@ def table(rows: Sequence[Row], bucket_size: int, repeats: int) -> str:
         }
         lines.append(
             f"{row.shape.name:<6} | {versus['a_separate']:>26} | {versus['unpacked']:>30} | "
-            f"{row.gbps('a_rpc') / row.gbps('c'):17.2f}x"
+            f"{row.gbps('a_rpc') / row.gbps('c'):17.2f}x | {row.seconds['b'] / row.seconds['c']:8.1f}x"
         )
     lines.append(
-        "(each against (c); separate targets: each bucket unpacked with a copy instead of landing in place)"
+        "(each against (c); separate targets: each bucket unpacked with a copy instead of landing in place;"
+    )
+    lines.append(
+        "(b) / (c): the most (a) + Begin/Finish could gain on (b), were its update as fast as the ceiling)"
     )
     lines.append("")
     for row in rows:
@@ -635,7 +653,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="the 10M model only, 3 repeats (< 60 s)")
-    parser.add_argument("--bucket-mib", type=int, default=32, help="bucket size of (a) in MiB (default 32)")
+    parser.add_argument(
+        "--bucket-mib", type=int, default=32, help="largest bucket of (a) in MiB (default 32, the trainer's)"
+    )
+    parser.add_argument(
+        "--split",
+        type=int,
+        default=OVERLAP_BUCKETS,
+        help=f"a model under this many buckets goes in this many smaller ones (default {OVERLAP_BUCKETS}, the "
+        "publisher's; 1: one bucket per --bucket-mib, as before)",
+    )
+    parser.add_argument(
+        "--models",
+        default="",
+        help="comma-separated model names to measure, of "
+        + ", ".join(m.name for m in MODELS)
+        + " (default all)",
+    )
     parser.add_argument(
         "--repeats", type=int, default=0, help="measured runs per method (default 7, quick 3)"
     )
@@ -650,7 +684,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     engines = args.engines == "yes" or (
         args.engines == "auto" and importlib.util.find_spec("vllm") is not None
     )
-    models = MODELS[:1] if args.quick else MODELS
+    chosen = {name for name in args.models.split(",") if name} or {m.name for m in MODELS}
+    if unknown := chosen - {m.name for m in MODELS}:
+        parser.error(f"unknown models: {', '.join(sorted(unknown))}")
+    models = MODELS[:1] if args.quick else [m for m in MODELS if m.name in chosen]
     torch.set_num_threads(1)
 
     started = time.perf_counter()
@@ -670,10 +707,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for conn, _ in pipes:
             channel = grpc.insecure_channel(f"{HOST}:{conn.recv()}")
             workers.append(Worker(conn, inference_service_pb2_grpc.InferenceServiceStub(channel), channel))
-        trainer = Trainer(group, workers, args.bucket_mib << 20)
+        trainer = Trainer(group, workers, args.bucket_mib << 20, args.split)
         rows = [measure(trainer, shape, repeats) for shape in models]
         print()
-        print(table(rows, trainer.bucket_size, repeats))
+        print(table(rows, trainer, repeats))
         ok = all(all(row.exact.values()) for row in rows)
     finally:
         for worker in workers:

@@ -29,9 +29,12 @@ from tests.support.weights_peer import (
 from trainer.inference.engine import TensorMeta
 from trainer.inference.weights import (
     ALIGNMENT,
+    MIN_BUCKET_BYTES,
+    OVERLAP_BUCKETS,
     Bucket,
     TransferError,
     TransferGroup,
+    bucket_size_for,
     expected_bytes,
     meta_nbytes,
     plan_buckets,
@@ -134,6 +137,38 @@ def test_plan_edge_cases() -> None:
         plan_buckets([meta("t", "float33", 1)], 1024)
     with pytest.raises(ValueError, match="negative dimension"):
         plan_buckets([meta("t", "float32", -1)], 1024)
+
+
+def test_bucket_size_splits_a_small_model_into_buckets_that_overlap() -> None:
+    mib = 1 << 20
+    # A 10M-parameter bfloat16 model (hidden 256, 8 layers, vocabulary 8192): 22 MB, one 32 MiB bucket as is.
+    layers = [
+        meta(f"l{i}.{name}", "bfloat16", *shape)
+        for i in range(8)
+        for name, shape in [
+            *((p, (256, 256)) for p in "qkvo"),
+            *((p, (768, 256)) for p in ("gate", "up", "down")),
+            ("norm", (256,)),
+        ]
+    ]
+    small = [meta("embed", "bfloat16", 8192, 256), *layers, meta("lm_head", "bfloat16", 8192, 256)]
+    total = sum(meta_nbytes(m) for m in small)
+    assert len(plan_buckets(small, 32 * mib)) == 1
+    size = bucket_size_for(small, 32 * mib)
+    assert size == -(-total // OVERLAP_BUCKETS // ALIGNMENT) * ALIGNMENT
+    assert len(plan_buckets(small, size)) >= OVERLAP_BUCKETS
+    # Every rank plans from the announced size: the plan moves every tensor once, in order.
+    assert [e.meta for b in plan_buckets(small, size) for e in b.entries] == small
+    # A model of at least that many full buckets keeps the configured size.
+    large = [meta(f"t{i}", "float32", mib) for i in range(OVERLAP_BUCKETS)]  # 4 MiB each
+    assert bucket_size_for(large, 4 * mib) == 4 * mib
+    # Never below the contract's smallest bucket, nor above the configured one; a tiny model is one bucket.
+    assert bucket_size_for([meta("t", "float32", 1000)], 32 * mib) == MIN_BUCKET_BYTES
+    assert bucket_size_for([meta("t", "float32", 1000)], 100) == 100
+    assert bucket_size_for([], 32 * mib) == MIN_BUCKET_BYTES
+    assert bucket_size_for(small, 32 * mib, buckets=1) == -(-total // ALIGNMENT) * ALIGNMENT
+    with pytest.raises(ValueError, match="at least 1"):
+        bucket_size_for(small, 32 * mib, buckets=0)
 
 
 def test_staging_targets_are_views_of_one_buffer_per_bucket() -> None:

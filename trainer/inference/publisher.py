@@ -48,6 +48,7 @@ from trainer.inference.weights import (
     Bucket,
     GroupListener,
     TransferGroup,
+    bucket_size_for,
     checksum_digest,
     expected_bytes,
     manifest_of,
@@ -286,8 +287,10 @@ class WeightPublisher:
         """`workers`: an `InferenceServiceStub` per worker; `events`: an `EventServiceStub` for the job's
         `weights.updated` events (with `job`), or None; `backend`: `gloo` (CPU workers, torch or vLLM),
         `nccl` (GPU workers on other GPUs, through vLLM), `ipc` (vLLM workers on the trainer's GPU) or `auto`:
-        the first of those every worker offers (GetWorkerInfo), chosen at the first `connect`; `gather`: how
-        a bucket's tensors are made whole (the trainer ranks' `gathered` under FSDP)."""
+        the first of those every worker offers (GetWorkerInfo), chosen at the first `connect`;
+        `bucket_size_bytes`: the largest bucket (a model smaller than 8 of them goes in about 8 smaller ones,
+        of at least 1 MiB, so that packing and sending overlap: `bucket_size_for`); `gather`: how a bucket's
+        tensors are made whole (the trainer ranks' `gathered` under FSDP)."""
         self.workers = list(workers)
         self.host = host
         self.bucket_size = bucket_size_bytes
@@ -382,14 +385,15 @@ class WeightPublisher:
             if unable:
                 raise WeightSyncError("GetWorkerInfo", unable)
         manifest = manifest_of(named)
-        buckets = plan_buckets(manifest, self.bucket_size)
+        bucket_size = bucket_size_for(manifest, self.bucket_size)
+        buckets = plan_buckets(manifest, bucket_size)
         t0 = time.perf_counter()
         begin = pb.BeginWeightUpdateRequest(
             weight_version=version,
             manifest=[
                 weights_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=list(m.shape)) for m in manifest
             ],
-            bucket_size_bytes=self.bucket_size,
+            bucket_size_bytes=bucket_size,
             packed=True,
             ipc_handles=transport.handles(named),
             in_flight=in_flight,
@@ -501,7 +505,8 @@ class WeightPublisher:
 
     def _checksums(self, named: Named) -> dict[str, str]:
         """Every tensor's checksum, the tensors made whole a bucket at a time."""
-        groups = bucket_groups(plan_buckets(manifest_of(named), self.bucket_size))
+        manifest = manifest_of(named)
+        groups = bucket_groups(plan_buckets(manifest, bucket_size_for(manifest, self.bucket_size)))
         with self._gather(named, groups) as tensors:
             whole = itertools.chain.from_iterable(tensors)
             return {name: tensor_checksum(t) for (name, _), t in zip(named, whole, strict=True)}

@@ -15,8 +15,10 @@ group blocks every rank until all have arrived. The control plane (gRPC:
 in the worker; this module moves bytes only. One update, with the same manifest and bucket size on every
 rank:
 
-1. Every rank computes `plan_buckets(manifest, bucket_size_bytes)`. The plan is a pure function of its
-   arguments, so the ranks agree on it without exchanging it.
+1. The trainer chooses the bucket size (`bucket_size_for`: its configured size, or a smaller one that
+   splits a small model into `OVERLAP_BUCKETS` buckets) and announces it. Every rank computes
+   `plan_buckets(manifest, bucket_size_bytes)`. The plan is a pure function of its arguments, so the ranks
+   agree on it without exchanging it.
 2. Rank 0 calls `send_packed` with the tensors in manifest order; every other rank calls `receive_packed`
    with a preallocated target per tensor (the engine's staging area). Both sides check their tensors
    against the plan before the first collective, so a geometry mistake is a ValueError, never a hang.
@@ -63,6 +65,8 @@ from torch._C._distributed_c10d import BroadcastOptions, ProcessGroupGloo, TCPSt
 from trainer.inference.engine import TensorMeta
 
 ALIGNMENT = 16  # byte offset of every tensor in a bucket: the widest element (complex128) views in place
+MIN_BUCKET_BYTES = 1 << 20  # the contract's smallest bucket_size_bytes (BeginWeightUpdate)
+OVERLAP_BUCKETS = 8  # a model smaller than this many full buckets is split into about this many
 ROOT = 0  # the trainer's rank, the root of every broadcast
 _WAIT_SLICE_S = 0.05  # how often a wait looks at the cancellation event
 _BACKSTOP_S = 2.0  # the wait gives gloo this long past its own timeout before it gives up by itself
@@ -196,6 +200,21 @@ def plan_buckets(manifest: Sequence[TensorMeta], bucket_size_bytes: int) -> list
     if entries:
         buckets.append(Bucket(len(buckets), tuple(entries), end))
     return buckets
+
+
+def bucket_size_for(
+    manifest: Sequence[TensorMeta], max_bucket_bytes: int, buckets: int = OVERLAP_BUCKETS
+) -> int:
+    """The bucket size an update of `manifest` announces: `max_bucket_bytes`, or less for a model smaller
+    than `buckets` such buckets, so that it still splits into about that many and packing bucket k+1
+    overlaps sending bucket k (one bucket overlaps nothing: the whole model is packed before the first byte
+    moves). Never below `MIN_BUCKET_BYTES`, nor below 1 where `max_bucket_bytes` already is. The trainer
+    chooses it and sends it in BeginWeightUpdate; every rank then plans with it (`plan_buckets`)."""
+    if buckets < 1:
+        raise ValueError(f"buckets must be at least 1, not {buckets}")
+    total = sum(meta_nbytes(meta) for meta in manifest)
+    split = _aligned(-(-total // buckets))
+    return max(min(max_bucket_bytes, split), min(max_bucket_bytes, MIN_BUCKET_BYTES), 1)
 
 
 def plan_per_tensor(manifest: Sequence[TensorMeta]) -> list[Bucket]:

@@ -60,7 +60,7 @@ from trainer.inference.engine import (
 )
 from trainer.inference.sync import GroupParams, Timings, TransferState, WeightSync
 from trainer.inference.traces import FINISH_REASONS, TraceStore
-from trainer.inference.weights import checksum_digest
+from trainer.inference.weights import MIN_BUCKET_BYTES, checksum_digest
 
 log = logging.getLogger("tandem.inference")
 pb = inference_service_pb2
@@ -68,7 +68,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 Context = grpc.aio.ServicerContext[Any, Any]
 DEFAULT_HEARTBEAT_S = 5.0
 DEFAULT_BUCKET_BYTES = 1 << 30  # the contract's default for an unset bucket_size_bytes
-MIN_BUCKET_BYTES = 1 << 20
 
 PAUSE_MODES = {
     weights_pb2.PAUSE_MODE_KEEP: PauseMode.KEEP,
