@@ -17,7 +17,7 @@ OE_STAMP := $(OE_VENV)/.installed
 HAND_WRITTEN := $(wildcard mesh services gateway trainer tandem_jobs tandem_taskapp tandem_client examples scripts benchmarks tests)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-skypilot setup-verifiers setup-openenv gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast setup-vllm test-vllm up demo train-demo bench-events bench-vault bench-weights bench-async bench-scheduler bench-gateway clean
+.PHONY: help setup setup-skypilot setup-verifiers setup-openenv gen gen-check lint format typecheck buf-lint buf-breaking docs docs-check check test test-fast setup-vllm test-vllm up demo train-demo bench-events bench-vault bench-weights bench-async bench-learning bench-scheduler bench-gateway clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -150,8 +150,11 @@ bench-vault: setup  ## vault: uploads and injections per second against a no-cry
 bench-weights: setup  ## weight sync: packed gloo broadcast of 10M-500M models against per-tensor + gRPC and one flat broadcast
 	$(PY) benchmarks/weight_sync.py
 
-bench-async: setup  ## async RL (max_staleness 2) against on-policy on the demo task: time to mean reward 0.8
+bench-async: setup  ## async RL (max_staleness 2, with and without in-flight updates) against on-policy, generation and trainer on CPUs of their own: time to mean reward 0.5
 	$(PY) benchmarks/async_vs_sync.py
+
+bench-learning: setup  ## the demo job over 10 seeds: first step at reward 0.9, final reward, held-out reward before and after (about 40 minutes)
+	$(PY) benchmarks/learning.py
 
 bench-scheduler: setup  ## scheduler: submit-to-running latency against a direct spawn, one admission pass over 10,000 jobs against a sort
 	$(PY) benchmarks/scheduler.py
