@@ -270,6 +270,13 @@ def test_tandem_up_refuses_a_sandbox_it_cannot_build(tmp_path: Path) -> None:
     """`bwrap` asked for where no bubblewrap is on PATH: exit 2 and the setting's name, not a traceback."""
     env = {**os.environ, "PATH": str(Path(sys.executable).parent), "TANDEM_SCHEDULER_LOCAL__SANDBOX": "bwrap"}
     env.pop("TANDEM_SCHEDULER_LOCAL__RUN_AS")
+    # Ports the system picks: a default port may be another process's ephemeral one (50054 once was).
+    env.update(
+        {
+            f"TANDEM_PORTS__{name}": "0"
+            for name in ("GATEWAY", "VAULT", "SCHEDULER", "TASKAPP_PROXY", "EVENTS")
+        }
+    )
     done = subprocess.run(
         [sys.executable, "-m", "gateway.cli", "up", "--state-dir", str(tmp_path / "state")],
         env=env, capture_output=True, text=True, timeout=120, check=False,
