@@ -34,18 +34,11 @@ def cpu_seconds(pid: int | None = None) -> float:
 
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (children, their children, ...), from /proc (Linux)."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            for child in map(int, (task / "children").read_text().split()):
+                found += [child, *descendants(child)]
     return found
 
 
