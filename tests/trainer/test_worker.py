@@ -176,21 +176,29 @@ def modified(model_dir: Path, scale: float) -> list[tuple[str, torch.Tensor]]:
 async def test_weights_reach_both_workers_bit_exact_and_faults_keep_the_previous_version(
     model_dir: Path, stubs: list[object]
 ) -> None:
+    # The workers are shared by this module's tests, which run in any order: count from the version in service.
+    base = max(
+        [
+            (await stub.GetWeightInfo(pb.GetWeightInfoRequest())).weight_info.weight_version  # type: ignore[attr-defined]
+            for stub in stubs
+        ]
+    )
+    v1, v2, v3 = base + 1, base + 2, base + 3
     publisher = WeightPublisher(stubs, bucket_size_bytes=1 << 20, transfer_timeout_s=20, rpc_timeout_s=30)
     try:
         update = modified(model_dir, 0.01)
-        report = await publisher.publish(1, update, mode=PauseMode.KEEP)
+        report = await publisher.publish(v1, update, mode=PauseMode.KEEP)
         assert report.workers == 2 and report.buckets > 1
         await publisher.verify(update)  # every tensor on both workers equals the trainer's, bit for bit
         items = await generate(stubs[0], "ep-after-v1", max_tokens=2)
-        assert items[-1].finished.weight_version == 1  # type: ignore[attr-defined]
+        assert items[-1].finished.weight_version == v1  # type: ignore[attr-defined]
 
         # A manifest that disagrees with the model is refused before any byte moves.
         for stub in stubs:
             await stub.PauseGeneration(pb.PauseGenerationRequest(mode=weights_pb2.PAUSE_MODE_KEEP))  # type: ignore[attr-defined]
         name = update[0][0]
         bad = pb.BeginWeightUpdateRequest(
-            weight_version=2,
+            weight_version=v2,
             manifest=[
                 weights_pb2.TensorSpec(name=name, dtype="float16", shape=[3]),
                 weights_pb2.TensorSpec(name="nope", dtype="float32"),
@@ -201,7 +209,7 @@ async def test_weights_reach_both_workers_bit_exact_and_faults_keep_the_previous
         assert reason(mismatch.value) == "WEIGHT_MANIFEST_MISMATCH"
         assert "nope" in mismatch.value.message
         backwards = pb.BeginWeightUpdateRequest(
-            weight_version=1,
+            weight_version=v1,
             manifest=[weights_pb2.TensorSpec(name=name, dtype="float32", shape=list(update[0][1].shape))],
         )
         with pytest.raises(RpcError) as regression:
@@ -216,7 +224,7 @@ async def test_weights_reach_both_workers_bit_exact_and_faults_keep_the_previous
         for stub in stubs:
             await stub.PauseGeneration(pb.PauseGenerationRequest(mode=weights_pb2.PAUSE_MODE_KEEP))  # type: ignore[attr-defined]
             begin = pb.BeginWeightUpdateRequest(
-                weight_version=2,
+                weight_version=v2,
                 manifest=[
                     weights_pb2.TensorSpec(name=n, dtype="float32", shape=list(t.shape)) for n, t in update
                 ],
@@ -226,7 +234,7 @@ async def test_weights_reach_both_workers_bit_exact_and_faults_keep_the_previous
             await stub.BeginWeightUpdate(begin)  # type: ignore[attr-defined]
         # ... and no byte is ever sent.
         with pytest.raises(RpcError) as failed:
-            await stubs[0].FinishWeightUpdate(pb.FinishWeightUpdateRequest(weight_version=2), timeout=30)  # type: ignore[attr-defined]
+            await stubs[0].FinishWeightUpdate(pb.FinishWeightUpdateRequest(weight_version=v2), timeout=30)  # type: ignore[attr-defined]
         assert reason(failed.value) == "WEIGHT_TRANSFER_FAILED"
         short.close()
         for stub in stubs:
@@ -236,7 +244,7 @@ async def test_weights_reach_both_workers_bit_exact_and_faults_keep_the_previous
                     break
                 await asyncio.sleep(0.1)
                 info = (await stub.GetWeightInfo(pb.GetWeightInfoRequest())).weight_info  # type: ignore[attr-defined]
-            assert info.weight_version == 1
+            assert info.weight_version == v1
             assert info.transfer_state == weights_pb2.WeightInfo.TRANSFER_STATE_UNINITIALIZED
             await stub.ResumeGeneration(pb.ResumeGenerationRequest())  # type: ignore[attr-defined]
         await publisher.verify(update)  # still v1's weights, untouched
@@ -246,8 +254,8 @@ async def test_weights_reach_both_workers_bit_exact_and_faults_keep_the_previous
         publisher.close()
         publisher = WeightPublisher(stubs, transfer_timeout_s=20, rpc_timeout_s=30)
         update2 = modified(model_dir, 0.02)
-        report = await publisher.publish(3, update2)
-        assert report.version == 3 and report.buckets > 1
+        report = await publisher.publish(v3, update2)
+        assert report.version == v3 and report.buckets > 1
         await publisher.verify(update2)
     finally:
         publisher.close()
