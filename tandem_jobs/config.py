@@ -219,15 +219,26 @@ def _inference(inference: config_pb2.InferenceConfig) -> list[FieldViolation]:
 
 
 def _weights(config: config_pb2.TrainerConfig) -> list[FieldViolation]:
+    found: list[FieldViolation] = []
     if config.weights.in_flight and config.inference.engine == "vllm":
-        return [
+        found.append(
             FieldViolation(
                 "weights.in_flight",
                 "needs the torch engine: vLLM loads weights in place, so its workers must pause for an update "
                 '(drop it, or set [inference] engine = "torch")',
             )
-        ]
-    return []
+        )
+    if config.weights.mode == "delta" and config.inference.engine == "vllm":
+        found.append(
+            FieldViolation(
+                "weights.mode",
+                '"delta" needs the torch engine: vLLM\'s workers take whole updates only '
+                '(set mode = "full", or [inference] engine = "torch")',
+            )
+        )
+    if config.weights.full_every and config.weights.mode != "delta":
+        found.append(FieldViolation("weights.full_every", 'is for mode = "delta"'))
+    return found
 
 
 def _model_build(model: config_pb2.ModelConfig) -> list[FieldViolation]:

@@ -150,6 +150,8 @@ class Trainer:
             events=env.events,
             job=env.job,
             gather=self.ranks.gathered,  # whole tensors a bucket at a time, from every rank under FSDP
+            mode="delta" if config.weights.mode == "delta" else "full",
+            full_every=config.weights.full_every or 20,
         )
         self.step = 0  # steps completed
         self.version = 0  # the weights in service on the workers
@@ -502,6 +504,9 @@ class Trainer:
                 report.step, self._named_weights(), in_flight=self.job.config.weights.in_flight
             )
             report.metrics["weight_sync_s"] = sync.total_s
+            if self.publisher.mode == "delta":  # what went on the wire, against a whole update
+                report.metrics["weight_sync/bytes"] = float(sync.bytes)
+                report.metrics["weight_sync/full_bytes"] = float(sync.full_bytes)
         async with self._step_done:
             self.step = report.step
             if update:

@@ -3,8 +3,8 @@ with the test so its service tokens are accepted."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import grpc
@@ -15,7 +15,16 @@ from mesh.identity import TokenSigner
 from mesh.settings import Settings
 from trainer.inference.process import Worker, start_worker, stop_worker
 
-__all__ = ["Worker", "running_worker", "start_worker", "stop_worker", "stub_at", "worker_stub"]
+__all__ = [
+    "Worker",
+    "open_stubs",
+    "running_worker",
+    "running_workers",
+    "start_worker",
+    "stop_worker",
+    "stub_at",
+    "worker_stub",
+]
 
 
 @contextmanager
@@ -27,6 +36,31 @@ def running_worker(
         yield worker
     finally:
         stop_worker(worker)
+
+
+@contextmanager
+def running_workers(model_dir: Path, folders: list[Path], mesh_key: str) -> Iterator[list[Worker]]:
+    """One worker per folder; every worker in the list when it ends is stopped (a test that replaces one
+    puts the replacement in the list)."""
+    started = [start_worker(model_dir, folder, mesh_key) for folder in folders]
+    try:
+        yield started
+    finally:
+        for worker in started:
+            stop_worker(worker)
+
+
+@asynccontextmanager
+async def open_stubs(
+    workers: list[Worker], mesh_key: str
+) -> AsyncIterator[list[inference_service_pb2_grpc.InferenceServiceStub]]:
+    """A stub per worker, their channels closed at the end."""
+    opened = [worker_stub(w, mesh_key) for w in workers]
+    try:
+        yield [stub for _, stub in opened]
+    finally:
+        for channel, _ in opened:
+            await channel.close()
 
 
 def worker_stub(

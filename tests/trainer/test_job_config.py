@@ -151,6 +151,22 @@ def test_max_batch_is_the_torch_engines(tmp_path: Path) -> None:
     assert "inference.max_batch" in [v.field for v in info.value.violations]
 
 
+def test_the_weight_sync_mode_is_full_or_delta_and_delta_needs_the_torch_engine(tmp_path: Path) -> None:
+    assert Job(load_job(write(tmp_path, GOOD))).config.weights.mode == ""  # unset: full
+    chosen = Job(load_job(write(tmp_path, GOOD + '\n[weights]\nmode = "delta"\nfull_every = 5\n')))
+    assert (chosen.config.weights.mode, chosen.config.weights.full_every) == ("delta", 5)
+    cases = [
+        ('mode = "sparse"', "weights.mode"),
+        ('mode = "delta"\n\n[inference]\nengine = "vllm"', "weights.mode"),
+        ("full_every = 5", "weights.full_every"),
+        ('mode = "delta"\nfull_every = 100001', "weights.full_every"),
+    ]
+    for body, field in cases:
+        with pytest.raises(InvalidArgument) as info:
+            load_job(write(tmp_path, GOOD + f"\n[weights]\n{body}\n"))
+        assert field in [v.field for v in info.value.violations], body
+
+
 def test_in_flight_weight_updates_are_the_torch_engines(tmp_path: Path) -> None:
     assert not Job(load_job(write(tmp_path, GOOD))).config.weights.in_flight  # unset: workers pause
     torch = Job(load_job(write(tmp_path, GOOD + "\n[weights]\nin_flight = true\n")))

@@ -29,6 +29,7 @@ def demo_job(
     steps: int,
     sampling: dict[str, object] | None = None,
     weights: dict[str, object] | None = None,
+    learning_rate: float = 1e-3,
     **algorithm: object,
 ) -> Job:
     return Job(
@@ -41,7 +42,7 @@ def demo_job(
                 "task_app": {"name": "orgs/demo/taskApps/single-turn"},
                 "data": {"train": {"seeds": [{"start": 0, "end": 1000}]}},
                 "algorithm": {"group_size": 4, "prompts_per_step": 4, "steps": steps, **algorithm},
-                "optimizer": {"learning_rate": 1e-3},
+                "optimizer": {"learning_rate": learning_rate},
                 "sampling": {"max_tokens": 3, **(sampling or {})},
             }
         )
@@ -158,6 +159,34 @@ async def test_in_flight_weight_updates_train_without_pausing_the_worker(
         stream.cancel()
     assert turns and all(len(t.completion_weight_versions) == len(t.completion_token_ids) for t in turns)
     assert all(t.completion_weight_versions[0] == t.weight_version for t in turns if t.completion_token_ids)
+
+
+async def test_delta_weight_updates_send_only_the_bf16_elements_a_step_changed(tmp_path: Path) -> None:
+    # [weights] mode = "delta" on a bf16 model at a small learning rate: the first update goes whole, the
+    # later ones carry only the bf16 values the float32 step moved across a rounding boundary, and the
+    # worker ends holding exactly the trainer's weights.
+    model_dir = build_tiny_model(tmp_path / "bf16", dtype="bfloat16")
+    job = demo_job(
+        model_dir,
+        steps=3,
+        weights={"mode": "delta"},
+        learning_rate=5e-5,
+        max_staleness=0,
+        group_size=8,
+        prompts_per_step=8,
+    )
+    async with local_environment(job, tmp_path / "run") as env:
+        trainer = Trainer(job, env)
+        reports = await trainer.run()
+        await trainer.publisher.verify(trainer._named_weights())
+        listed = await env.events.ListEvents(epb.ListEventsRequest(job=env.job, types=["weights.updated"]))
+    updates = [e.weights_updated for e in listed.events]
+    assert updates and updates[0].mode == "full"
+    assert listed.events[0].payload["why_full"] == "no earlier update to start from"
+    deltas = [u for u in updates if u.mode == "delta"]
+    assert deltas and all(0 < u.bytes_transferred < u.full_bytes for u in deltas)
+    trained = [r for r in reports if "weight_sync/bytes" in r.metrics]
+    assert [r.metrics["weight_sync/bytes"] for r in trained] == [float(u.bytes_transferred) for u in updates]
 
 
 async def test_a_bf16_model_trains_in_float32_and_its_workers_and_checkpoints_hold_bf16(

@@ -18,7 +18,7 @@ from tandem.inference.v1 import inference_service_pb2 as pb
 
 from mesh.errors import FailedPrecondition, R
 from mesh.status import RpcError
-from tests.support.workers import Worker, start_worker, stop_worker, worker_stub
+from tests.support.workers import Worker, open_stubs, running_workers, start_worker, stop_worker, worker_stub
 from trainer.inference.config import WorkerSettings
 from trainer.inference.engine import EngineInfo, PauseMode, Sampling
 from trainer.inference.publisher import WeightPublisher, WeightSyncError
@@ -45,22 +45,16 @@ def mesh_key() -> str:
 def workers(
     model_dir: Path, mesh_key: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[Worker]]:
-    started = [start_worker(model_dir, tmp_path_factory.mktemp(f"worker{i}"), mesh_key) for i in range(2)]
-    try:
+    with running_workers(
+        model_dir, [tmp_path_factory.mktemp(f"worker{i}") for i in range(2)], mesh_key
+    ) as started:
         yield started
-    finally:
-        for worker in started:
-            stop_worker(worker)
 
 
 @pytest.fixture
 async def stubs(workers: list[Worker], mesh_key: str) -> AsyncIterator[list[object]]:
-    opened = [worker_stub(w, mesh_key) for w in workers]
-    try:
-        yield [stub for _, stub in opened]
-    finally:
-        for channel, _ in opened:
-            await channel.close()
+    async with open_stubs(workers, mesh_key) as opened:
+        yield list(opened)
 
 
 def checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:

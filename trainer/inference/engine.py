@@ -106,6 +106,8 @@ class Engine(abc.ABC):
     # swaps the weights in between two generation steps and the generations in flight continue with them.
     # False for an engine that loads in place (vLLM), which must pause.
     in_flight_updates: bool = False
+    # Whether the engine applies delta updates (WEIGHT_UPDATE_MODE_DELTA, `commit_delta`).
+    delta_updates: bool = False
 
     @property
     @abc.abstractmethod
@@ -160,6 +162,18 @@ class Engine(abc.ABC):
     async def commit_update(self, version: int) -> None:
         """Make the staged tensors the weights in service, between two generation steps, and the version
         `version`."""
+
+    async def commit_delta(
+        self,
+        version: int,
+        manifest: Sequence[TensorMeta],
+        changed: Sequence[int],
+        wire: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Apply a received delta (trainer/inference/delta.py: `changed` per manifest tensor, the wire tensors
+        by their wire names) to the weights in service, between two generation steps, and serve them as
+        `version`. ValueError, before any element is written, for an index outside its tensor."""
+        raise EngineError(f"the {self.info.kind} engine takes no delta weight update")
 
     @abc.abstractmethod
     def discard_update(self) -> None:

@@ -10,6 +10,15 @@
                 FinishWeightUpdate. Only engines whose WorkerInfo has `in_flight_updates` (torch) take it.
     verify():   ComputeWeightChecksums on every worker against the trainer's own tensors.
 
+In delta mode (`mode="delta"`, `[weights] mode = "delta"`) the publisher keeps a host copy of the last
+weights it put into service (`_Base`) and sends only the elements that changed since then
+(trainer/inference/delta.py), through the same buckets. It sends the update whole instead, and says why in
+the report, when it holds no copy yet (the first update, or after a failed one), when a worker does not hold
+the copy's version (GetWeightInfo `delta_base_weight_version`: a restarted worker), when a worker's engine
+takes no delta (WorkerInfo `weight_update_modes`), every `full_every` updates, and when the delta would not be
+smaller. After every update in delta mode the workers' checksums of the tensors it touched (all of them after
+a whole one) are checked against the copy's, so a worker that drifted is caught at the update that did it.
+
 The tensors are taken whole one bucket at a time through `gather` (a `Gather`): a sharded trainer (FSDP,
 trainer/ranks.py) gathers each bucket's tensors from its ranks just before the bucket is packed and drops
 them once it is on the wire, so rank 0 never holds the whole model; `local_groups`, the default, gives the
@@ -43,6 +52,7 @@ from tandem.inference.v1 import weights_pb2
 from torch.distributed.tensor import DTensor
 
 from mesh.status import RpcError, rpc_error_from
+from trainer.inference import delta
 from trainer.inference.engine import PauseMode
 from trainer.inference.weights import (
     Bucket,
@@ -52,6 +62,7 @@ from trainer.inference.weights import (
     checksum_digest,
     expected_bytes,
     manifest_of,
+    meta_nbytes,
     plan_buckets,
     send_buckets,
     staging_bytes_for,
@@ -113,6 +124,31 @@ class UpdateReport:
     resume_s: float
     total_s: float
     in_flight: bool = False  # generation ran through the update: nothing was paused
+    mode: str = "full"  # what went on the wire: "full" or "delta"
+    full_bytes: int = 0  # what a full update of the same weights moves
+    why_full: str = ""  # in delta mode, why this update went whole
+    changed_tensors: int = 0  # delta: the tensors with any changed element
+    diff_s: float = 0.0  # delta mode: comparing with the copy of the last update
+    verify_s: float = 0.0  # delta mode: the checksums after the update
+
+
+@dataclass
+class _DeltaPlan:
+    """One delta update: its base, `changed_elements`, and the wire tensors (names and tensors)."""
+
+    base_version: int
+    changed: list[int]
+    manifest: list[Any]
+    named: list[tuple[str, torch.Tensor]]
+    bytes: int
+
+
+class _Base:
+    """The trainer's copy of the weights last put into service, for delta updates: host tensors in
+    manifest order and dtype."""
+
+    def __init__(self, version: int, manifest: Sequence[Any], tensors: list[torch.Tensor]) -> None:
+        self.version, self.manifest, self.tensors = version, list(manifest), tensors
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -283,6 +319,8 @@ class WeightPublisher:
         job: str = "",
         backend: Backend = "gloo",
         gather: Gather = local_groups,
+        mode: Literal["full", "delta"] = "full",
+        full_every: int = 20,
     ) -> None:
         """`workers`: an `InferenceServiceStub` per worker; `events`: an `EventServiceStub` for the job's
         `weights.updated` events (with `job`), or None; `backend`: `gloo` (CPU workers, torch or vLLM),
@@ -290,7 +328,13 @@ class WeightPublisher:
         the first of those every worker offers (GetWorkerInfo), chosen at the first `connect`;
         `bucket_size_bytes`: the largest bucket (a model smaller than 8 of them goes in about 8 smaller ones,
         of at least 1 MiB, so that packing and sending overlap: `bucket_size_for`); `gather`: how a bucket's
-        tensors are made whole (the trainer ranks' `gathered` under FSDP)."""
+        tensors are made whole (the trainer ranks' `gathered` under FSDP); `mode`: `full` sends every tensor
+        whole, `delta` only the changed elements (see the module's doc), with a whole update every
+        `full_every`."""
+        if mode not in ("full", "delta"):
+            raise ValueError(f"mode must be full or delta, not {mode!r}")
+        if full_every < 1:
+            raise ValueError(f"full_every must be at least 1, not {full_every}")
         self.workers = list(workers)
         self.host = host
         self.bucket_size = bucket_size_bytes
@@ -302,6 +346,11 @@ class WeightPublisher:
         self._gather = gather
         self._transport: _Transport | None = None
         self._in_flight_updates: list[bool] = []  # per worker, from GetWorkerInfo at `connect`
+        self.mode = mode
+        self.full_every = full_every
+        self._delta_updates: list[bool] = []  # per worker, from GetWorkerInfo at `connect`
+        self._base: _Base | None = None  # delta mode: the weights last put into service
+        self._since_full = 0  # delta updates since the last whole one
 
     @property
     def connected(self) -> bool:
@@ -323,6 +372,9 @@ class WeightPublisher:
             [w.GetWorkerInfo(pb.GetWorkerInfoRequest(), timeout=self.rpc_timeout_s) for w in self.workers],
         )
         self._in_flight_updates = [i.worker_info.in_flight_updates for i in infos]
+        self._delta_updates = [
+            weights_pb2.WEIGHT_UPDATE_MODE_DELTA in i.worker_info.weight_update_modes for i in infos
+        ]
         sizes = [max(i.worker_info.tensor_parallel_size, 1) for i in infos]
         offsets = [1 + sum(sizes[:index]) for index in range(len(sizes))]
         world = 1 + sum(sizes)
@@ -376,18 +428,15 @@ class WeightPublisher:
         transport = self._transport
         assert transport is not None
         if in_flight:
-            unable = {
-                index: "its engine loads weights in place (vLLM) and takes no in-flight update; "
-                "publish with the pause instead ([weights] in_flight = false)"
-                for index, able in enumerate(self._in_flight_updates)
-                if not able
-            }
-            if unable:
-                raise WeightSyncError("GetWorkerInfo", unable)
+            self._check_in_flight()
         manifest = manifest_of(named)
-        bucket_size = bucket_size_for(manifest, self.bucket_size)
-        buckets = plan_buckets(manifest, bucket_size)
+        full_bytes = sum(meta_nbytes(m) for m in manifest)
         t0 = time.perf_counter()
+        plan, why_full = await self._plan(named, manifest, full_bytes)
+        diff_s = time.perf_counter() - t0
+        wire = manifest if plan is None else plan.manifest
+        bucket_size = bucket_size_for(wire, self.bucket_size)
+        buckets = plan_buckets(wire, bucket_size)
         begin = pb.BeginWeightUpdateRequest(
             weight_version=version,
             manifest=[
@@ -398,6 +447,11 @@ class WeightPublisher:
             ipc_handles=transport.handles(named),
             in_flight=in_flight,
         )
+        if plan is not None:
+            begin.mode = weights_pb2.WEIGHT_UPDATE_MODE_DELTA
+            begin.base_weight_version = plan.base_version
+            begin.changed_elements.extend(plan.changed)
+        keep: list[torch.Tensor] | None = [] if self.mode == "delta" and plan is None else None
         try:
             if not in_flight:
                 pause = pb.PauseGenerationRequest(mode=PAUSE_MODES[mode])
@@ -412,7 +466,10 @@ class WeightPublisher:
             )
             t2 = time.perf_counter()
             try:
-                stats = await asyncio.to_thread(self._send, transport, named, buckets)
+                if plan is None:
+                    stats = await asyncio.to_thread(self._send, transport, named, buckets, keep)
+                else:
+                    stats = await asyncio.to_thread(self._send_delta, transport, plan, buckets)
             except Exception as exc:
                 raise WeightSyncError("broadcast", {-1: f"{type(exc).__name__}: {exc}"}) from exc
             t3 = time.perf_counter()
@@ -426,6 +483,7 @@ class WeightPublisher:
             )
             t4 = time.perf_counter()
         except WeightSyncError:
+            self._base = None  # what the workers hold is no longer known for certain: the next goes whole
             await self._abort(version, resume=not in_flight)
             raise
         if not in_flight:
@@ -437,6 +495,7 @@ class WeightPublisher:
                 ],
             )
         t5 = time.perf_counter()
+        verify_s = await self._settle(version, manifest, plan, keep) if self.mode == "delta" else 0.0
         report = UpdateReport(
             version=version,
             workers=len(self.workers),
@@ -449,13 +508,136 @@ class WeightPublisher:
             resume_s=0.0 if in_flight else t5 - t4,
             total_s=t5 - t0,
             in_flight=in_flight,
+            mode="full" if plan is None else "delta",
+            full_bytes=full_bytes,
+            why_full=why_full,
+            changed_tensors=len(manifest) if plan is None else sum(1 for c in plan.changed if c),
+            diff_s=diff_s,
+            verify_s=verify_s,
         )
         await self._publish_event(report)
         return report
 
-    def _send(self, transport: _Transport, named: Named, buckets: Sequence[Bucket]) -> tuple[int, int]:
+    def _check_in_flight(self) -> None:
+        unable = {
+            index: "its engine loads weights in place (vLLM) and takes no in-flight update; "
+            "publish with the pause instead ([weights] in_flight = false)"
+            for index, able in enumerate(self._in_flight_updates)
+            if not able
+        }
+        if unable:
+            raise WeightSyncError("GetWorkerInfo", unable)
+
+    def _send(
+        self, transport: _Transport, named: Named, buckets: Sequence[Bucket], keep: list[torch.Tensor] | None
+    ) -> tuple[int, int]:
+        """Send every tensor whole; with `keep`, also append a host copy of each to it (delta mode's base)."""
         with self._gather(named, bucket_groups(buckets)) as tensors:
-            return transport.send(named, buckets, tensors)
+            if keep is None:
+                return transport.send(named, buckets, tensors)
+
+            def kept() -> Iterator[Sequence[torch.Tensor]]:
+                for group in tensors:
+                    keep.extend(t.detach().to("cpu", copy=True).contiguous() for t in group)
+                    yield group
+
+            return transport.send(named, buckets, kept())
+
+    def _send_delta(
+        self, transport: _Transport, plan: _DeltaPlan, buckets: Sequence[Bucket]
+    ) -> tuple[int, int]:
+        with local_groups(plan.named, bucket_groups(buckets)) as tensors:
+            return transport.send(plan.named, buckets, tensors)
+
+    async def _plan(
+        self, named: Named, manifest: Sequence[Any], full_bytes: int
+    ) -> tuple[_DeltaPlan | None, str]:
+        """In delta mode, the delta to send, or None and why the update goes whole; (None, "") in full mode."""
+        if self.mode != "delta":
+            return None, ""
+        why_full = await self._why_full(manifest)
+        if why_full:
+            return None, why_full
+        plan = await asyncio.to_thread(self._diff, named, manifest)
+        if plan.bytes >= full_bytes:
+            return None, "the delta would not be smaller"
+        return plan, ""
+
+    async def _why_full(self, manifest: Sequence[Any]) -> str:
+        """In delta mode, why this update must go whole; "" when a delta can go."""
+        if self.backend == "ipc":
+            return "the ipc backend moves no bytes"
+        unable = [str(i) for i, able in enumerate(self._delta_updates) if not able]
+        if unable:
+            return f"the engine of worker {', '.join(unable)} takes no delta"
+        base = self._base
+        if base is None:
+            return "no earlier update to start from"
+        if base.manifest != list(manifest):
+            return "the tensors differ from the last update's"
+        if self._since_full + 1 >= self.full_every:
+            return f"every {self.full_every} updates one goes whole"
+        infos = await self._all(
+            "GetWeightInfo",
+            [w.GetWeightInfo(pb.GetWeightInfoRequest(), timeout=self.rpc_timeout_s) for w in self.workers],
+        )
+        behind = [
+            f"worker {i} holds v{info.weight_info.delta_base_weight_version}"
+            for i, info in enumerate(infos)
+            if info.weight_info.delta_base_weight_version != base.version
+        ]
+        if behind:
+            return f"{'; '.join(behind)}, not v{base.version}"
+        return ""
+
+    def _diff(self, named: Named, manifest: Sequence[Any]) -> _DeltaPlan:
+        """Each tensor against the base, made whole a bucket at a time."""
+        base = self._base
+        assert base is not None
+        groups = bucket_groups(plan_buckets(manifest, bucket_size_for(manifest, self.bucket_size)))
+        parts: list[delta.TensorDelta] = []
+        with self._gather(named, groups) as tensors:
+            whole = itertools.chain.from_iterable(tensors)
+            for meta, old, new in zip(manifest, base.tensors, whole, strict=True):
+                parts.append(delta.diff(meta, old, new.detach().to("cpu").contiguous()))
+        changed = [p.changed for p in parts]
+        wire_meta = delta.wire_manifest(manifest, changed)
+        wire_tensors = [t for p in parts for t in p.wire]
+        return _DeltaPlan(
+            base.version,
+            changed,
+            wire_meta,
+            [(m.name, t) for m, t in zip(wire_meta, wire_tensors, strict=True)],
+            sum(meta_nbytes(m) for m in wire_meta),
+        )
+
+    async def _settle(
+        self, version: int, manifest: Sequence[Any], plan: _DeltaPlan | None, keep: list[torch.Tensor] | None
+    ) -> float:
+        """Delta mode, after an update: bring the base to `version` and check the tensors the update touched
+        on every worker against it. The seconds the check took."""
+        if plan is None:
+            assert keep is not None
+            self._base, self._since_full = _Base(version, manifest, keep), 0
+            touched = list(range(len(manifest)))
+        else:
+            base = self._base
+            assert base is not None
+            position = {meta.name: i for i, meta in enumerate(manifest)}
+            for meta, count, tensors in delta.wire_tensors(manifest, plan.changed, dict(plan.named)):
+                delta.apply(base.tensors[position[meta.name]], meta, count, tensors)
+            base.version = version
+            self._since_full += 1
+            touched = [i for i, c in enumerate(plan.changed) if c]
+        start = time.perf_counter()
+        base = self._base
+        assert base is not None
+        try:
+            await self._check([(manifest[i].name, base.tensors[i]) for i in touched])
+        except WeightSyncError:
+            self._base = None
+            raise
+        return time.perf_counter() - start
 
     async def _abort(self, version: int, *, resume: bool = True) -> None:
         """Best effort on every worker: abort the update and resume generation (unless `resume` is False: an
@@ -482,7 +664,16 @@ class WeightPublisher:
         """Prove every worker serves exactly `named`: each tensor's checksum on every worker equals the
         trainer's. Returns the digest of the trainer's checksums; raises WeightSyncError naming each worker
         that differs and its first differing tensors."""
-        expected = await asyncio.to_thread(self._checksums, named)
+        return await self._check(named, gather=True)
+
+    async def _check(self, named: Named, *, gather: bool = False) -> str:
+        """`verify` for `named`, made whole through `gather` or, without it, as they are (host copies)."""
+        if not named:
+            return checksum_digest([])
+        if gather:
+            expected = await asyncio.to_thread(self._checksums, named)
+        else:
+            expected = await asyncio.to_thread(lambda: {n: tensor_checksum(t) for n, t in named})
         request = pb.ComputeWeightChecksumsRequest(
             algorithm=weights_pb2.CHECKSUM_ALGORITHM_SHA256, names=list(expected)
         )
@@ -531,12 +722,16 @@ class WeightPublisher:
         updated.finish_duration.CopyFrom(_duration(report.finish_s))
         updated.total_duration.CopyFrom(_duration(report.total_s))
         updated.paused_duration.CopyFrom(_duration(0.0 if report.in_flight else report.total_s))
+        updated.mode = report.mode
+        updated.full_bytes = report.full_bytes
         event.payload.update(
             {
                 "pause_s": report.pause_s,
                 "resume_s": report.resume_s,
                 "buckets": report.buckets,
                 "in_flight": report.in_flight,
+                **({"why_full": report.why_full} if report.why_full else {}),
+                **({"changed_tensors": report.changed_tensors} if report.mode == "delta" else {}),
             }
         )
         try:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from mesh.errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, R
+from trainer.inference import delta
 from trainer.inference.engine import Engine, EngineError, ManifestMismatch, RemoteTransfer, TensorMeta
 from trainer.inference.weights import (
     Bucket,
@@ -46,6 +47,7 @@ from trainer.inference.weights import (
     plan_buckets,
     plan_per_tensor,
     receive_packed,
+    staging_targets,
 )
 
 log = logging.getLogger("tandem.weights")
@@ -88,6 +90,9 @@ class _Update:
     began: float
     prepare_s: float
     received_at: list[float] = field(default_factory=list)
+    # A delta update (WEIGHT_UPDATE_MODE_DELTA): the model's manifest and `changed_elements`; `staged` then
+    # holds the wire tensors (`delta.wire_manifest`), which `finish` applies to the weights in service.
+    delta: tuple[list[TensorMeta], list[int]] | None = None
 
 
 class WeightSync:
@@ -104,6 +109,9 @@ class WeightSync:
         self.last_update_time: float | None = None
         self._last_failure: tuple[int, str] | None = None  # (version, why) of the last failed receive
         self._remote = False  # the engine's own transfer engine moves the bytes (vLLM)
+        # The version a delta update may start from: the one in service, when it came through an update
+        # that completed here (0: none; the initial weights are never a base, see WeightInfo).
+        self.delta_base = 0
         self._lock = asyncio.Lock()
 
     @property
@@ -194,10 +202,13 @@ class WeightSync:
         ipc_handles: bytes = b"",
         *,
         in_flight: bool = False,
+        changed: Sequence[int] | None = None,
+        base_version: int = 0,
     ) -> _Update:
         """Arm the receive of `version`. Generation must be paused unless `in_flight`, which only an engine
         with `in_flight_updates` takes: it keeps generating while the buckets arrive and `finish` swaps the
-        weights in between two of its steps."""
+        weights in between two of its steps. With `changed` (one count per manifest entry) the update is a
+        delta from `base_version` (trainer/inference/delta.py), which must be `delta_base`."""
         async with self._lock:
             if self._update is not None and self._update.version == version:
                 return self._update  # a repeated Begin for the version being received
@@ -226,18 +237,12 @@ class WeightSync:
                 raise FailedPrecondition(
                     "pause generation before a weight update", reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT
                 )
+            if changed is not None:
+                self._check_delta(manifest, changed, base_version)
             began = time.perf_counter()
             if self._remote:
                 return await self._begin_remote(version, manifest, bucket_size, packed, ipc_handles, began)
-            try:
-                staged = self.engine.stage_update(manifest)
-            except ManifestMismatch as exc:
-                raise InvalidArgument(
-                    str(exc),
-                    reason=R.ERROR_REASON_WEIGHT_MANIFEST_MISMATCH,
-                    violations=[FieldViolation("manifest", problem) for problem in exc.problems],
-                ) from None
-            buckets = plan_buckets(manifest, bucket_size) if packed else plan_per_tensor(manifest)
+            buckets, staged = self._stage(manifest, changed, bucket_size, packed)
             cancelled = threading.Event()
             group = self._group
             assert group is not None  # checked above for every engine that stages
@@ -250,6 +255,7 @@ class WeightSync:
                 asyncio.get_running_loop().create_future(),
                 began,
                 time.perf_counter() - began,
+                delta=None if changed is None else (list(manifest), list(changed)),
             )
 
             def receive() -> None:
@@ -262,6 +268,51 @@ class WeightSync:
             self._update = update
             self.state = TransferState.UPDATING
             return update
+
+    def _stage(
+        self, manifest: Sequence[TensorMeta], changed: Sequence[int] | None, bucket_size: int, packed: bool
+    ) -> tuple[list[Bucket], Mapping[str, torch.Tensor]]:
+        """The bucket plan of the update and the targets it is received into: the engine's staging buffers
+        for a full update; for a delta, buffers of their own for the wire tensors, laid out as the plan."""
+        wire: Sequence[TensorMeta] = manifest
+        try:
+            if changed is None:
+                staged = self.engine.stage_update(manifest)
+            else:
+                problems = manifest_problems(manifest, self.engine.manifest())
+                if problems:
+                    raise ManifestMismatch(problems)
+                wire = delta.wire_manifest(manifest, changed)
+        except ManifestMismatch as exc:
+            raise InvalidArgument(
+                str(exc),
+                reason=R.ERROR_REASON_WEIGHT_MANIFEST_MISMATCH,
+                violations=[FieldViolation("manifest", problem) for problem in exc.problems],
+            ) from None
+        buckets = plan_buckets(wire, bucket_size) if packed else plan_per_tensor(wire)
+        return buckets, (staged if changed is None else staging_targets(buckets))
+
+    def _check_delta(self, manifest: Sequence[TensorMeta], changed: Sequence[int], base_version: int) -> None:
+        if not self.engine.delta_updates:
+            raise FailedPrecondition(
+                f"the {self.engine.info.kind} engine takes no delta weight update; send it whole (mode FULL)",
+                reason=R.ERROR_REASON_WEIGHT_UPDATE_MODE_UNSUPPORTED,
+            )
+        if base_version != self.delta_base or not base_version:
+            held = f"version {self.delta_base}" if self.delta_base else "no version a delta can apply to"
+            raise FailedPrecondition(
+                f"the delta applies to version {base_version}, and this worker holds {held}; "
+                "send the update whole",
+                reason=R.ERROR_REASON_WEIGHT_DELTA_BASE_MISMATCH,
+            )
+        try:
+            delta.wire_manifest(manifest, changed)
+        except ValueError as exc:
+            raise InvalidArgument(
+                str(exc),
+                reason=R.ERROR_REASON_WEIGHT_MANIFEST_MISMATCH,
+                violations=[FieldViolation("changed_elements", str(exc))],
+            ) from None
 
     async def _begin_remote(
         self,
@@ -345,14 +396,9 @@ class WeightSync:
                     reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED,
                 ) from None
             load_start = time.perf_counter()
-            if self._remote:
-                assert isinstance(self.engine, RemoteTransfer)
-                try:
-                    await self.engine.finish_update(version)
-                except EngineError as exc:
-                    raise self._inconsistent(version, f"loading version {version} failed: {exc}") from None
-            else:
-                await self.engine.commit_update(version)
+            await self._commit(update)
+            if self.engine.delta_updates:
+                self.delta_base = version
             done = time.perf_counter()
             timings = Timings(
                 prepare_s=update.prepare_s,
@@ -367,6 +413,28 @@ class WeightSync:
             self.last_timings = timings
             self.last_update_time = time.time()
             return timings
+
+    async def _commit(self, update: _Update) -> None:
+        """Put the received update into service in the engine."""
+        version = update.version
+        if self._remote:
+            assert isinstance(self.engine, RemoteTransfer)
+            try:
+                await self.engine.finish_update(version)
+            except EngineError as exc:
+                raise self._inconsistent(version, f"loading version {version} failed: {exc}") from None
+        elif update.delta is not None:
+            try:
+                await self.engine.commit_delta(version, *update.delta, update.staged)
+            except ValueError as exc:  # checked before any element was written: nothing changed
+                self._update = None
+                self.state = TransferState.READY
+                raise InvalidArgument(
+                    f"version {version}: {exc}; the previous version stays in service",
+                    reason=R.ERROR_REASON_WEIGHT_MANIFEST_MISMATCH,
+                ) from None
+        else:
+            await self.engine.commit_update(version)
 
     async def abort(self, version: int) -> None:
         async with self._lock:
@@ -406,6 +474,7 @@ class WeightSync:
         the error for the caller to raise."""
         log.warning("weight update v%d failed in the engine; the worker is INCONSISTENT: %s", version, why)
         self._last_failure = (version, why)
+        self.delta_base = 0
         self._update = None
         self.params = None
         self.state = TransferState.INCONSISTENT

@@ -76,6 +76,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from transformers.cache_utils import DynamicLayer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from trainer.inference import delta
 from trainer.inference.engine import (
     Engine,
     EngineError,
@@ -159,6 +160,7 @@ class TorchEngine(Engine):
     """A Hugging Face causal LM in service; see the module docstring for batching, sampling and weights."""
 
     in_flight_updates = True  # updates are staged apart from the weights in service and swapped between steps
+    delta_updates = True  # a delta is written into the weights in service between two steps
 
     def __init__(
         self,
@@ -426,6 +428,29 @@ class TorchEngine(Engine):
         with torch.no_grad():
             for name, tensor in staged.items():
                 self._served[name].copy_(tensor)
+        self._kv = None
+
+    async def commit_delta(
+        self,
+        version: int,
+        manifest: Sequence[TensorMeta],
+        changed: Sequence[int],
+        wire: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Write the delta's elements into the weights in service between two steps (the weights are not
+        copied: unlike a full update, nothing is staged beside them) and serve them as `version`."""
+        touched = delta.wire_tensors(manifest, changed, dict(wire))
+        for meta, count, tensors in touched:
+            delta.check(self._served[meta.name], meta, count, tensors)
+        loop = asyncio.get_running_loop()
+        async with self._step_lock:
+            await loop.run_in_executor(self._executor, self._apply_delta, touched)
+            self._version = version
+
+    def _apply_delta(self, touched: Sequence[tuple[TensorMeta, int, Sequence[torch.Tensor]]]) -> None:
+        with torch.no_grad():
+            for meta, count, tensors in touched:
+                delta.apply(self._served[meta.name], meta, count, tensors)
         self._kv = None
 
     def discard_update(self) -> None:

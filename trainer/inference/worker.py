@@ -311,6 +311,7 @@ class InferenceWorker:
             paused=self.engine.paused,
             transfer_state=TRANSFER_STATES[sync.state],
             pending_weight_version=sync.pending_version,
+            delta_base_weight_version=sync.delta_base,
         )
         if self._pause_mode is not None and self.engine.paused:
             info.pause_mode = {v: k for k, v in PAUSE_MODES.items()}[self._pause_mode]
@@ -344,6 +345,8 @@ class InferenceWorker:
             incarnation=self.incarnation,
             start_time=_timestamp(self.start_time),
             in_flight_updates=self.engine.in_flight_updates,
+            weight_update_modes=[weights_pb2.WEIGHT_UPDATE_MODE_FULL]
+            + ([weights_pb2.WEIGHT_UPDATE_MODE_DELTA] if self.engine.delta_updates else []),
         )
 
 
@@ -493,6 +496,12 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         bucket = request.bucket_size_bytes or DEFAULT_BUCKET_BYTES
         if request.packed and bucket < MIN_BUCKET_BYTES:
             raise InvalidArgument(f"bucket_size_bytes must be at least {MIN_BUCKET_BYTES} (1 MiB), or unset")
+        is_delta = request.mode == weights_pb2.WEIGHT_UPDATE_MODE_DELTA
+        if request.changed_elements and not is_delta:
+            raise InvalidArgument(
+                "changed_elements is for a DELTA update only",
+                violations=[FieldViolation("changed_elements", "set on an update that is not DELTA")],
+            )
         update = await self.worker.sync.begin(
             request.weight_version,
             manifest,
@@ -500,6 +509,8 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
             request.packed,
             request.ipc_handles,
             in_flight=request.in_flight,
+            changed=list(request.changed_elements) if is_delta else None,
+            base_version=request.base_weight_version,
         )
         size, broadcasts = self.worker.sync.expected(update)
         return pb.BeginWeightUpdateResponse(expected_bytes=size, expected_broadcasts=broadcasts)

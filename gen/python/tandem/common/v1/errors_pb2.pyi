@@ -162,6 +162,14 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The worker's engine cannot take a weight update while it generates (vLLM loads weights in place);
     pause generation for the update instead. FAILED_PRECONDITION.
     """
+    ERROR_REASON_WEIGHT_UPDATE_MODE_UNSUPPORTED: _ErrorReason.ValueType  # 153
+    """The worker's engine does not take this weight-update mode (WorkerInfo `weight_update_modes`).
+    FAILED_PRECONDITION.
+    """
+    ERROR_REASON_WEIGHT_DELTA_BASE_MISMATCH: _ErrorReason.ValueType  # 154
+    """A delta weight update names a base version the worker does not hold (WeightInfo
+    `delta_base_weight_version`); send the update whole. FAILED_PRECONDITION.
+    """
     ERROR_REASON_INVALID_CONFIG: _ErrorReason.ValueType  # 160
     """The trainer job config is invalid; a `google.rpc.BadRequest` detail names each field. INVALID_ARGUMENT."""
     ERROR_REASON_PLACEMENT_INVALID: _ErrorReason.ValueType  # 161
@@ -313,6 +321,14 @@ ERROR_REASON_TRACE_FINISHED: ErrorReason.ValueType  # 151
 ERROR_REASON_IN_FLIGHT_UPDATE_UNSUPPORTED: ErrorReason.ValueType  # 152
 """The worker's engine cannot take a weight update while it generates (vLLM loads weights in place);
 pause generation for the update instead. FAILED_PRECONDITION.
+"""
+ERROR_REASON_WEIGHT_UPDATE_MODE_UNSUPPORTED: ErrorReason.ValueType  # 153
+"""The worker's engine does not take this weight-update mode (WorkerInfo `weight_update_modes`).
+FAILED_PRECONDITION.
+"""
+ERROR_REASON_WEIGHT_DELTA_BASE_MISMATCH: ErrorReason.ValueType  # 154
+"""A delta weight update names a base version the worker does not hold (WeightInfo
+`delta_base_weight_version`); send the update whole. FAILED_PRECONDITION.
 """
 ERROR_REASON_INVALID_CONFIG: ErrorReason.ValueType  # 160
 """The trainer job config is invalid; a `google.rpc.BadRequest` detail names each field. INVALID_ARGUMENT."""

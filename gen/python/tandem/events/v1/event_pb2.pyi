@@ -451,6 +451,8 @@ class WeightsUpdated(_message.Message):
     FINISH_DURATION_FIELD_NUMBER: _builtins.int
     TOTAL_DURATION_FIELD_NUMBER: _builtins.int
     PAUSED_DURATION_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    FULL_BYTES_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.int
     """Required. The weight version the workers now serve, from 1 (0 is the initial weights, never synced)."""
     num_workers: _builtins.int
@@ -459,6 +461,12 @@ class WeightsUpdated(_message.Message):
     """Optional. Bytes broadcast."""
     transport: _builtins.str
     """Optional. The collective backend, "nccl" or "gloo"."""
+    mode: _builtins.str
+    """Optional. `full` or `delta`: what the update sent (a job in delta mode sends some updates whole)."""
+    full_bytes: _builtins.int
+    """Optional. The bytes a full update of the same weights moves; beside `bytes_transferred`, what a delta
+    saved.
+    """
     @_builtins.property
     def begin_duration(self) -> _duration_pb2.Duration:
         """Optional. The begin phase: until every worker acknowledged BeginWeightUpdate."""
@@ -491,10 +499,12 @@ class WeightsUpdated(_message.Message):
         finish_duration: _duration_pb2.Duration | None = ...,
         total_duration: _duration_pb2.Duration | None = ...,
         paused_duration: _duration_pb2.Duration | None = ...,
+        mode: _builtins.str = ...,
+        full_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["begin_duration", b"begin_duration", "finish_duration", b"finish_duration", "paused_duration", b"paused_duration", "total_duration", b"total_duration", "transfer_duration", b"transfer_duration"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_duration", b"begin_duration", "bytes_transferred", b"bytes_transferred", "finish_duration", b"finish_duration", "num_workers", b"num_workers", "paused_duration", b"paused_duration", "total_duration", b"total_duration", "transfer_duration", b"transfer_duration", "transport", b"transport", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin_duration", b"begin_duration", "bytes_transferred", b"bytes_transferred", "finish_duration", b"finish_duration", "full_bytes", b"full_bytes", "mode", b"mode", "num_workers", b"num_workers", "paused_duration", b"paused_duration", "total_duration", b"total_duration", "transfer_duration", b"transfer_duration", "transport", b"transport", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -558,6 +558,9 @@ class BeginWeightUpdateRequest(_message.Message):
     PACKED_FIELD_NUMBER: _builtins.int
     IPC_HANDLES_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    BASE_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    CHANGED_ELEMENTS_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.int
     """Required. The version being sent, above the version in service."""
     bucket_size_bytes: _builtins.int
@@ -583,10 +586,26 @@ class BeginWeightUpdateRequest(_message.Message):
     IN_FLIGHT_UPDATE_UNSUPPORTED by an engine that loads weights in place (vLLM); WorkerInfo
     `in_flight_updates` says which engines take it. Unset means false: generation must be paused.
     """
+    mode: _weights_pb2.WeightUpdateMode.ValueType
+    """Optional. What the update's tensors carry; unset means FULL. An engine that cannot take a mode (WorkerInfo
+    `weight_update_modes`) refuses it with FAILED_PRECONDITION / WEIGHT_UPDATE_MODE_UNSUPPORTED.
+    """
+    base_weight_version: _builtins.int
+    """DELTA only, required there: the version the delta applies to. A worker whose
+    `delta_base_weight_version` differs (a restarted worker, one that missed an update) refuses with
+    FAILED_PRECONDITION / WEIGHT_DELTA_BASE_MISMATCH and the trainer sends a full update instead.
+    """
     @_builtins.property
     def manifest(self) -> _containers.RepeatedCompositeFieldContainer[_weights_pb2.TensorSpec]:
         """Required. Every tensor the trainer will send, in broadcast order; at most 100000. Packed buckets hold the
         tensors in this order.
+        """
+
+    @_builtins.property
+    def changed_elements(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """DELTA only, required there: per manifest entry, in order, how many of its elements the update carries
+        (see WEIGHT_UPDATE_MODE_DELTA): 0 (unchanged), the tensor's element count (whole), or a count between
+        (that many indices, then values). One per manifest entry.
         """
 
     def __init__(
@@ -598,10 +617,13 @@ class BeginWeightUpdateRequest(_message.Message):
         packed: _builtins.bool = ...,
         ipc_handles: _builtins.bytes = ...,
         in_flight: _builtins.bool = ...,
+        mode: _weights_pb2.WeightUpdateMode.ValueType = ...,
+        base_weight_version: _builtins.int = ...,
+        changed_elements: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_size_bytes", b"bucket_size_bytes", "in_flight", b"in_flight", "ipc_handles", b"ipc_handles", "manifest", b"manifest", "packed", b"packed", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_weight_version", b"base_weight_version", "bucket_size_bytes", b"bucket_size_bytes", "changed_elements", b"changed_elements", "in_flight", b"in_flight", "ipc_handles", b"ipc_handles", "manifest", b"manifest", "mode", b"mode", "packed", b"packed", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -85,6 +85,44 @@ PAUSE_MODE_ABORT: PauseMode.ValueType  # 3
 """End generations in flight now with FINISH_REASON_ABORT and their partial output."""
 Global___PauseMode: _TypeAlias = PauseMode  # noqa: Y015
 
+class _WeightUpdateMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WeightUpdateModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WeightUpdateMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WEIGHT_UPDATE_MODE_UNSPECIFIED: _WeightUpdateMode.ValueType  # 0
+    """Not set: a full update."""
+    WEIGHT_UPDATE_MODE_FULL: _WeightUpdateMode.ValueType  # 1
+    """Every tensor of the manifest, whole."""
+    WEIGHT_UPDATE_MODE_DELTA: _WeightUpdateMode.ValueType  # 2
+    """Only the elements that changed since `base_weight_version`, which the worker must hold exactly
+    (WeightInfo `delta_base_weight_version`). Per manifest tensor, BeginWeightUpdate's `changed_elements`
+    says how it moves: 0, not at all; its element count, whole (as in a full update); any count between,
+    as that many element indices followed by that many values. On the wire, in manifest order, each sparse
+    tensor is two tensors: its indices into the tensor's row-major elements (int32 where the tensor has
+    fewer than 2^31 elements, else int64, strictly increasing) and the new values in the manifest dtype;
+    they are packed into buckets exactly as a full update's tensors are.
+    """
+
+class WeightUpdateMode(_WeightUpdateMode, metaclass=_WeightUpdateModeEnumTypeWrapper):
+    """WeightUpdateMode says what the tensors of one update carry (the job's `[weights] mode`)."""
+
+WEIGHT_UPDATE_MODE_UNSPECIFIED: WeightUpdateMode.ValueType  # 0
+"""Not set: a full update."""
+WEIGHT_UPDATE_MODE_FULL: WeightUpdateMode.ValueType  # 1
+"""Every tensor of the manifest, whole."""
+WEIGHT_UPDATE_MODE_DELTA: WeightUpdateMode.ValueType  # 2
+"""Only the elements that changed since `base_weight_version`, which the worker must hold exactly
+(WeightInfo `delta_base_weight_version`). Per manifest tensor, BeginWeightUpdate's `changed_elements`
+says how it moves: 0, not at all; its element count, whole (as in a full update); any count between,
+as that many element indices followed by that many values. On the wire, in manifest order, each sparse
+tensor is two tensors: its indices into the tensor's row-major elements (int32 where the tensor has
+fewer than 2^31 elements, else int64, strictly increasing) and the new values in the manifest dtype;
+they are packed into buckets exactly as a full update's tensors are.
+"""
+Global___WeightUpdateMode: _TypeAlias = WeightUpdateMode  # noqa: Y015
+
 class _ChecksumAlgorithm:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -245,6 +283,7 @@ class WeightInfo(_message.Message):
     NUM_RANKS_FIELD_NUMBER: _builtins.int
     LAST_UPDATE_TIMINGS_FIELD_NUMBER: _builtins.int
     LAST_UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    DELTA_BASE_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.int
     """Output only. The version of the weights in service; 0 for the initial weights."""
     paused: _builtins.bool
@@ -263,6 +302,11 @@ class WeightInfo(_message.Message):
     """Output only. The worker's first rank in the group."""
     num_ranks: _builtins.int
     """Output only. How many ranks the worker holds in the group (its tensor-parallel size)."""
+    delta_base_weight_version: _builtins.int
+    """Output only. The version a DELTA update may name as its base: the version in service when it came
+    whole through an update (full or delta) and this worker holds it bit for bit; 0 when no delta can apply
+    (the initial weights, a failed update, an engine without DELTA).
+    """
     @_builtins.property
     def last_update_timings(self) -> Global___WeightUpdateTimings:
         """Output only. The timings of the last completed update; unset before the first."""
@@ -285,10 +329,11 @@ class WeightInfo(_message.Message):
         num_ranks: _builtins.int = ...,
         last_update_timings: Global___WeightUpdateTimings | None = ...,
         last_update_time: _timestamp_pb2.Timestamp | None = ...,
+        delta_base_weight_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_update_time", b"last_update_time", "last_update_timings", b"last_update_timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "last_update_time", b"last_update_time", "last_update_timings", b"last_update_timings", "num_ranks", b"num_ranks", "pause_mode", b"pause_mode", "paused", b"paused", "pending_weight_version", b"pending_weight_version", "rank_offset", b"rank_offset", "transfer_state", b"transfer_state", "weight_version", b"weight_version", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "delta_base_weight_version", b"delta_base_weight_version", "last_update_time", b"last_update_time", "last_update_timings", b"last_update_timings", "num_ranks", b"num_ranks", "pause_mode", b"pause_mode", "paused", b"paused", "pending_weight_version", b"pending_weight_version", "rank_offset", b"rank_offset", "transfer_state", b"transfer_state", "weight_version", b"weight_version", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -65,6 +65,7 @@ class WorkerInfo(_message.Message):
     INCARNATION_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_UPDATES_FIELD_NUMBER: _builtins.int
+    WEIGHT_UPDATE_MODES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Output only. The model id the worker serves: the `model` to send on its OpenAI-compatible endpoint."""
     model_path: _builtins.str
@@ -102,6 +103,10 @@ class WorkerInfo(_message.Message):
     def start_time(self) -> _timestamp_pb2.Timestamp:
         """Output only. When the worker process started."""
 
+    @_builtins.property
+    def weight_update_modes(self) -> _containers.RepeatedScalarFieldContainer[_weights_pb2.WeightUpdateMode.ValueType]:
+        """Output only. The update modes the engine takes (BeginWeightUpdate `mode`); FULL always."""
+
     def __init__(
         self,
         *,
@@ -119,10 +124,11 @@ class WorkerInfo(_message.Message):
         incarnation: _builtins.str = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
         in_flight_updates: _builtins.bool = ...,
+        weight_update_modes: _abc.Iterable[_weights_pb2.WeightUpdateMode.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "engine_kind", b"engine_kind", "engine_version", b"engine_version", "in_flight_updates", b"in_flight_updates", "incarnation", b"incarnation", "max_context_tokens", b"max_context_tokens", "model", b"model", "model_path", b"model_path", "openai_base_url", b"openai_base_url", "start_time", b"start_time", "tensor_parallel_size", b"tensor_parallel_size", "tokenizer", b"tokenizer", "weight_transfer_backends", b"weight_transfer_backends"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "engine_kind", b"engine_kind", "engine_version", b"engine_version", "in_flight_updates", b"in_flight_updates", "incarnation", b"incarnation", "max_context_tokens", b"max_context_tokens", "model", b"model", "model_path", b"model_path", "openai_base_url", b"openai_base_url", "start_time", b"start_time", "tensor_parallel_size", b"tensor_parallel_size", "tokenizer", b"tokenizer", "weight_transfer_backends", b"weight_transfer_backends", "weight_update_modes", b"weight_update_modes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

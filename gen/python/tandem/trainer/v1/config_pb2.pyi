@@ -332,6 +332,8 @@ class WeightsConfig(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    FULL_EVERY_FIELD_NUMBER: _builtins.int
     in_flight: _builtins.bool
     """Optional. Workers keep generating during the transfer and swap the new weights in between two
     generation steps: sequences in flight continue with them and each token is tagged with the version
@@ -339,14 +341,28 @@ class WeightsConfig(_message.Message):
     `[inference] engine = "vllm"`, which loads weights in place and must pause. Unset means false: every
     worker pauses generation (KEEP) while it receives.
     """
+    mode: _builtins.str
+    """Optional. What each update sends: `full` (every parameter, whole) or `delta` (only the elements that
+    changed since the version the workers hold, as indices and values, in the same buckets; a full update
+    instead when the delta would not be smaller, when a worker does not hold that version, e.g. after a
+    restart, and every `full_every` updates). Delta keeps a copy of the last weights sent in the trainer's
+    host memory (the model's size in its serving dtype). Unset means `full`.
+    """
+    full_every: _builtins.int
+    """Optional. `mode = "delta"`: every how many updates one goes whole anyway, 1 to 100000; unset or 0 means
+    20. Every update is checked: the checksums of the tensors it changed, on every worker, against the
+    trainer's (all tensors after a full update).
+    """
     def __init__(
         self,
         *,
         in_flight: _builtins.bool = ...,
+        mode: _builtins.str = ...,
+        full_every: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_flight", b"in_flight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["full_every", b"full_every", "in_flight", b"in_flight", "mode", b"mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
