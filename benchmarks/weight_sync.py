@@ -84,6 +84,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import itertools
 import os
 import statistics
 import sys
@@ -145,11 +146,11 @@ MODELS = (
 )
 
 
-def manifest_for(shape: ModelShape) -> list[TensorMeta]:
-    """The model's parameters as transformers names them, in its order, without materializing any."""
-    from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: PLC0415 - only the trainer needs it
+def config_for(shape: ModelShape, kind: str = "llama", **extra: Any) -> Any:
+    """The transformers config of the shape: a Llama model, or a Qwen2 one (`kind` "qwen2")."""
+    from transformers import LlamaConfig, Qwen2Config  # noqa: PLC0415
 
-    config = LlamaConfig(
+    return (LlamaConfig if kind == "llama" else Qwen2Config)(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
@@ -157,7 +158,15 @@ def manifest_for(shape: ModelShape) -> list[TensorMeta]:
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads,
         tie_word_embeddings=shape.tied,
+        **extra,
     )
+
+
+def manifest_for(shape: ModelShape) -> list[TensorMeta]:
+    """The model's parameters as transformers names them, in its order, without materializing any."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - only the trainer needs it
+
+    config = config_for(shape)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
     return [TensorMeta(name, "bfloat16", tuple(p.shape)) for name, p in model.named_parameters()]
@@ -648,6 +657,198 @@ async def _full_updates(repeats: int, bucket_size: int) -> str:
     return "\n".join(lines)
 
 
+# (e): the update modes. Qwen2-0.5B's shape is the 500M one with the q/k/v biases Qwen2 has.
+PHASES = ("diff_s", "pause_s", "begin_s", "transfer_s", "finish_s", "resume_s", "verify_s")
+MODE_SHAPES = {"100M": "llama", "500M": "llama", "Qwen2-0.5B": "qwen2"}
+
+
+@dataclass
+class ModeRow:
+    shape: str
+    params: int
+    full_bytes: int
+    changed: list[float] = field(default_factory=list)  # per step: the share of bf16 elements that changed
+    bytes: dict[str, list[int]] = field(default_factory=dict)  # per mode, per update
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    why_full: list[str] = field(default_factory=list)
+    phases: dict[str, list[dict[str, float]]] = field(default_factory=dict)  # per mode, per update
+
+
+def _mode_model(name: str, seed: int) -> Any:
+    """A float32 model of the shape, initialised as transformers does (normal, std 0.02)."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    shape = {m.name: m for m in MODELS}["500M" if name == "Qwen2-0.5B" else name]
+    config = config_for(shape, MODE_SHAPES[name], max_position_embeddings=512)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+
+
+def _optimizer_step(model: Any, optimizer: Any, generator: torch.Generator, tokens: int) -> None:
+    """One real AdamW step: next-token cross-entropy on random tokens."""
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=generator)
+    optimizer.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
+def sync_modes(shapes: Sequence[str], steps: int, lr: float, lora_lr: float, tokens: int) -> str:
+    """(e): bytes on the wire and seconds per update, full against delta against LoRA, into two real torch
+    worker processes, after real optimizer steps."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support, beside trainer
+    rows = [asyncio.run(_sync_modes(name, steps, lr, lora_lr, tokens)) for name in shapes]
+    return _modes_table(rows, steps, lr, lora_lr)
+
+
+async def _sync_modes(name: str, steps: int, lr: float, lora_lr: float, tokens: int) -> ModeRow:
+    import secrets  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    from tests.support.workers import start_worker, stop_worker, worker_stub  # noqa: PLC0415
+    from trainer import lora  # noqa: PLC0415
+    from trainer.inference.publisher import WeightPublisher  # noqa: PLC0415
+    from trainer.models import build_tokenizer  # noqa: PLC0415
+
+    torch.set_num_threads(os.cpu_count() or 1)  # the optimizer steps; the workers run apart
+    key = secrets.token_hex(32)
+    generator = torch.Generator().manual_seed(1)
+    model = _mode_model(name, seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"(e) {name}: {params / 1e6:.0f}M parameters; {steps} AdamW steps at lr {lr:g} ...", flush=True)
+
+    def served() -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
+
+    snapshots = [served()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    for _ in range(steps):
+        _optimizer_step(model, optimizer, generator, tokens)
+        snapshots.append(served())
+    del optimizer
+    full_bytes = sum(t.numel() * t.element_size() for _, t in snapshots[0])
+    row = ModeRow(name, params, full_bytes)
+    for before, after in itertools.pairwise(snapshots):
+        moved = sum(
+            int(torch.ne(a.view(torch.int16), b.view(torch.int16)).sum())
+            for (_, a), (_, b) in zip(before, after, strict=True)
+        )
+        row.changed.append(moved / sum(t.numel() for _, t in after))
+
+    async def workers_of(folder: Path) -> tuple[list[Any], list[Any]]:
+        started = [
+            await asyncio.to_thread(
+                start_worker, folder, folder.parent / f"w{i}-{secrets.token_hex(2)}", key, None, 600.0
+            )
+            for i in range(WORKERS)
+        ]
+        return started, [worker_stub(w, key) for w in started]
+
+    async def stop(started: list[Any], pairs: list[Any]) -> None:
+        for channel, _ in pairs:
+            await channel.close()
+        for worker in started:
+            await asyncio.to_thread(stop_worker, worker)
+
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-modes-") as tmp:
+        folder = Path(tmp) / "model"
+        base = _mode_model(name, seed=0).to(
+            torch.bfloat16
+        )  # the workers' checkpoint: the snapshot before step 1
+        base.save_pretrained(folder)
+        del base
+        build_tokenizer(512).save_pretrained(folder)
+        print(f"(e) {name}: full and delta updates into {WORKERS} torch workers ...", flush=True)
+        started, pairs = await workers_of(folder)
+        try:
+            stubs = [stub for _, stub in pairs]
+            for mode in ("full", "delta"):
+                publisher = WeightPublisher(stubs, mode=mode, full_every=1 << 20)
+                try:
+                    version = await _top_version(stubs)
+                    await publisher.publish(version + 1, snapshots[0])  # warm-up; delta's base (whole)
+                    for index, snapshot in enumerate(snapshots[1:], start=2):
+                        report = await publisher.publish(version + index, snapshot)
+                        row.bytes.setdefault(mode, []).append(report.bytes)
+                        row.seconds.setdefault(mode, []).append(report.total_s)
+                        row.phases.setdefault(mode, []).append(
+                            {phase: getattr(report, phase) for phase in PHASES}
+                        )
+                        if mode == "delta" and report.mode != "delta":
+                            row.why_full.append(report.why_full)
+                    await publisher.verify(snapshots[-1])
+                finally:
+                    publisher.close()
+        finally:
+            await stop(started, pairs)
+        for rank in (16, 64):
+            label = f"lora r{rank}"
+            print(f"(e) {name}: {label} updates into {WORKERS} fresh torch workers ...", flush=True)
+            adapted = lora.wrap(
+                model, weights_pb2.LoraAdapterSpec(rank=rank, alpha=2.0 * rank, target_modules=["all-linear"])
+            )
+            optimizer = torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad], lr=lora_lr)
+            spec = lora.resolved(adapted)
+            adapters = []
+            for _ in range(steps):
+                _optimizer_step(adapted, optimizer, generator, tokens)
+                adapters.append(lora.adapter_weights(adapted, torch.bfloat16))
+            del optimizer
+            model = adapted.unload()  # the base again, for the next rank
+            started, pairs = await workers_of(folder)
+            publisher = WeightPublisher([stub for _, stub in pairs], mode="lora", lora=spec)
+            try:
+                await publisher.publish(1, adapters[0])  # warm-up: the workers add the adapter
+                for version, adapter in enumerate(adapters, start=2):
+                    report = await publisher.publish(version, adapter)
+                    row.bytes.setdefault(label, []).append(report.bytes)
+                    row.seconds.setdefault(label, []).append(report.total_s)
+                await publisher.verify(adapters[-1])
+            finally:
+                publisher.close()
+                await stop(started, pairs)
+    return row
+
+
+async def _top_version(stubs: Sequence[Any]) -> int:
+    infos = [await s.GetWeightInfo(pb.GetWeightInfoRequest()) for s in stubs]
+    return int(max(i.weight_info.weight_version for i in infos))
+
+
+def _modes_table(rows: Sequence[ModeRow], steps: int, lr: float, lora_lr: float) -> str:
+    lines = [
+        f"(e) update modes into {WORKERS} torch worker processes (bf16 serving, float32 AdamW weights; {steps} updates "
+        f"each, after real optimizer steps at lr {lr:g}, LoRA at lr {lora_lr:g}; median seconds per update):",
+        f"{'shape':<11} {'mode':<9} | {'MB on wire':>10} {'of full':>8} | {'s/update':>9} {'vs full':>8}",
+    ]
+    for row in rows:
+        full_s = statistics.median(row.seconds["full"])
+        for mode, sent in row.bytes.items():
+            seconds = statistics.median(row.seconds[mode])
+            share = statistics.median(sent) / row.full_bytes
+            speed = "1.00x (baseline)" if mode == "full" else f"{full_s / seconds:.2f}x faster"
+            megabytes = statistics.median(sent) / 1e6
+            lines.append(
+                f"{row.shape:<11} {mode:<9} | {megabytes:10.2f} {share:8.2%} | {seconds:9.3f} {speed:>8}"
+            )
+        for mode, updates in row.phases.items():
+            medians = "  ".join(
+                f"{phase.removesuffix('_s')} {statistics.median(u[phase] for u in updates) * 1000:.0f}"
+                for phase in PHASES
+            )
+            lines.append(f"{'':<11} {mode:<9} | ms: {medians}")
+        changed = ", ".join(f"{c:.3%}" for c in row.changed)
+        lines.append(
+            f"{'':<11} bf16 elements changed per step: {changed}"
+            + (f"; delta went whole: {row.why_full}" if row.why_full else "")
+        )
+    lines += [
+        "Goals: delta <= 10% of full bytes and faster than full end to end; LoRA rank 16 <= 2% of full bytes.",
+        "s/update is the trainer's clock over the whole publish (pause, begin, broadcast, finish, resume; delta adds",
+        "its compare with the last update's copy and the check of what each worker wrote).",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -674,6 +875,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--repeats", type=int, default=0, help="measured runs per method (default 7, quick 3)"
     )
     parser.add_argument(
+        "--modes",
+        default="100M,500M,Qwen2-0.5B",
+        help="(e), the update modes (full, delta, LoRA r16 and r64) after real optimizer steps, at these shapes "
+        "of " + ", ".join(MODE_SHAPES) + "; 'no' leaves it out (default all three)",
+    )
+    parser.add_argument("--modes-only", action="store_true", help="(e) alone")
+    parser.add_argument("--mode-steps", type=int, default=3, help="(e): updates per mode (default 3)")
+    parser.add_argument(
+        "--mode-lr", type=float, default=1e-6, help="(e): AdamW's learning rate (default 1e-6)"
+    )
+    parser.add_argument(
+        "--lora-lr", type=float, default=1e-4, help="(e): LoRA's learning rate (default 1e-4)"
+    )
+    parser.add_argument(
         "--engines",
         choices=("auto", "yes", "no"),
         default="auto",
@@ -688,6 +903,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown := chosen - {m.name for m in MODELS}:
         parser.error(f"unknown models: {', '.join(sorted(unknown))}")
     models = MODELS[:1] if args.quick else [m for m in MODELS if m.name in chosen]
+    modes = [] if args.modes == "no" or args.quick else [m for m in args.modes.split(",") if m]
+    if unknown := set(modes) - set(MODE_SHAPES):
+        parser.error(f"unknown --modes shapes: {', '.join(sorted(unknown))}")
+    if args.modes_only:
+        print(sync_modes(modes, args.mode_steps, args.mode_lr, args.lora_lr, tokens=64))
+        return 0
     torch.set_num_threads(1)
 
     started = time.perf_counter()
@@ -727,6 +948,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(full_updates(repeats, args.bucket_mib << 20))
     else:
         print("\n(d) not measured: vLLM is not installed here (run with .venv-vllm/bin/python)")
+    if modes:
+        print()
+        print(sync_modes(modes, args.mode_steps, args.mode_lr, args.lora_lr, tokens=64))
     print(f"\n(took {time.perf_counter() - started:.0f} s)")
     return 0 if ok else 1
 

@@ -238,6 +238,31 @@ def _weights(config: config_pb2.TrainerConfig) -> list[FieldViolation]:
         )
     if config.weights.full_every and config.weights.mode != "delta":
         found.append(FieldViolation("weights.full_every", 'is for mode = "delta"'))
+    found.extend(_lora(config))
+    return found
+
+
+def _lora(config: config_pb2.TrainerConfig) -> list[FieldViolation]:
+    if config.weights.mode != "lora":
+        if config.weights.HasField("lora"):
+            return [FieldViolation("weights.lora", 'is for mode = "lora"')]
+        return []
+    found: list[FieldViolation] = []
+    if config.inference.engine == "vllm":
+        found.append(
+            FieldViolation(
+                "weights.mode",
+                '"lora" needs the torch engine for now: Tandem\'s vLLM workers load whole weights only '
+                '(set [inference] engine = "torch", or mode = "full")',
+            )
+        )
+    if config.topology.cpu_trainer_ranks > 1 or config.topology.sharding == config_pb2.SHARDING_FSDP:
+        found.append(
+            FieldViolation(
+                "weights.mode",
+                '"lora" trains on one trainer rank (leave topology.cpu_trainer_ranks and sharding unset)',
+            )
+        )
     return found
 
 
@@ -377,6 +402,12 @@ class Job:
             config_pb2.REFERENCE_PLACEMENT_STACKED: "stacked",
             config_pb2.REFERENCE_PLACEMENT_OWN: "own",
         }[placement]  # type: ignore[return-value]
+
+    @property
+    def weights_mode(self) -> Literal["full", "delta", "lora"]:
+        """`[weights] mode`: what each weight update sends."""
+        mode = self.config.weights.mode
+        return "delta" if mode == "delta" else "lora" if mode == "lora" else "full"
 
     def learning_rate(self, step: int) -> float:
         """The learning rate at `step` (0-based): linear warm-up, then the schedule to `min_lr_ratio`."""

@@ -37,7 +37,7 @@ from trainer import checkpoints, dump
 from trainer.checkpoints import STATE_FILE
 from trainer.dump import DumpError, Recorded
 from trainer.ranks import Ranks
-from trainer.scoring import load_policy, load_reference, trained_tokens
+from trainer.scoring import load_policy, reference_for, trainable, trained_tokens
 from trainer.train import train_shard
 
 # The figures compared, in the order they are printed.
@@ -113,14 +113,14 @@ def replay(root: Path, step_number: int, checkpoint: Path | None = None, device:
     model_dir = Path(step.metadata.get("model_dir") or job.config.model.dir)
     policy = load_policy(folder or model_dir, where, job)
     optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=job.learning_rate(0), weight_decay=job.config.optimizer.weight_decay
+        trainable(policy), lr=job.learning_rate(0), weight_decay=job.config.optimizer.weight_decay
     )
     if folder is not None:  # as Trainer.resume loads it
         state = torch.load(folder / STATE_FILE, weights_only=False)
         if "master_weights" in state:
-            policy.load_state_dict(state["master_weights"])
+            policy.load_state_dict(state["master_weights"], strict=job.weights_mode != "lora")
         optimizer.load_state_dict(state["optimizer"])
-    reference = load_reference(model_dir, where, job) if job.config.algorithm.kl_coef > 0 else None
+    reference = reference_for(policy, model_dir, where, job) if job.config.algorithm.kl_coef > 0 else None
     torch.set_num_threads(step.threads)
     torch.set_rng_state(step.tensors["torch_rng"])
     ranks = Ranks.alone(where)

@@ -231,7 +231,9 @@ def head_logprobs(
 
 
 def _unwrapped(model: torch.nn.Module) -> PreTrainedModel:
-    inner = getattr(model, "module", model)  # DDP keeps the model as .module
+    inner = getattr(model, "module", model)  # DDP keeps the model as .module (and FrozenBase its policy)
+    if hasattr(inner, "get_base_model"):  # a peft model (LoRA mode): the causal LM with its adapter inside
+        inner = getattr(inner, "get_base_model")()  # noqa: B009
     if not isinstance(inner, PreTrainedModel):
         raise TypeError(f"expected a Hugging Face causal LM, got {type(inner).__name__}")
     return inner
@@ -421,11 +423,18 @@ def decoder_layers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     return (m for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
 
 
-def load_policy(path: Path, device: torch.device, job: Job) -> PreTrainedModel:
+def load_policy(path: Path, device: torch.device, job: Job) -> Any:
     """The policy to train from the model directory `path`: float32 weights whatever the checkpoint's dtype
     (the optimizer's state follows them), each decoder layer checkpointed when the job asks. The
-    composable checkpoint keeps the parameters' names, so checkpoints and weight sync are unchanged."""
-    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    composable checkpoint keeps the parameters' names, so checkpoints and weight sync are unchanged.
+
+    In LoRA mode (`[weights] mode = "lora"`) the policy is the job's base model (`model.dir`) frozen with a
+    trainable peft adapter (trainer/lora.py), and `path` a checkpoint holding a saved adapter to start from,
+    or the base model's directory itself."""
+    lora_mode = job.config.weights.mode == "lora"
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        Path(job.config.model.dir) if lora_mode else path, dtype=torch.float32
+    )
     model.to(device)  # type: ignore[arg-type]
     if job.config.training.activation_checkpointing:
         layers = list(decoder_layers(model))
@@ -433,7 +442,37 @@ def load_policy(path: Path, device: torch.device, job: Job) -> PreTrainedModel:
             raise ValueError(f"{type(model).__name__} has no layers to checkpoint")
         for layer in layers:
             checkpoint_module(layer)
-    return model
+    if not lora_mode:
+        return model
+    from trainer import lora  # noqa: PLC0415  # peft is imported by LoRA jobs only
+
+    policy = lora.wrap(model, lora.spec_of(job.config.weights.lora))
+    if (path / lora.ADAPTER_WEIGHTS).exists():
+        lora.load_adapter(policy, path)
+    return policy
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer updates: every one, or in LoRA mode the adapter's."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def master_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The float32 weights a checkpoint keeps to resume from: the trainable ones (all but a LoRA policy's
+    frozen base, which the job's model directory holds)."""
+    if all(p.requires_grad for p in model.parameters()):
+        return model.state_dict()
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def reference_for(policy: torch.nn.Module, path: Path, device: torch.device, job: Job) -> torch.nn.Module:
+    """The KL term's reference model: `load_reference` of `path`, or in LoRA mode the policy's own frozen
+    base (no second copy of the weights)."""
+    if job.config.weights.mode == "lora":
+        from trainer import lora  # noqa: PLC0415
+
+        return lora.FrozenBase(policy)  # type: ignore[arg-type]
+    return load_reference(path, device, job)
 
 
 def load_reference(path: Path, device: torch.device, job: Job) -> PreTrainedModel:

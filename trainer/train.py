@@ -41,7 +41,6 @@ from tandem.inference.v1 import generation_pb2, trace_pb2
 from tandem.inference.v1 import inference_service_pb2 as ipb
 from tandem.taskapp.v1 import rollout_pb2
 from tandem.taskapp.v1 import taskapp_service_pb2 as tpb
-from transformers import PreTrainedModel
 
 from tandem_jobs.config import Job
 from trainer import checkpoints, dump, grpo, scoring
@@ -51,7 +50,15 @@ from trainer.inference.publisher import WeightPublisher
 from trainer.inference.weights import dtype_of
 from trainer.progress import Progress
 from trainer.ranks import Ranks, StepShard, Update
-from trainer.scoring import TrainSequence, batch_loss, load_policy, load_reference, trained_tokens
+from trainer.scoring import (
+    TrainSequence,
+    batch_loss,
+    load_policy,
+    master_weights,
+    reference_for,
+    trainable,
+    trained_tokens,
+)
 from trainer.seeds import episode_seed
 
 log = logging.getLogger("tandem.trainer")
@@ -132,14 +139,18 @@ class Trainer:
         self.device = torch.device(device) if device else self.ranks.device
         config = job.config
         self.model_dir = Path(config.model.dir)
+        if job.weights_mode == "lora" and self.ranks.world_size > 1:
+            raise ValueError(
+                f'[weights] mode = "lora" trains on one trainer rank; this placement has {self.ranks.world_size}'
+            )
         self.policy = load_policy(self.model_dir, self.device, job)  # float32 whatever the checkpoint's dtype
         # Workers serve, and checkpoints store, the model's own dtype unless the job names another.
         self.serve_dtype = dtype_of(config.model.dtype or checkpoints.model_dtype(self.model_dir))
-        self.reference: PreTrainedModel | None = None
+        self.reference: torch.nn.Module | None = None
         if config.algorithm.kl_coef > 0:
-            self.reference = load_reference(self.model_dir, self.device, job)
+            self.reference = reference_for(self.policy, self.model_dir, self.device, job)
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(),
+            trainable(self.policy),
             lr=job.learning_rate(0),
             weight_decay=config.optimizer.weight_decay,
         )
@@ -150,8 +161,9 @@ class Trainer:
             events=env.events,
             job=env.job,
             gather=self.ranks.gathered,  # whole tensors a bucket at a time, from every rank under FSDP
-            mode="delta" if config.weights.mode == "delta" else "full",
+            mode=job.weights_mode,
             full_every=config.weights.full_every or 20,
+            lora=self._lora_spec(),
         )
         self.step = 0  # steps completed
         self.version = 0  # the weights in service on the workers
@@ -581,9 +593,22 @@ class Trainer:
         """The loss of `sequences` under this process's policy alone (no other rank is involved)."""
         return batch_loss(self.policy, self.reference, sequences, advantages, self.job, self.device)
 
+    def _lora_spec(self) -> Any:
+        """LoRA mode: the adapter's shape with the module names peft matched (what the workers add)."""
+        if self.job.weights_mode != "lora":
+            return None
+        from trainer import lora  # noqa: PLC0415
+
+        return lora.resolved(self.policy)
+
     def _named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The parameters in checkpoint naming, a tied one once (as the workers' manifest lists them), in the
-        dtype the workers serve (a copy when it is not the trainer's float32)."""
+        dtype the workers serve (a copy when it is not the trainer's float32); in LoRA mode the adapter's
+        tensors in peft's saved naming."""
+        if self.job.weights_mode == "lora":
+            from trainer import lora  # noqa: PLC0415
+
+            return lora.adapter_weights(self.policy, self.serve_dtype)
         return [
             (name, parameter.detach().to(self.serve_dtype))
             for name, parameter in self.policy.named_parameters()
@@ -643,9 +668,7 @@ class Trainer:
         shutil.rmtree(partial, ignore_errors=True)
         try:
             partial.mkdir(parents=True)
-            self.ranks.save_pretrained(
-                self.policy, partial, self.serve_dtype
-            )  # gathered a file at a time under FSDP
+            self._save_weights(partial)
             for item in self.model_dir.iterdir():
                 if "token" in item.name or item.name in ("chat_template.jinja", "special_tokens_map.json"):
                     shutil.copy2(item, partial / item.name)
@@ -656,8 +679,8 @@ class Trainer:
                 "torch_rng": torch.get_rng_state(),
                 "run_id": self.run_id,
             }
-            if self.serve_dtype != torch.float32:  # the folder's weights are rounded; resume from these
-                state["master_weights"] = self.policy.state_dict()
+            if self.serve_dtype != torch.float32 or self.job.weights_mode == "lora":
+                state["master_weights"] = master_weights(self.policy)  # the folder's are rounded
             torch.save(state, partial / STATE_FILE)
             last = self.history[-1] if self.history else None
             checkpoints.write_metadata(
@@ -678,6 +701,17 @@ class Trainer:
         saved = checkpoints.read(final)
         assert saved is not None, f"{final} has no readable {checkpoints.METADATA_FILE}"
         return saved
+
+    def _save_weights(self, folder: Path) -> None:
+        """The checkpoint's model files: a Hugging Face folder (gathered a file at a time under FSDP), or in
+        LoRA mode the adapter's (and the merged model, when the job asks)."""
+        if self.job.weights_mode != "lora":
+            self.ranks.save_pretrained(self.policy, folder, self.serve_dtype)
+            return
+        from trainer import lora  # noqa: PLC0415
+
+        merged = self.job.config.weights.lora.merged_checkpoints
+        lora.save_checkpoint(self.policy, folder, self.serve_dtype, merged=merged)
 
     async def _announce_checkpoint(self, saved: CheckpointInfo, seconds: float) -> None:
         if self.env.events is None:
@@ -714,9 +748,9 @@ class Trainer:
         self.policy = load_policy(latest, self.device, self.job)
         state = torch.load(latest / STATE_FILE, weights_only=False)
         if "master_weights" in state:
-            self.policy.load_state_dict(state["master_weights"])
+            self.policy.load_state_dict(state["master_weights"], strict=self.job.weights_mode != "lora")
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(),
+            trainable(self.policy),
             lr=self.job.learning_rate(0),
             weight_decay=self.job.config.optimizer.weight_decay,
         )

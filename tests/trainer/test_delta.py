@@ -44,13 +44,36 @@ def test_a_delta_turns_the_base_into_the_new_tensor_bit_for_bit(dtype: torch.dty
     m = meta("w", base)
     part = delta.diff(m, base, new)
     assert part.changed == 5 and delta.is_sparse(m, part.changed)
-    indices, values = part.wire
-    assert indices.dtype == torch.int32 and indices.tolist() == sorted(indices.tolist())
+    gaps, values = part.wire
+    assert gaps.dtype == torch.int16 and delta.positions(gaps).tolist() == [3, 7, 100, 2000, 3071]
     assert values.dtype == dtype
     held = base.clone()
     delta.check(held, m, part.changed, part.wire)
     delta.apply(held, m, part.changed, part.wire)
     assert bits(held) == bits(new)
+    # what a worker reads back after writing is what was sent; the old tensor's read-back is not
+    assert delta.digest([delta.read_back(held, m, part.changed, part.wire)]) == delta.digest([values])
+    assert delta.digest([delta.read_back(base, m, part.changed, part.wire)]) != delta.digest([values])
+
+
+def test_changes_far_apart_are_bridged_so_every_gap_fits_in_16_bits() -> None:
+    base = torch.zeros(200_000, dtype=torch.bfloat16)
+    for where in ([0, 199_999], [150_000], [40_000, 40_001, 105_535 + 40_001]):
+        new = base.clone()
+        new[where] = 1.0
+        m = meta("w", base)
+        part = delta.diff(m, base, new)
+        gaps = part.wire[0]
+        found = delta.positions(gaps)
+        steps = torch.diff(found, prepend=found.new_tensor([-1]))
+        assert (
+            set(where) <= set(found.tolist()) and int(steps.min()) >= 1 and int(steps.max()) <= delta.MAX_GAP
+        )
+        assert part.changed == found.numel() < len(where) + 4  # a few unchanged entries bridge the distance
+        held = base.clone()
+        delta.check(held, m, part.changed, part.wire)
+        delta.apply(held, m, part.changed, part.wire)
+        assert bits(held) == bits(new)
 
 
 def test_each_tensor_goes_the_cheapest_way_and_the_wire_manifest_says_how() -> None:
@@ -58,8 +81,8 @@ def test_each_tensor_goes_the_cheapest_way_and_the_wire_manifest_says_how() -> N
     few = torch.zeros(100, dtype=torch.bfloat16)
     many = torch.zeros(100, dtype=torch.bfloat16)
     few_new, many_new = few.clone(), many.clone()
-    few_new[:10] = 1  # 10 * (4 + 2) bytes < 200: sparse
-    many_new[:40] = 1  # 40 * 6 = 240 bytes >= 200: whole
+    few_new[:10] = 1  # 10 * (2 + 2) bytes < 200: sparse
+    many_new[:50] = 1  # 50 * 4 = 200 bytes, not below 200: whole
     parts = [
         delta.diff(meta("same", same), same, same.clone()),
         delta.diff(meta("few", few), few, few_new),
@@ -69,12 +92,11 @@ def test_each_tensor_goes_the_cheapest_way_and_the_wire_manifest_says_how() -> N
     manifest = [meta("same", same), meta("few", few), meta("many", many)]
     wire = delta.wire_manifest(manifest, [p.changed for p in parts])
     assert [(w.name, w.dtype, w.shape) for w in wire] == [
-        ("few#index", "int32", (10,)),
-        ("few#value", "bfloat16", (10,)),
+        ("few#gaps", "int16", (10,)),
+        ("few#values", "bfloat16", (10,)),
         ("many", "bfloat16", (100,)),
     ]
-    assert delta.wire_bytes(manifest, [p.changed for p in parts]) == 40 + 20 + 200
-    assert delta.index_dtype(2**31 - 1) == torch.int32 and delta.index_dtype(2**31) == torch.int64
+    assert delta.wire_bytes(manifest, [p.changed for p in parts]) == 20 + 20 + 200
     with pytest.raises(ValueError, match="2 entries for 3"):
         delta.wire_manifest(manifest, [0, 1])
     with pytest.raises(ValueError, match="101 for many"):
@@ -84,16 +106,15 @@ def test_each_tensor_goes_the_cheapest_way_and_the_wire_manifest_says_how() -> N
 def test_a_received_delta_that_does_not_fit_is_refused_before_anything_is_written() -> None:
     target = torch.zeros(10)
     m = meta("w", target)
-    for indices, why in [
-        (torch.tensor([1, 10], dtype=torch.int32), "outside"),
-        (torch.tensor([-1, 3], dtype=torch.int32), "outside"),
-        (torch.tensor([4, 4], dtype=torch.int32), "strictly increasing"),
-        (torch.tensor([5, 2], dtype=torch.int32), "strictly increasing"),
+    for gaps, why in [
+        (torch.tensor([2, 9], dtype=torch.int16), "past"),  # positions 1 and 10
+        (torch.tensor([-1, 3], dtype=torch.int16), "past"),  # -1 reads as 65535
+        (torch.tensor([4, 0], dtype=torch.int16), "gap is 0"),
     ]:
         with pytest.raises(ValueError, match=why):
-            delta.check(target, m, 2, [indices, torch.ones(2)])
-    with pytest.raises(ValueError, match="1 indices"):
-        delta.check(target, m, 2, [torch.tensor([1], dtype=torch.int32), torch.ones(1)])
+            delta.check(target, m, 2, [gaps, torch.ones(2)])
+    with pytest.raises(ValueError, match="1 gaps"):
+        delta.check(target, m, 2, [torch.tensor([1], dtype=torch.int16), torch.ones(1)])
     assert not target.any()
 
 

@@ -167,6 +167,34 @@ def test_the_weight_sync_mode_is_full_or_delta_and_delta_needs_the_torch_engine(
         assert field in [v.field for v in info.value.violations], body
 
 
+def test_lora_mode_takes_its_adapter_table_and_one_torch_trainer(tmp_path: Path) -> None:
+    chosen = Job(
+        load_job(
+            write(
+                tmp_path,
+                GOOD
+                + '\n[weights]\nmode = "lora"\n\n[weights.lora]\nrank = 8\ntarget_modules = ["q_proj", "v_proj"]\n',
+            )
+        )
+    )
+    assert chosen.weights_mode == "lora"
+    assert (chosen.config.weights.lora.rank, list(chosen.config.weights.lora.target_modules)) == (
+        8,
+        ["q_proj", "v_proj"],
+    )
+    cases = [
+        ("[weights.lora]\nrank = 8", "weights.lora"),  # a table without the mode
+        ('mode = "lora"\n\n[inference]\nengine = "vllm"', "weights.mode"),
+        ('mode = "lora"\n\n[topology]\ncpu_trainer_ranks = 2', "weights.mode"),
+        ('mode = "lora"\n\n[weights.lora]\nrank = 2000', "weights.lora.rank"),
+        ('mode = "lora"\n\n[weights.lora]\ntarget_modules = ["q proj"]', "weights.lora.target_modules[0]"),
+    ]
+    for body, field in cases:
+        with pytest.raises(InvalidArgument) as info:
+            load_job(write(tmp_path, GOOD + f"\n[weights]\n{body}\n"))
+        assert field in [v.field for v in info.value.violations], body
+
+
 def test_in_flight_weight_updates_are_the_torch_engines(tmp_path: Path) -> None:
     assert not Job(load_job(write(tmp_path, GOOD))).config.weights.in_flight  # unset: workers pause
     torch = Job(load_job(write(tmp_path, GOOD + "\n[weights]\nin_flight = true\n")))

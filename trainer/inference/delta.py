@@ -1,6 +1,6 @@
 """Sparse delta weight updates (`[weights] mode = "delta"`, WEIGHT_UPDATE_MODE_DELTA): only the elements that
-changed since the version the workers hold move, as indices and values, through the same packed buckets as a
-full update.
+changed since the version the workers hold move, as positions and values, through the same packed buckets as
+a full update.
 
 Between two RL steps most low-precision weights do not change at all: an Adam step at lr 1e-6 moves a bf16
 weight of magnitude 0.02 by far less than half its last place, so the value the trainer casts for serving is
@@ -12,26 +12,32 @@ Per manifest tensor the trainer picks one of three encodings, announced to the w
 
     0                  unchanged: nothing moves
     its element count  dense: the tensor whole, as in a full update (the sparse form would not be smaller)
-    k in between       sparse: k indices (int32, int64 for a tensor of 2^31 elements or more), strictly
-                       increasing, into its row-major elements, then the k new values in its dtype
+    k in between       sparse: k entries, each a gap and a value. The gaps (int16 on the wire, read as
+                       unsigned, 1 to 65535) give the positions in the tensor's row-major elements: the first
+                       is its position + 1, each next the distance from the one before. Where two changed
+                       elements lie more than 65535 apart, entries for unchanged elements in between (their
+                       current values, so writing them changes nothing) keep every gap in range.
 
-A tensor is sparse when k * (index bytes + value bytes) < element count * value bytes, else dense. The
-comparison is on the bits (each tensor viewed as integers of its item size), so -0.0 and +0.0 differ and a NaN
-equals itself: after the workers apply a delta they hold exactly the trainer's bytes.
+A tensor is sparse when k * (2 + value bytes) < element count * value bytes, else dense: 4 bytes an entry
+in bf16, so a delta pays while fewer than half of a tensor's elements change. The comparison is on the bits
+(each tensor viewed as integers of its item size), so -0.0 and +0.0 differ and a NaN equals itself: after the
+workers apply a delta they hold exactly the trainer's bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from trainer.inference.engine import TensorMeta
-from trainer.inference.weights import dtype_of, meta_nbytes
+from trainer.inference.weights import dtype_of, meta_nbytes, tensor_bytes
 
-INDEX_SUFFIX = "#index"  # wire names: never a checkpoint name ("#" is outside the manifest's pattern)
-VALUE_SUFFIX = "#value"
+GAP_SUFFIX = "#gaps"  # wire names: never a checkpoint name ("#" is outside the manifest's pattern)
+VALUE_SUFFIX = "#values"
+MAX_GAP = 65535
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -42,24 +48,19 @@ def numel_of(meta: TensorMeta) -> int:
     return numel
 
 
-def index_dtype(numel: int) -> torch.dtype:
-    return torch.int32 if numel < 2**31 else torch.int64
-
-
 def is_sparse(meta: TensorMeta, changed: int) -> bool:
-    """Whether `changed` elements of the tensor move as indices and values (else: not at all, or whole)."""
+    """Whether `changed` entries of the tensor move as gaps and values (else: not at all, or whole)."""
     return 0 < changed < numel_of(meta)
 
 
-def encoding_for(meta: TensorMeta, changed: int) -> int:
-    """The `changed_elements` entry for a tensor of which `changed` elements differ: 0, `changed` (sparse)
-    or the element count (dense) when the sparse form would not be smaller."""
+def encoding_for(meta: TensorMeta, entries: int) -> int:
+    """The `changed_elements` entry for a tensor whose sparse form has `entries` entries: 0, `entries`
+    (sparse) or the element count (dense) when the sparse form would not be smaller."""
     numel = numel_of(meta)
-    if changed <= 0:
+    if entries <= 0:
         return 0
     item = dtype_of(meta.dtype).itemsize
-    sparse = changed * (index_dtype(numel).itemsize + item)
-    return changed if sparse < numel * item else numel
+    return entries if entries * (2 + item) < numel * item else numel
 
 
 def wire_manifest(manifest: Sequence[TensorMeta], changed: Sequence[int]) -> list[TensorMeta]:
@@ -77,9 +78,7 @@ def wire_manifest(manifest: Sequence[TensorMeta], changed: Sequence[int]) -> lis
         if count == numel:
             wire.append(meta)
             continue
-        wire.append(
-            TensorMeta(meta.name + INDEX_SUFFIX, str(index_dtype(numel)).removeprefix("torch."), (count,))
-        )
+        wire.append(TensorMeta(meta.name + GAP_SUFFIX, "int16", (count,)))
         wire.append(TensorMeta(meta.name + VALUE_SUFFIX, meta.dtype, (count,)))
     return wire
 
@@ -93,10 +92,29 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(_BITS[flat.element_size()])
 
 
+def _bridged(where: torch.Tensor) -> torch.Tensor:
+    """Increasing positions, with positions added between any two (or before the first) more than MAX_GAP
+    apart, so that every gap fits."""
+    previous = torch.cat([where.new_tensor([-1]), where[:-1]])
+    extra = torch.div(where - previous - 1, MAX_GAP, rounding_mode="floor")
+    total = int(extra.sum())
+    if total == 0:
+        return where
+    starts = torch.cumsum(extra, 0) - extra
+    steps = torch.arange(total) - starts.repeat_interleave(extra) + 1
+    added = previous.repeat_interleave(extra) + MAX_GAP * steps
+    return torch.sort(torch.cat([where, added])).values
+
+
+def positions(gaps: torch.Tensor) -> torch.Tensor:
+    """The row-major positions (int64) that wire gaps stand for."""
+    return torch.cumsum(gaps.to(torch.int64) & 0xFFFF, 0) - 1
+
+
 @dataclass(frozen=True)
 class TensorDelta:
     """One tensor's part of a delta: `changed` as announced, and the tensors that go on the wire for it
-    (none, the tensor itself, or its indices and values)."""
+    (none, the tensor itself, or its gaps and values)."""
 
     changed: int
     wire: tuple[torch.Tensor, ...]
@@ -109,31 +127,34 @@ def diff(meta: TensorMeta, base: torch.Tensor, new: torch.Tensor) -> TensorDelta
             f"{meta.name}: the base is {base.dtype} {list(base.shape)}, the new tensor {new.dtype} {list(new.shape)}"
         )
     where = torch.ne(_bits(base), _bits(new)).nonzero().view(-1)
-    changed = encoding_for(meta, int(where.numel()))
-    if changed == 0:
+    if where.numel() == 0:
         return TensorDelta(0, ())
+    where = _bridged(where)
+    changed = encoding_for(meta, int(where.numel()))
     if not is_sparse(meta, changed):
         return TensorDelta(changed, (new.detach(),))
+    gaps = torch.diff(where, prepend=where.new_tensor([-1]))  # 1 .. MAX_GAP
     values = new.detach().reshape(-1).index_select(0, where)
-    return TensorDelta(changed, (where.to(index_dtype(numel_of(meta))), values))
+    wrapped = torch.where(gaps > 32767, gaps - 65536, gaps)  # 32768 .. 65535 as int16's negative half
+    return TensorDelta(changed, (wrapped.to(torch.int16), values))
 
 
 def check(target: torch.Tensor, meta: TensorMeta, changed: int, wire: Sequence[torch.Tensor]) -> None:
-    """ValueError when one tensor's received delta does not fit `target`: an index out of its range or not
-    strictly increasing (each element written once), or a size that disagrees with `changed`."""
+    """ValueError when one tensor's received delta does not fit `target`: a gap of 0 (each element is
+    written once), a position past its end, or a size that disagrees with `changed`."""
     if not is_sparse(meta, changed):
         if changed and (len(wire) != 1 or wire[0].numel() != target.numel()):
             raise ValueError(f"{meta.name}: a dense delta needs the tensor whole")
         return
-    indices, values = wire
-    if indices.numel() != changed or values.numel() != changed:
+    gaps, values = wire
+    if gaps.numel() != changed or values.numel() != changed:
         raise ValueError(
-            f"{meta.name}: the delta has {indices.numel()} indices and {values.numel()} values, not {changed}"
+            f"{meta.name}: the delta has {gaps.numel()} gaps and {values.numel()} values, not {changed}"
         )
-    if int(indices[0]) < 0 or int(indices[-1]) >= target.numel():
-        raise ValueError(f"{meta.name}: a delta index is outside its {target.numel()} elements")
-    if changed > 1 and not bool((indices[1:] > indices[:-1]).all()):
-        raise ValueError(f"{meta.name}: the delta's indices are not strictly increasing")
+    if bool((gaps == 0).any()):
+        raise ValueError(f"{meta.name}: a delta gap is 0 (positions must strictly increase)")
+    if int(positions(gaps)[-1]) >= target.numel():
+        raise ValueError(f"{meta.name}: a delta position is past its {target.numel()} elements")
 
 
 def apply(target: torch.Tensor, meta: TensorMeta, changed: int, wire: Sequence[torch.Tensor]) -> None:
@@ -144,8 +165,8 @@ def apply(target: torch.Tensor, meta: TensorMeta, changed: int, wire: Sequence[t
         (whole,) = wire
         target.copy_(whole.view(target.shape))
         return
-    indices, values = wire
-    index = indices.to(device=target.device, dtype=torch.int64)
+    gaps, values = wire
+    index = positions(gaps).to(target.device)
     source = values.to(device=target.device)
     if target.is_contiguous():
         target.view(-1).index_copy_(0, index, source)
@@ -153,6 +174,23 @@ def apply(target: torch.Tensor, meta: TensorMeta, changed: int, wire: Sequence[t
         dense = target.contiguous().view(-1)
         dense.index_copy_(0, index, source)
         target.copy_(dense.view(target.shape))
+
+
+def read_back(
+    target: torch.Tensor, meta: TensorMeta, changed: int, wire: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """What a delta wrote into `target`, read from it: the elements at its positions, or the whole tensor."""
+    if not is_sparse(meta, changed):
+        return target.detach()
+    return target.detach().reshape(-1).index_select(0, positions(wire[0]).to(target.device))
+
+
+def digest(tensors: Iterable[torch.Tensor]) -> str:
+    """SHA-256 over the tensors' bytes in order (`applied_checksum`)."""
+    hasher = hashlib.sha256()
+    for tensor in tensors:
+        hasher.update(tensor_bytes(tensor))
+    return hasher.hexdigest()
 
 
 def wire_tensors(
@@ -165,7 +203,7 @@ def wire_tensors(
         if count == 0:
             continue
         if is_sparse(meta, count):
-            out.append((meta, count, [staged[meta.name + INDEX_SUFFIX], staged[meta.name + VALUE_SUFFIX]]))
+            out.append((meta, count, [staged[meta.name + GAP_SUFFIX], staged[meta.name + VALUE_SUFFIX]]))
         else:
             out.append((meta, count, [staged[meta.name]]))
     return out

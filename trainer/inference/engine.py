@@ -108,6 +108,8 @@ class Engine(abc.ABC):
     in_flight_updates: bool = False
     # Whether the engine applies delta updates (WEIGHT_UPDATE_MODE_DELTA, `commit_delta`).
     delta_updates: bool = False
+    # Whether the engine serves a LoRA adapter over its base weights (WEIGHT_UPDATE_MODE_LORA, `stage_lora`).
+    lora_updates: bool = False
 
     @property
     @abc.abstractmethod
@@ -152,6 +154,10 @@ class Engine(abc.ABC):
     def manifest(self) -> list[TensorMeta]:
         """The served tensors, in checkpoint naming and a stable order."""
 
+    def tensor_names(self) -> set[str]:
+        """Every tensor a checksum may name: the manifest's, and a served LoRA adapter's."""
+        return {meta.name for meta in self.manifest()}
+
     @abc.abstractmethod
     def stage_update(self, manifest: Sequence[TensorMeta]) -> Mapping[str, torch.Tensor]:
         """Buffers the receiver writes each tensor of `manifest` into (contiguous, on the engine's device,
@@ -169,11 +175,19 @@ class Engine(abc.ABC):
         manifest: Sequence[TensorMeta],
         changed: Sequence[int],
         wire: Mapping[str, torch.Tensor],
-    ) -> None:
+    ) -> str:
         """Apply a received delta (trainer/inference/delta.py: `changed` per manifest tensor, the wire tensors
         by their wire names) to the weights in service, between two generation steps, and serve them as
-        `version`. ValueError, before any element is written, for an index outside its tensor."""
+        `version`; return `delta.digest` of what it wrote, read back from the weights in service. ValueError,
+        before any element is written, for an index outside its tensor."""
         raise EngineError(f"the {self.info.kind} engine takes no delta weight update")
+
+    async def stage_lora(self, manifest: Sequence[TensorMeta], spec: Any) -> Mapping[str, torch.Tensor]:
+        """`stage_update` for a LoRA adapter of `spec` (a `LoraAdapterSpec`), whose tensors `manifest` lists
+        in peft's saved naming; the first adds an adapter to the model (serving the base until it is
+        committed). `LoraMismatch` when the model already serves an adapter of another shape;
+        `ManifestMismatch` when the manifest is not that adapter's."""
+        raise EngineError(f"the {self.info.kind} engine serves no LoRA adapter")
 
     @abc.abstractmethod
     def discard_update(self) -> None:
@@ -236,6 +250,10 @@ class ManifestMismatch(EngineError):
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         super().__init__(f"the manifest disagrees with the model: {shown}")
         self.problems = list(problems)
+
+
+class LoraMismatch(EngineError):
+    """A LoRA update of another shape than the adapter the model serves."""
 
 
 class ModelLoadError(EngineError):

@@ -16,8 +16,9 @@ weights it put into service (`_Base`) and sends only the elements that changed s
 the report, when it holds no copy yet (the first update, or after a failed one), when a worker does not hold
 the copy's version (GetWeightInfo `delta_base_weight_version`: a restarted worker), when a worker's engine
 takes no delta (WorkerInfo `weight_update_modes`), every `full_every` updates, and when the delta would not be
-smaller. After every update in delta mode the workers' checksums of the tensors it touched (all of them after
-a whole one) are checked against the copy's, so a worker that drifted is caught at the update that did it.
+smaller. Every update in delta mode is checked: after a whole one every tensor's checksum on every worker
+against the copy's, after a delta each worker's `applied_checksum` (what it wrote, read back) against the
+digest of the values sent.
 
 The tensors are taken whole one bucket at a time through `gather` (a `Gather`): a sharded trainer (FSDP,
 trainer/ranks.py) gathers each bucket's tensors from its ranks just before the bucket is packed and drops
@@ -124,7 +125,7 @@ class UpdateReport:
     resume_s: float
     total_s: float
     in_flight: bool = False  # generation ran through the update: nothing was paused
-    mode: str = "full"  # what went on the wire: "full" or "delta"
+    mode: str = "full"  # what went on the wire: "full", "delta" or "lora" (the adapter alone)
     full_bytes: int = 0  # what a full update of the same weights moves
     why_full: str = ""  # in delta mode, why this update went whole
     changed_tensors: int = 0  # delta: the tensors with any changed element
@@ -319,8 +320,9 @@ class WeightPublisher:
         job: str = "",
         backend: Backend = "gloo",
         gather: Gather = local_groups,
-        mode: Literal["full", "delta"] = "full",
+        mode: Literal["full", "delta", "lora"] = "full",
         full_every: int = 20,
+        lora: weights_pb2.LoraAdapterSpec | None = None,
     ) -> None:
         """`workers`: an `InferenceServiceStub` per worker; `events`: an `EventServiceStub` for the job's
         `weights.updated` events (with `job`), or None; `backend`: `gloo` (CPU workers, torch or vLLM),
@@ -330,9 +332,12 @@ class WeightPublisher:
         of at least 1 MiB, so that packing and sending overlap: `bucket_size_for`); `gather`: how a bucket's
         tensors are made whole (the trainer ranks' `gathered` under FSDP); `mode`: `full` sends every tensor
         whole, `delta` only the changed elements (see the module's doc), with a whole update every
-        `full_every`."""
-        if mode not in ("full", "delta"):
-            raise ValueError(f"mode must be full or delta, not {mode!r}")
+        `full_every`, `lora` a LoRA adapter's tensors (the `named` of each `publish`), of the shape `lora`,
+        which every worker serves over its base weights (trainer/lora.py)."""
+        if mode not in ("full", "delta", "lora"):
+            raise ValueError(f"mode must be full, delta or lora, not {mode!r}")
+        if (mode == "lora") != (lora is not None):
+            raise ValueError("a LoRA adapter's shape (lora) goes with mode lora, and only with it")
         if full_every < 1:
             raise ValueError(f"full_every must be at least 1, not {full_every}")
         self.workers = list(workers)
@@ -347,6 +352,8 @@ class WeightPublisher:
         self._transport: _Transport | None = None
         self._in_flight_updates: list[bool] = []  # per worker, from GetWorkerInfo at `connect`
         self.mode = mode
+        self.lora = lora
+        self._lora_updates: list[bool] = []  # per worker, from GetWorkerInfo at `connect`
         self.full_every = full_every
         self._delta_updates: list[bool] = []  # per worker, from GetWorkerInfo at `connect`
         self._base: _Base | None = None  # delta mode: the weights last put into service
@@ -375,6 +382,16 @@ class WeightPublisher:
         self._delta_updates = [
             weights_pb2.WEIGHT_UPDATE_MODE_DELTA in i.worker_info.weight_update_modes for i in infos
         ]
+        self._lora_updates = [
+            weights_pb2.WEIGHT_UPDATE_MODE_LORA in i.worker_info.weight_update_modes for i in infos
+        ]
+        if self.mode == "lora" and not all(self._lora_updates):
+            unable = {
+                i: "its engine serves no LoRA adapter"
+                for i, able in enumerate(self._lora_updates)
+                if not able
+            }
+            raise WeightSyncError("GetWorkerInfo", unable)
         sizes = [max(i.worker_info.tensor_parallel_size, 1) for i in infos]
         offsets = [1 + sum(sizes[:index]) for index in range(len(sizes))]
         world = 1 + sum(sizes)
@@ -437,20 +454,8 @@ class WeightPublisher:
         wire = manifest if plan is None else plan.manifest
         bucket_size = bucket_size_for(wire, self.bucket_size)
         buckets = plan_buckets(wire, bucket_size)
-        begin = pb.BeginWeightUpdateRequest(
-            weight_version=version,
-            manifest=[
-                weights_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=list(m.shape)) for m in manifest
-            ],
-            bucket_size_bytes=bucket_size,
-            packed=True,
-            ipc_handles=transport.handles(named),
-            in_flight=in_flight,
-        )
-        if plan is not None:
-            begin.mode = weights_pb2.WEIGHT_UPDATE_MODE_DELTA
-            begin.base_weight_version = plan.base_version
-            begin.changed_elements.extend(plan.changed)
+        begin = self._begin_request(version, manifest, bucket_size, plan, in_flight)
+        begin.ipc_handles = transport.handles(named)
         keep: list[torch.Tensor] | None = [] if self.mode == "delta" and plan is None else None
         try:
             if not in_flight:
@@ -474,7 +479,7 @@ class WeightPublisher:
                 raise WeightSyncError("broadcast", {-1: f"{type(exc).__name__}: {exc}"}) from exc
             t3 = time.perf_counter()
             finish = pb.FinishWeightUpdateRequest(weight_version=version)
-            await self._all(
+            finished = await self._all(
                 "FinishWeightUpdate",
                 [
                     w.FinishWeightUpdate(finish, timeout=self.transfer_timeout_s + self.rpc_timeout_s)
@@ -495,7 +500,11 @@ class WeightPublisher:
                 ],
             )
         t5 = time.perf_counter()
-        verify_s = await self._settle(version, manifest, plan, keep) if self.mode == "delta" else 0.0
+        verify_s = (
+            await self._settle(version, manifest, plan, keep, [f.applied_checksum for f in finished])
+            if self.mode == "delta"
+            else 0.0
+        )
         report = UpdateReport(
             version=version,
             workers=len(self.workers),
@@ -508,7 +517,7 @@ class WeightPublisher:
             resume_s=0.0 if in_flight else t5 - t4,
             total_s=t5 - t0,
             in_flight=in_flight,
-            mode="full" if plan is None else "delta",
+            mode="delta" if plan is not None else ("lora" if self.lora is not None else "full"),
             full_bytes=full_bytes,
             why_full=why_full,
             changed_tensors=len(manifest) if plan is None else sum(1 for c in plan.changed if c),
@@ -517,6 +526,32 @@ class WeightPublisher:
         )
         await self._publish_event(report)
         return report
+
+    def _begin_request(
+        self,
+        version: int,
+        manifest: Sequence[Any],
+        bucket_size: int,
+        plan: _DeltaPlan | None,
+        in_flight: bool,
+    ) -> pb.BeginWeightUpdateRequest:
+        begin = pb.BeginWeightUpdateRequest(
+            weight_version=version,
+            manifest=[
+                weights_pb2.TensorSpec(name=m.name, dtype=m.dtype, shape=list(m.shape)) for m in manifest
+            ],
+            bucket_size_bytes=bucket_size,
+            packed=True,
+            in_flight=in_flight,
+        )
+        if self.lora is not None:
+            begin.mode = weights_pb2.WEIGHT_UPDATE_MODE_LORA
+            begin.lora.CopyFrom(self.lora)
+        if plan is not None:
+            begin.mode = weights_pb2.WEIGHT_UPDATE_MODE_DELTA
+            begin.base_weight_version = plan.base_version
+            begin.changed_elements.extend(plan.changed)
+        return begin
 
     def _check_in_flight(self) -> None:
         unable = {
@@ -612,28 +647,40 @@ class WeightPublisher:
         )
 
     async def _settle(
-        self, version: int, manifest: Sequence[Any], plan: _DeltaPlan | None, keep: list[torch.Tensor] | None
+        self,
+        version: int,
+        manifest: Sequence[Any],
+        plan: _DeltaPlan | None,
+        keep: list[torch.Tensor] | None,
+        applied: Sequence[str],
     ) -> float:
-        """Delta mode, after an update: bring the base to `version` and check the tensors the update touched
-        on every worker against it. The seconds the check took."""
-        if plan is None:
-            assert keep is not None
-            self._base, self._since_full = _Base(version, manifest, keep), 0
-            touched = list(range(len(manifest)))
-        else:
+        """Delta mode, after an update: bring the base to `version` and prove the workers hold it. After a
+        whole update every tensor's checksum on every worker is compared with the copy's; after a delta each
+        worker's `applied_checksum` (what it wrote, read back) with the digest of the values sent. The
+        seconds the check took; WeightSyncError, and no base kept, when a worker differs."""
+        start = time.perf_counter()
+        try:
+            if plan is None:
+                assert keep is not None
+                self._base, self._since_full = _Base(version, manifest, keep), 0
+                await self._check([(meta.name, tensor) for meta, tensor in zip(manifest, keep, strict=True)])
+                return time.perf_counter() - start
             base = self._base
             assert base is not None
+            parts = delta.wire_tensors(manifest, plan.changed, dict(plan.named))
+            expected = delta.digest(tensors[-1] for _, _, tensors in parts)
+            differ = {
+                i: f"what it wrote for v{version} does not read back as sent ({len(parts)} tensors changed)"
+                for i, got in enumerate(applied)
+                if got != expected
+            }
+            if differ:
+                raise WeightSyncError("verification", differ)
             position = {meta.name: i for i, meta in enumerate(manifest)}
-            for meta, count, tensors in delta.wire_tensors(manifest, plan.changed, dict(plan.named)):
+            for meta, count, tensors in parts:
                 delta.apply(base.tensors[position[meta.name]], meta, count, tensors)
             base.version = version
             self._since_full += 1
-            touched = [i for i, c in enumerate(plan.changed) if c]
-        start = time.perf_counter()
-        base = self._base
-        assert base is not None
-        try:
-            await self._check([(manifest[i].name, base.tensors[i]) for i in touched])
         except WeightSyncError:
             self._base = None
             raise

@@ -37,7 +37,14 @@ import torch
 
 from mesh.errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, R
 from trainer.inference import delta
-from trainer.inference.engine import Engine, EngineError, ManifestMismatch, RemoteTransfer, TensorMeta
+from trainer.inference.engine import (
+    Engine,
+    EngineError,
+    LoraMismatch,
+    ManifestMismatch,
+    RemoteTransfer,
+    TensorMeta,
+)
 from trainer.inference.weights import (
     Bucket,
     TransferError,
@@ -78,6 +85,7 @@ class Timings:
     total_s: float = 0.0
     bytes_received: int = 0
     buckets_received: int = 0
+    applied_checksum: str = ""  # a delta update: `delta.digest` of what it wrote, read back
 
 
 @dataclass
@@ -93,6 +101,15 @@ class _Update:
     # A delta update (WEIGHT_UPDATE_MODE_DELTA): the model's manifest and `changed_elements`; `staged` then
     # holds the wire tensors (`delta.wire_manifest`), which `finish` applies to the weights in service.
     delta: tuple[list[TensorMeta], list[int]] | None = None
+    lora: bool = False  # a LoRA adapter's tensors (WEIGHT_UPDATE_MODE_LORA)
+
+
+def _mismatch(exc: ManifestMismatch) -> InvalidArgument:
+    return InvalidArgument(
+        str(exc),
+        reason=R.ERROR_REASON_WEIGHT_MANIFEST_MISMATCH,
+        violations=[FieldViolation("manifest", problem) for problem in exc.problems],
+    )
 
 
 class WeightSync:
@@ -204,11 +221,13 @@ class WeightSync:
         in_flight: bool = False,
         changed: Sequence[int] | None = None,
         base_version: int = 0,
+        lora: Any | None = None,
     ) -> _Update:
         """Arm the receive of `version`. Generation must be paused unless `in_flight`, which only an engine
         with `in_flight_updates` takes: it keeps generating while the buckets arrive and `finish` swaps the
         weights in between two of its steps. With `changed` (one count per manifest entry) the update is a
-        delta from `base_version` (trainer/inference/delta.py), which must be `delta_base`."""
+        delta from `base_version` (trainer/inference/delta.py), which must be `delta_base`; with `lora` (a
+        `LoraAdapterSpec`) the manifest is that adapter's tensors, served over the base weights."""
         async with self._lock:
             if self._update is not None and self._update.version == version:
                 return self._update  # a repeated Begin for the version being received
@@ -239,10 +258,19 @@ class WeightSync:
                 )
             if changed is not None:
                 self._check_delta(manifest, changed, base_version)
+            if lora is not None and not self.engine.lora_updates:
+                raise FailedPrecondition(
+                    f"the {self.engine.info.kind} engine serves no LoRA adapter",
+                    reason=R.ERROR_REASON_WEIGHT_UPDATE_MODE_UNSUPPORTED,
+                )
             began = time.perf_counter()
             if self._remote:
                 return await self._begin_remote(version, manifest, bucket_size, packed, ipc_handles, began)
-            buckets, staged = self._stage(manifest, changed, bucket_size, packed)
+            if lora is None:
+                buckets, staged = self._stage(manifest, changed, bucket_size, packed)
+            else:
+                staged = await self._stage_lora(manifest, lora)
+                buckets = plan_buckets(manifest, bucket_size) if packed else plan_per_tensor(manifest)
             cancelled = threading.Event()
             group = self._group
             assert group is not None  # checked above for every engine that stages
@@ -256,6 +284,7 @@ class WeightSync:
                 began,
                 time.perf_counter() - began,
                 delta=None if changed is None else (list(manifest), list(changed)),
+                lora=lora is not None,
             )
 
             def receive() -> None:
@@ -284,13 +313,17 @@ class WeightSync:
                     raise ManifestMismatch(problems)
                 wire = delta.wire_manifest(manifest, changed)
         except ManifestMismatch as exc:
-            raise InvalidArgument(
-                str(exc),
-                reason=R.ERROR_REASON_WEIGHT_MANIFEST_MISMATCH,
-                violations=[FieldViolation("manifest", problem) for problem in exc.problems],
-            ) from None
+            raise _mismatch(exc) from None
         buckets = plan_buckets(wire, bucket_size) if packed else plan_per_tensor(wire)
         return buckets, (staged if changed is None else staging_targets(buckets))
+
+    async def _stage_lora(self, manifest: Sequence[TensorMeta], spec: Any) -> Mapping[str, torch.Tensor]:
+        try:
+            return await self.engine.stage_lora(manifest, spec)
+        except ManifestMismatch as exc:
+            raise _mismatch(exc) from None
+        except LoraMismatch as exc:
+            raise FailedPrecondition(str(exc), reason=R.ERROR_REASON_WEIGHT_UPDATE_MODE_UNSUPPORTED) from None
 
     def _check_delta(self, manifest: Sequence[TensorMeta], changed: Sequence[int], base_version: int) -> None:
         if not self.engine.delta_updates:
@@ -396,9 +429,9 @@ class WeightSync:
                     reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED,
                 ) from None
             load_start = time.perf_counter()
-            await self._commit(update)
-            if self.engine.delta_updates:
-                self.delta_base = version
+            applied = await self._commit(update)
+            # A delta applies to the base weights; after an adapter update they are not what is served.
+            self.delta_base = version if self.engine.delta_updates and not update.lora else 0
             done = time.perf_counter()
             timings = Timings(
                 prepare_s=update.prepare_s,
@@ -407,6 +440,7 @@ class WeightSync:
                 total_s=done - update.began,
                 bytes_received=expected_bytes(update.buckets),
                 buckets_received=len(update.buckets),
+                applied_checksum=applied,
             )
             self._update = None
             self.state = TransferState.READY
@@ -414,8 +448,8 @@ class WeightSync:
             self.last_update_time = time.time()
             return timings
 
-    async def _commit(self, update: _Update) -> None:
-        """Put the received update into service in the engine."""
+    async def _commit(self, update: _Update) -> str:
+        """Put the received update into service in the engine; a delta's `applied_checksum`, else ""."""
         version = update.version
         if self._remote:
             assert isinstance(self.engine, RemoteTransfer)
@@ -425,7 +459,7 @@ class WeightSync:
                 raise self._inconsistent(version, f"loading version {version} failed: {exc}") from None
         elif update.delta is not None:
             try:
-                await self.engine.commit_delta(version, *update.delta, update.staged)
+                return await self.engine.commit_delta(version, *update.delta, update.staged)
             except ValueError as exc:  # checked before any element was written: nothing changed
                 self._update = None
                 self.state = TransferState.READY
@@ -435,6 +469,7 @@ class WeightSync:
                 ) from None
         else:
             await self.engine.commit_update(version)
+        return ""
 
     async def abort(self, version: int) -> None:
         async with self._lock:

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import secrets
@@ -84,6 +85,7 @@ from trainer.inference.engine import (
     Finished,
     FinishReason,
     Generation,
+    LoraMismatch,
     ManifestMismatch,
     ModelLoadError,
     PauseMode,
@@ -161,6 +163,7 @@ class TorchEngine(Engine):
 
     in_flight_updates = True  # updates are staged apart from the weights in service and swapped between steps
     delta_updates = True  # a delta is written into the weights in service between two steps
+    lora_updates = True  # an adapter is added to the model (peft) and its updates staged and swapped in
 
     def __init__(
         self,
@@ -187,6 +190,8 @@ class TorchEngine(Engine):
         self._manifest = manifest_of(self._served.items())
         self._version = 0
         self._staged: dict[str, torch.Tensor] | None = None
+        self._lora: Any | None = None  # the LoraAdapterSpec of the adapter added, if any
+        self._adapter: dict[str, torch.Tensor] = {}  # its tensors, in peft's saved naming
         self._kv: _KvBatch | None = None  # touched only on the worker thread, or under the step lock
         self._reuse_cache = True
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-engine")
@@ -217,10 +222,22 @@ class TorchEngine(Engine):
         """Load a local model directory (its tokenizer too, unless `tokenizer_path` names another) on
         `device`, in `dtype` (default: the checkpoint's). Raises `ModelLoadError` when the directory, its
         config or its safetensors weights are missing, either fails to load, or the tokenizer does not fit
-        the model (more tokens than embedding rows, or no EOS token)."""
-        model, tokenizer, eos = await asyncio.to_thread(
-            _load_parts, model_path, tokenizer_path, device, dtype
-        )
+        the model (more tokens than embedding rows, or no EOS token).
+
+        A LoRA checkpoint (a folder with peft's `adapter_config.json` and no `config.json`: what a job in
+        LoRA mode saves) is served as its base model, the config's `base_model_name_or_path`, with the
+        adapter in it; its own tokenizer files come first."""
+        adapter = _saved_adapter(model_path)
+        base_path = model_path if adapter is None else adapter[0]
+        if (
+            adapter is not None
+            and tokenizer_path is None
+            and (Path(model_path) / "tokenizer_config.json").exists()
+        ):
+            tokenizer_path = model_path
+        model, tokenizer, eos = await asyncio.to_thread(_load_parts, base_path, tokenizer_path, device, dtype)
+        if adapter is not None:
+            await asyncio.to_thread(_load_adapter, model, Path(model_path), adapter[1])
         info = EngineInfo(
             model=model_id or Path(model_path).name,
             model_path=model_path,
@@ -234,6 +251,10 @@ class TorchEngine(Engine):
             vocab_size=_embedding_rows(model),
         )
         engine = cls(model, tokenizer, info, max_batch=max_batch, eos_token_ids=eos)
+        if adapter is not None:
+            from trainer import lora  # noqa: PLC0415
+
+            engine._lora, engine._adapter = adapter[1], lora.served_adapter(model)
         engine._scheduler = asyncio.create_task(engine._schedule(), name="torch-engine-scheduler")
         return engine
 
@@ -400,16 +421,22 @@ class TorchEngine(Engine):
     def manifest(self) -> list[TensorMeta]:
         return list(self._manifest)
 
-    def stage_update(self, manifest: Sequence[TensorMeta]) -> Mapping[str, torch.Tensor]:
-        """Fresh contiguous buffers for `manifest`, replacing any update staged before."""
-        problems = manifest_problems(manifest, self._manifest)
-        if problems:
-            raise ManifestMismatch(problems)
+    def _stage_buffers(self, manifest: Sequence[TensorMeta]) -> Mapping[str, torch.Tensor]:
         self._staged = {
             meta.name: torch.empty(meta.shape, dtype=dtype_of(meta.dtype), device=self._device)
             for meta in manifest
         }
         return dict(self._staged)
+
+    def tensor_names(self) -> set[str]:
+        return {*self._served, *self._adapter}
+
+    def stage_update(self, manifest: Sequence[TensorMeta]) -> Mapping[str, torch.Tensor]:
+        """Fresh contiguous buffers for `manifest`, replacing any update staged before."""
+        problems = manifest_problems(manifest, self._manifest)
+        if problems:
+            raise ManifestMismatch(problems)
+        return self._stage_buffers(manifest)
 
     async def commit_update(self, version: int) -> None:
         """Copy the staged tensors into the model between two steps and serve them as `version`; the KV
@@ -427,8 +454,35 @@ class TorchEngine(Engine):
     def _load_staged(self, staged: Mapping[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for name, tensor in staged.items():
-                self._served[name].copy_(tensor)
+                target = self._served.get(name)
+                (self._adapter[name] if target is None else target).copy_(tensor)
         self._kv = None
+
+    async def stage_lora(self, manifest: Sequence[TensorMeta], spec: Any) -> Mapping[str, torch.Tensor]:
+        """The first adds the adapter (peft's LoRA layers around the target modules, B zero, in the served
+        dtype) between two steps; every one stages fresh buffers for the adapter's tensors."""
+        from trainer import lora  # noqa: PLC0415  # peft is imported only by a worker that serves an adapter
+
+        if self._lora is None:
+            dtype = next(iter(self._served.values())).dtype
+            loop = asyncio.get_running_loop()
+            async with self._step_lock:
+                try:
+                    await loop.run_in_executor(self._executor, lora.inject, self._model, spec, dtype)
+                except ValueError as exc:
+                    raise LoraMismatch(
+                        f"the adapter ({lora.describe(spec)}) does not fit the model: {exc}"
+                    ) from None
+                self._adapter = lora.served_adapter(self._model)
+                self._lora = spec
+        elif not lora.same_shape(self._lora, spec):
+            raise LoraMismatch(
+                f"the model serves an adapter of {lora.describe(self._lora)}, not {lora.describe(spec)}"
+            )
+        problems = manifest_problems(manifest, lora.manifest_of(self._adapter))
+        if problems:
+            raise ManifestMismatch(problems)
+        return self._stage_buffers(manifest)
 
     async def commit_delta(
         self,
@@ -436,7 +490,7 @@ class TorchEngine(Engine):
         manifest: Sequence[TensorMeta],
         changed: Sequence[int],
         wire: Mapping[str, torch.Tensor],
-    ) -> None:
+    ) -> str:
         """Write the delta's elements into the weights in service between two steps (the weights are not
         copied: unlike a full update, nothing is staged beside them) and serve them as `version`."""
         touched = delta.wire_tensors(manifest, changed, dict(wire))
@@ -444,25 +498,28 @@ class TorchEngine(Engine):
             delta.check(self._served[meta.name], meta, count, tensors)
         loop = asyncio.get_running_loop()
         async with self._step_lock:
-            await loop.run_in_executor(self._executor, self._apply_delta, touched)
+            applied = await loop.run_in_executor(self._executor, self._apply_delta, touched)
             self._version = version
+        return applied
 
-    def _apply_delta(self, touched: Sequence[tuple[TensorMeta, int, Sequence[torch.Tensor]]]) -> None:
+    def _apply_delta(self, touched: Sequence[tuple[TensorMeta, int, Sequence[torch.Tensor]]]) -> str:
         with torch.no_grad():
             for meta, count, tensors in touched:
                 delta.apply(self._served[meta.name], meta, count, tensors)
         self._kv = None
+        return delta.digest(delta.read_back(self._served[m.name], m, c, t) for m, c, t in touched)
 
     def discard_update(self) -> None:
         self._staged = None
 
     async def checksums(self, names: Sequence[str]) -> list[tuple[str, str]]:
         """Checksums in manifest order; `ManifestMismatch` for a name the model lacks."""
-        unknown = sorted(set(names) - self._served.keys())
+        held = {**self._served, **self._adapter}
+        unknown = sorted(set(names) - held.keys())
         if unknown:
             raise ManifestMismatch([f"{name} is not a tensor of the model" for name in unknown])
-        wanted = set(names) or self._served.keys()
-        chosen = [(name, tensor) for name, tensor in self._served.items() if name in wanted]
+        wanted = set(names) or held.keys()
+        chosen = [(name, tensor) for name, tensor in held.items() if name in wanted]
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._executor, lambda: [(name, tensor_checksum(tensor)) for name, tensor in chosen]
@@ -747,6 +804,59 @@ def _merge(left: _KvBatch, right: _KvBatch) -> _KvBatch:
         layer.values = torch.cat([widen(values, left_width, 1), widen(their_values, right_width, 1)])
     mask = torch.cat([widen(left.mask, left_width, 0), widen(right.mask, right_width, 0)])
     return _KvBatch(left.rows + right.rows, left.cache, mask)
+
+
+def _saved_adapter(model_path: str) -> tuple[str, Any] | None:
+    """(base model directory, LoraAdapterSpec) of a saved LoRA adapter folder, or None for a model folder."""
+    root = Path(model_path)
+    config_file = root / "adapter_config.json"
+    if not config_file.is_file() or (root / "config.json").exists():
+        return None
+    from tandem.inference.v1 import weights_pb2  # noqa: PLC0415
+
+    try:
+        config = json.loads(config_file.read_text())
+        base = str(config["base_model_name_or_path"])
+        spec = weights_pb2.LoraAdapterSpec(
+            rank=int(config["r"]),
+            alpha=float(config["lora_alpha"]),
+            target_modules=sorted(config["target_modules"]),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{config_file} is not a LoRA adapter's config: {exc}") from None
+    if not Path(base).is_dir():
+        raise ModelLoadError(
+            f"the adapter at {model_path} names base model {base}, which is not a directory here"
+        )
+    return base, spec
+
+
+def _load_adapter(model: PreTrainedModel, folder: Path, spec: Any) -> None:
+    """Add the saved adapter at `folder` (of `spec`) to `model`, in the model's dtype."""
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    from trainer import lora  # noqa: PLC0415
+
+    weights_file = folder / lora.ADAPTER_WEIGHTS
+    if not weights_file.is_file():
+        raise ModelLoadError(f"{folder} has no {lora.ADAPTER_WEIGHTS}")
+    try:
+        lora.inject(model, spec, model.dtype)
+    except ValueError as exc:
+        raise ModelLoadError(f"the adapter at {folder} does not fit its base model: {exc}") from None
+    held = lora.served_adapter(model)
+    saved = load_file(str(weights_file))
+    problems = manifest_problems(
+        lora.manifest_of({k: v.to(model.dtype) for k, v in saved.items()}), lora.manifest_of(held)
+    )
+    missing = sorted(held.keys() - saved.keys())
+    if problems or missing:
+        raise ModelLoadError(
+            f"{weights_file} is not the adapter its config describes: {(problems or missing)[:3]}"
+        )
+    with torch.no_grad():
+        for name, tensor in saved.items():
+            held[name].copy_(tensor)
 
 
 def _load_parts(

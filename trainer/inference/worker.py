@@ -346,7 +346,8 @@ class InferenceWorker:
             start_time=_timestamp(self.start_time),
             in_flight_updates=self.engine.in_flight_updates,
             weight_update_modes=[weights_pb2.WEIGHT_UPDATE_MODE_FULL]
-            + ([weights_pb2.WEIGHT_UPDATE_MODE_DELTA] if self.engine.delta_updates else []),
+            + ([weights_pb2.WEIGHT_UPDATE_MODE_DELTA] if self.engine.delta_updates else [])
+            + ([weights_pb2.WEIGHT_UPDATE_MODE_LORA] if self.engine.lora_updates else []),
         )
 
 
@@ -497,11 +498,15 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         if request.packed and bucket < MIN_BUCKET_BYTES:
             raise InvalidArgument(f"bucket_size_bytes must be at least {MIN_BUCKET_BYTES} (1 MiB), or unset")
         is_delta = request.mode == weights_pb2.WEIGHT_UPDATE_MODE_DELTA
+        is_lora = request.mode == weights_pb2.WEIGHT_UPDATE_MODE_LORA
         if request.changed_elements and not is_delta:
             raise InvalidArgument(
                 "changed_elements is for a DELTA update only",
                 violations=[FieldViolation("changed_elements", "set on an update that is not DELTA")],
             )
+        if request.HasField("lora") != is_lora:
+            problem = "is required for a LORA update" if is_lora else "is for a LORA update only"
+            raise InvalidArgument(f"lora {problem}", violations=[FieldViolation("lora", problem)])
         update = await self.worker.sync.begin(
             request.weight_version,
             manifest,
@@ -511,6 +516,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
             in_flight=request.in_flight,
             changed=list(request.changed_elements) if is_delta else None,
             base_version=request.base_weight_version,
+            lora=request.lora if is_lora else None,
         )
         size, broadcasts = self.worker.sync.expected(update)
         return pb.BeginWeightUpdateResponse(expected_bytes=size, expected_broadcasts=broadcasts)
@@ -522,7 +528,9 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         wait = None if remaining is None else max(remaining - 0.5, 0.0)
         timings = await self.worker.sync.finish(request.weight_version, wait)
         return pb.FinishWeightUpdateResponse(
-            weight_version=request.weight_version, timings=timings_proto(timings)
+            weight_version=request.weight_version,
+            timings=timings_proto(timings),
+            applied_checksum=timings.applied_checksum,
         )
 
     async def AbortWeightUpdate(
@@ -544,7 +552,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
             raise FailedPrecondition(
                 "a weight update is in progress", reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT
             )
-        served = {meta.name for meta in worker.engine.manifest()}
+        served = worker.engine.tensor_names()
         unknown = [name for name in request.names if name not in served]
         if unknown:
             raise InvalidArgument(

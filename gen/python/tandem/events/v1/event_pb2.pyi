@@ -462,7 +462,9 @@ class WeightsUpdated(_message.Message):
     transport: _builtins.str
     """Optional. The collective backend, "nccl" or "gloo"."""
     mode: _builtins.str
-    """Optional. `full` or `delta`: what the update sent (a job in delta mode sends some updates whole)."""
+    """Optional. `full`, `delta` or `lora`: what the update sent (a job in delta mode sends some updates whole;
+    one in LoRA mode the adapter alone).
+    """
     full_bytes: _builtins.int
     """Optional. The bytes a full update of the same weights moves; beside `bytes_transferred`, what a delta
     saved.

@@ -561,6 +561,7 @@ class BeginWeightUpdateRequest(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     BASE_WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     CHANGED_ELEMENTS_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.int
     """Required. The version being sent, above the version in service."""
     bucket_size_bytes: _builtins.int
@@ -608,6 +609,12 @@ class BeginWeightUpdateRequest(_message.Message):
         (that many indices, then values). One per manifest entry.
         """
 
+    @_builtins.property
+    def lora(self) -> _weights_pb2.LoraAdapterSpec:
+        """LORA only, required there: the adapter's shape. A worker that already serves an adapter of another
+        shape refuses with FAILED_PRECONDITION / WEIGHT_UPDATE_MODE_UNSUPPORTED.
+        """
+
     def __init__(
         self,
         *,
@@ -620,10 +627,11 @@ class BeginWeightUpdateRequest(_message.Message):
         mode: _weights_pb2.WeightUpdateMode.ValueType = ...,
         base_weight_version: _builtins.int = ...,
         changed_elements: _abc.Iterable[_builtins.int] | None = ...,
+        lora: _weights_pb2.LoraAdapterSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lora", b"lora"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_weight_version", b"base_weight_version", "bucket_size_bytes", b"bucket_size_bytes", "changed_elements", b"changed_elements", "in_flight", b"in_flight", "ipc_handles", b"ipc_handles", "manifest", b"manifest", "mode", b"mode", "packed", b"packed", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_weight_version", b"base_weight_version", "bucket_size_bytes", b"bucket_size_bytes", "changed_elements", b"changed_elements", "in_flight", b"in_flight", "ipc_handles", b"ipc_handles", "lora", b"lora", "manifest", b"manifest", "mode", b"mode", "packed", b"packed", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -685,8 +693,15 @@ class FinishWeightUpdateResponse(_message.Message):
 
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    APPLIED_CHECKSUM_FIELD_NUMBER: _builtins.int
     weight_version: _builtins.int
     """Output only. The version now in service."""
+    applied_checksum: _builtins.str
+    """Output only. DELTA only: lowercase hex SHA-256 of what the update wrote, read back from the weights in
+    service once it is in: for each tensor it changed, in manifest order, the bytes (manifest dtype) of the
+    elements at its indices in order, or of the whole tensor when it came whole. The trainer computes the
+    same over the values it sent, so every write is proven to have landed.
+    """
     @_builtins.property
     def timings(self) -> _weights_pb2.WeightUpdateTimings:
         """Output only. How long each phase of the update took."""
@@ -696,10 +711,11 @@ class FinishWeightUpdateResponse(_message.Message):
         *,
         weight_version: _builtins.int = ...,
         timings: _weights_pb2.WeightUpdateTimings | None = ...,
+        applied_checksum: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_checksum", b"applied_checksum", "timings", b"timings", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

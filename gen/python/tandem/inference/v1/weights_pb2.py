@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tandem.common.v1 import validation_pb2 as tandem_dot_common_dot_v1_dot_validation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!tandem/inference/v1/weights.proto\x12\x13tandem.inference.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!tandem/common/v1/validation.proto\"z\n\nTensorSpec\x12)\n\x04name\x18\x01 \x01(\tB\x1b\xfa\xa9\x19\x17\x08\x01\x18\x80\x04\"\x10^[A-Za-z0-9_.]+$\x12*\n\x05\x64type\x18\x02 \x01(\tB\x1b\xfa\xa9\x19\x17\x08\x01\x18 \"\x11^[a-z][a-z0-9_]*$\x12\x15\n\x05shape\x18\x03 \x03(\x04\x42\x06\xfa\xa9\x19\x02\x38\x08\"\xf2\x01\n\x13WeightUpdateTimings\x12*\n\x07prepare\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07receive\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04load\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\x12\x18\n\x10\x62uckets_received\x18\x06 \x01(\r\"\x94\x05\n\nWeightInfo\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x32\n\npause_mode\x18\x03 \x01(\x0e\x32\x1e.tandem.inference.v1.PauseMode\x12\x45\n\x0etransfer_state\x18\x04 \x01(\x0e\x32-.tandem.inference.v1.WeightInfo.TransferState\x12\x1e\n\x16pending_weight_version\x18\x05 \x01(\x04\x12;\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32*.tandem.inference.v1.WeightTransferBackend\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x13\n\x0brank_offset\x18\x08 \x01(\r\x12\x11\n\tnum_ranks\x18\t \x01(\r\x12\x45\n\x13last_update_timings\x18\n \x01(\x0b\x32(.tandem.inference.v1.WeightUpdateTimings\x12\x34\n\x10last_update_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12!\n\x19\x64\x65lta_base_weight_version\x18\x0c \x01(\x04\"\xa9\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12 \n\x1cTRANSFER_STATE_UNINITIALIZED\x10\x01\x12\x18\n\x14TRANSFER_STATE_READY\x10\x02\x12\x1b\n\x17TRANSFER_STATE_UPDATING\x10\x03\x12\x1f\n\x1bTRANSFER_STATE_INCONSISTENT\x10\x04\"0\n\x0eTensorChecksum\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t*\xa5\x01\n\x15WeightTransferBackend\x12\'\n#WEIGHT_TRANSFER_BACKEND_UNSPECIFIED\x10\x00\x12 \n\x1cWEIGHT_TRANSFER_BACKEND_GLOO\x10\x01\x12 \n\x1cWEIGHT_TRANSFER_BACKEND_NCCL\x10\x02\x12\x1f\n\x1bWEIGHT_TRANSFER_BACKEND_IPC\x10\x03*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x03*q\n\x10WeightUpdateMode\x12\"\n\x1eWEIGHT_UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17WEIGHT_UPDATE_MODE_FULL\x10\x01\x12\x1c\n\x18WEIGHT_UPDATE_MODE_DELTA\x10\x02*V\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43HECKSUM_ALGORITHM_SHA256\x10\x01\x42/Z-tandem/gen/go/tandem/inference/v1;inferencev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!tandem/inference/v1/weights.proto\x12\x13tandem.inference.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!tandem/common/v1/validation.proto\"\x97\x01\n\x0fLoraAdapterSpec\x12$\n\x04rank\x18\x01 \x01(\rB\x16\xfa\xa9\x19\x12)\x00\x00\x00\x00\x00\x00\xf0?1\x00\x00\x00\x00\x00\x00\x90@\x12\'\n\x05\x61lpha\x18\x02 \x01(\x01\x42\x18\xfa\xa9\x19\x14\x08\x01)\x00\x00\x00\x00\x00\x00\x00\x00\x31\x00\x00\x00\x00\x00\x00\xf0@\x12\x35\n\x0etarget_modules\x18\x03 \x03(\tB\x1d\xfa\xa9\x19\x19\x08\x01\x18\x80\x01\"\x10^[A-Za-z0-9_.]+$8@\"z\n\nTensorSpec\x12)\n\x04name\x18\x01 \x01(\tB\x1b\xfa\xa9\x19\x17\x08\x01\x18\x80\x04\"\x10^[A-Za-z0-9_.]+$\x12*\n\x05\x64type\x18\x02 \x01(\tB\x1b\xfa\xa9\x19\x17\x08\x01\x18 \"\x11^[a-z][a-z0-9_]*$\x12\x15\n\x05shape\x18\x03 \x03(\x04\x42\x06\xfa\xa9\x19\x02\x38\x08\"\xf2\x01\n\x13WeightUpdateTimings\x12*\n\x07prepare\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07receive\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\'\n\x04load\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x16\n\x0e\x62ytes_received\x18\x05 \x01(\x04\x12\x18\n\x10\x62uckets_received\x18\x06 \x01(\r\"\x94\x05\n\nWeightInfo\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x32\n\npause_mode\x18\x03 \x01(\x0e\x32\x1e.tandem.inference.v1.PauseMode\x12\x45\n\x0etransfer_state\x18\x04 \x01(\x0e\x32-.tandem.inference.v1.WeightInfo.TransferState\x12\x1e\n\x16pending_weight_version\x18\x05 \x01(\x04\x12;\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32*.tandem.inference.v1.WeightTransferBackend\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x13\n\x0brank_offset\x18\x08 \x01(\r\x12\x11\n\tnum_ranks\x18\t \x01(\r\x12\x45\n\x13last_update_timings\x18\n \x01(\x0b\x32(.tandem.inference.v1.WeightUpdateTimings\x12\x34\n\x10last_update_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12!\n\x19\x64\x65lta_base_weight_version\x18\x0c \x01(\x04\"\xa9\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12 \n\x1cTRANSFER_STATE_UNINITIALIZED\x10\x01\x12\x18\n\x14TRANSFER_STATE_READY\x10\x02\x12\x1b\n\x17TRANSFER_STATE_UPDATING\x10\x03\x12\x1f\n\x1bTRANSFER_STATE_INCONSISTENT\x10\x04\"0\n\x0eTensorChecksum\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t*\xa5\x01\n\x15WeightTransferBackend\x12\'\n#WEIGHT_TRANSFER_BACKEND_UNSPECIFIED\x10\x00\x12 \n\x1cWEIGHT_TRANSFER_BACKEND_GLOO\x10\x01\x12 \n\x1cWEIGHT_TRANSFER_BACKEND_NCCL\x10\x02\x12\x1f\n\x1bWEIGHT_TRANSFER_BACKEND_IPC\x10\x03*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x03*\x8e\x01\n\x10WeightUpdateMode\x12\"\n\x1eWEIGHT_UPDATE_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17WEIGHT_UPDATE_MODE_FULL\x10\x01\x12\x1c\n\x18WEIGHT_UPDATE_MODE_DELTA\x10\x02\x12\x1b\n\x17WEIGHT_UPDATE_MODE_LORA\x10\x03*V\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x43HECKSUM_ALGORITHM_SHA256\x10\x01\x42/Z-tandem/gen/go/tandem/inference/v1;inferencev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,28 +35,36 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.inference.v1.weights
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z-tandem/gen/go/tandem/inference/v1;inferencev1'
+  _globals['_LORAADAPTERSPEC'].fields_by_name['rank']._loaded_options = None
+  _globals['_LORAADAPTERSPEC'].fields_by_name['rank']._serialized_options = b'\372\251\031\022)\000\000\000\000\000\000\360?1\000\000\000\000\000\000\220@'
+  _globals['_LORAADAPTERSPEC'].fields_by_name['alpha']._loaded_options = None
+  _globals['_LORAADAPTERSPEC'].fields_by_name['alpha']._serialized_options = b'\372\251\031\024\010\001)\000\000\000\000\000\000\000\0001\000\000\000\000\000\000\360@'
+  _globals['_LORAADAPTERSPEC'].fields_by_name['target_modules']._loaded_options = None
+  _globals['_LORAADAPTERSPEC'].fields_by_name['target_modules']._serialized_options = b'\372\251\031\031\010\001\030\200\001\"\020^[A-Za-z0-9_.]+$8@'
   _globals['_TENSORSPEC'].fields_by_name['name']._loaded_options = None
   _globals['_TENSORSPEC'].fields_by_name['name']._serialized_options = b'\372\251\031\027\010\001\030\200\004\"\020^[A-Za-z0-9_.]+$'
   _globals['_TENSORSPEC'].fields_by_name['dtype']._loaded_options = None
   _globals['_TENSORSPEC'].fields_by_name['dtype']._serialized_options = b'\372\251\031\027\010\001\030 \"\021^[a-z][a-z0-9_]*$'
   _globals['_TENSORSPEC'].fields_by_name['shape']._loaded_options = None
   _globals['_TENSORSPEC'].fields_by_name['shape']._serialized_options = b'\372\251\031\0028\010'
-  _globals['_WEIGHTTRANSFERBACKEND']._serialized_start=1241
-  _globals['_WEIGHTTRANSFERBACKEND']._serialized_end=1406
-  _globals['_PAUSEMODE']._serialized_start=1408
-  _globals['_PAUSEMODE']._serialized_end=1511
-  _globals['_WEIGHTUPDATEMODE']._serialized_start=1513
-  _globals['_WEIGHTUPDATEMODE']._serialized_end=1626
-  _globals['_CHECKSUMALGORITHM']._serialized_start=1628
-  _globals['_CHECKSUMALGORITHM']._serialized_end=1714
-  _globals['_TENSORSPEC']._serialized_start=158
-  _globals['_TENSORSPEC']._serialized_end=280
-  _globals['_WEIGHTUPDATETIMINGS']._serialized_start=283
-  _globals['_WEIGHTUPDATETIMINGS']._serialized_end=525
-  _globals['_WEIGHTINFO']._serialized_start=528
-  _globals['_WEIGHTINFO']._serialized_end=1188
-  _globals['_WEIGHTINFO_TRANSFERSTATE']._serialized_start=1019
-  _globals['_WEIGHTINFO_TRANSFERSTATE']._serialized_end=1188
-  _globals['_TENSORCHECKSUM']._serialized_start=1190
-  _globals['_TENSORCHECKSUM']._serialized_end=1238
+  _globals['_WEIGHTTRANSFERBACKEND']._serialized_start=1395
+  _globals['_WEIGHTTRANSFERBACKEND']._serialized_end=1560
+  _globals['_PAUSEMODE']._serialized_start=1562
+  _globals['_PAUSEMODE']._serialized_end=1665
+  _globals['_WEIGHTUPDATEMODE']._serialized_start=1668
+  _globals['_WEIGHTUPDATEMODE']._serialized_end=1810
+  _globals['_CHECKSUMALGORITHM']._serialized_start=1812
+  _globals['_CHECKSUMALGORITHM']._serialized_end=1898
+  _globals['_LORAADAPTERSPEC']._serialized_start=159
+  _globals['_LORAADAPTERSPEC']._serialized_end=310
+  _globals['_TENSORSPEC']._serialized_start=312
+  _globals['_TENSORSPEC']._serialized_end=434
+  _globals['_WEIGHTUPDATETIMINGS']._serialized_start=437
+  _globals['_WEIGHTUPDATETIMINGS']._serialized_end=679
+  _globals['_WEIGHTINFO']._serialized_start=682
+  _globals['_WEIGHTINFO']._serialized_end=1342
+  _globals['_WEIGHTINFO_TRANSFERSTATE']._serialized_start=1173
+  _globals['_WEIGHTINFO_TRANSFERSTATE']._serialized_end=1342
+  _globals['_TENSORCHECKSUM']._serialized_start=1344
+  _globals['_TENSORCHECKSUM']._serialized_end=1392
 # @@protoc_insertion_point(module_scope)

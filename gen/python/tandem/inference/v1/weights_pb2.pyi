@@ -98,11 +98,18 @@ class _WeightUpdateModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Weig
     WEIGHT_UPDATE_MODE_DELTA: _WeightUpdateMode.ValueType  # 2
     """Only the elements that changed since `base_weight_version`, which the worker must hold exactly
     (WeightInfo `delta_base_weight_version`). Per manifest tensor, BeginWeightUpdate's `changed_elements`
-    says how it moves: 0, not at all; its element count, whole (as in a full update); any count between,
-    as that many element indices followed by that many values. On the wire, in manifest order, each sparse
-    tensor is two tensors: its indices into the tensor's row-major elements (int32 where the tensor has
-    fewer than 2^31 elements, else int64, strictly increasing) and the new values in the manifest dtype;
-    they are packed into buckets exactly as a full update's tensors are.
+    says how it moves: 0, not at all; its element count, whole (as in a full update); any count k between,
+    as k entries. On the wire, in manifest order, each such tensor is two tensors of k elements: gaps (int16,
+    read as unsigned, 1 to 65535: the first entry's row-major position + 1, then each entry's distance from
+    the one before) and the values at those positions in the manifest dtype. An entry may hold an unchanged
+    value, which bridges a distance above 65535. They are packed into buckets exactly as a full update's
+    tensors are.
+    """
+    WEIGHT_UPDATE_MODE_LORA: _WeightUpdateMode.ValueType  # 3
+    """A LoRA adapter (BeginWeightUpdate `lora` says its rank, alpha and target modules) over the base weights
+    the worker loaded: the manifest lists the adapter's tensors only, in the naming of peft's
+    `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`, `...lora_B.weight`), and the
+    worker serves base + adapter from then on. The base weights never move.
     """
 
 class WeightUpdateMode(_WeightUpdateMode, metaclass=_WeightUpdateModeEnumTypeWrapper):
@@ -115,11 +122,18 @@ WEIGHT_UPDATE_MODE_FULL: WeightUpdateMode.ValueType  # 1
 WEIGHT_UPDATE_MODE_DELTA: WeightUpdateMode.ValueType  # 2
 """Only the elements that changed since `base_weight_version`, which the worker must hold exactly
 (WeightInfo `delta_base_weight_version`). Per manifest tensor, BeginWeightUpdate's `changed_elements`
-says how it moves: 0, not at all; its element count, whole (as in a full update); any count between,
-as that many element indices followed by that many values. On the wire, in manifest order, each sparse
-tensor is two tensors: its indices into the tensor's row-major elements (int32 where the tensor has
-fewer than 2^31 elements, else int64, strictly increasing) and the new values in the manifest dtype;
-they are packed into buckets exactly as a full update's tensors are.
+says how it moves: 0, not at all; its element count, whole (as in a full update); any count k between,
+as k entries. On the wire, in manifest order, each such tensor is two tensors of k elements: gaps (int16,
+read as unsigned, 1 to 65535: the first entry's row-major position + 1, then each entry's distance from
+the one before) and the values at those positions in the manifest dtype. An entry may hold an unchanged
+value, which bridges a distance above 65535. They are packed into buckets exactly as a full update's
+tensors are.
+"""
+WEIGHT_UPDATE_MODE_LORA: WeightUpdateMode.ValueType  # 3
+"""A LoRA adapter (BeginWeightUpdate `lora` says its rank, alpha and target modules) over the base weights
+the worker loaded: the manifest lists the adapter's tensors only, in the naming of peft's
+`adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`, `...lora_B.weight`), and the
+worker serves base + adapter from then on. The base weights never move.
 """
 Global___WeightUpdateMode: _TypeAlias = WeightUpdateMode  # noqa: Y015
 
@@ -144,6 +158,40 @@ CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm.ValueType  # 0
 CHECKSUM_ALGORITHM_SHA256: ChecksumAlgorithm.ValueType  # 1
 """SHA-256 of the tensor bytes, lowercase hex."""
 Global___ChecksumAlgorithm: _TypeAlias = ChecksumAlgorithm  # noqa: Y015
+
+@_typing.final
+class LoraAdapterSpec(_message.Message):
+    """LoraAdapterSpec is the shape of a LoRA adapter: what peft's `adapter_config.json` says of it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    """Required. The rank r of each adapter's A (r x in) and B (out x r) matrices, 1 to 1024."""
+    alpha: _builtins.float
+    """Required. The scale's numerator: each adapted layer adds (alpha / rank) * B A x; above 0, at most 65536."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Required. The names of the modules adapted, as peft matches them against module names (`q_proj`,
+        `v_proj`, ...); at most 64, each at most 128 characters.
+        """
+
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "rank", b"rank", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraAdapterSpec: _TypeAlias = LoraAdapterSpec  # noqa: Y015
 
 @_typing.final
 class TensorSpec(_message.Message):

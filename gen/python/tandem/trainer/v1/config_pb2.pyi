@@ -334,6 +334,7 @@ class WeightsConfig(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     FULL_EVERY_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
     in_flight: _builtins.bool
     """Optional. Workers keep generating during the transfer and swap the new weights in between two
     generation steps: sequences in flight continue with them and each token is tagged with the version
@@ -347,26 +348,77 @@ class WeightsConfig(_message.Message):
     instead when the delta would not be smaller, when a worker does not hold that version, e.g. after a
     restart, and every `full_every` updates). Delta keeps a copy of the last weights sent in the trainer's
     host memory (the model's size in its serving dtype). Unset means `full`.
+
+    `lora`: the trainer trains a LoRA adapter (`[weights.lora]`) on the frozen base model, and each update
+    sends only the adapter; the reference model of the KL term is the base itself (the adapter switched
+    off), so it costs no memory of its own; checkpoints are adapter folders (peft's `adapter_config.json`
+    and `adapter_model.safetensors`), with a merged model beside them on request. The torch engine only.
     """
     full_every: _builtins.int
     """Optional. `mode = "delta"`: every how many updates one goes whole anyway, 1 to 100000; unset or 0 means
-    20. Every update is checked: the checksums of the tensors it changed, on every worker, against the
-    trainer's (all tensors after a full update).
+    20. Every update is checked: after a whole one every tensor's checksum on every worker against the
+    trainer's; after a delta, what each worker wrote, read back (FinishWeightUpdate `applied_checksum`).
     """
+    @_builtins.property
+    def lora(self) -> Global___LoraConfig:
+        """Optional. `[weights.lora]`, for `mode = "lora"`: the adapter's shape."""
+
     def __init__(
         self,
         *,
         in_flight: _builtins.bool = ...,
         mode: _builtins.str = ...,
         full_every: _builtins.int = ...,
+        lora: Global___LoraConfig | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lora", b"lora"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["full_every", b"full_every", "in_flight", b"in_flight", "mode", b"mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["full_every", b"full_every", "in_flight", b"in_flight", "lora", b"lora", "mode", b"mode"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WeightsConfig: _TypeAlias = WeightsConfig  # noqa: Y015
+
+@_typing.final
+class LoraConfig(_message.Message):
+    """LoraConfig is the LoRA adapter a job trains (`[weights] mode = "lora"`)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    MERGED_CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    """Optional. The rank of each adapter, 1 to 1024; unset or 0 means 16."""
+    alpha: _builtins.float
+    """Optional. Each adapted layer adds (alpha / rank) * B A x; 0 to 65536, unset or 0 means twice the rank."""
+    merged_checkpoints: _builtins.bool
+    """Optional. Each checkpoint also holds `merged/`: the base with the adapter folded in, a whole model
+    folder any engine serves as it is (the base's size again on disk). Unset means false.
+    """
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Optional. The modules adapted, by name as peft matches them (`q_proj`, `v_proj`, ...); at most 64.
+        Unset means every linear layer of the decoder's attention and MLP (peft's `all-linear`: the LM head
+        excluded).
+        """
+
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+        merged_checkpoints: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "merged_checkpoints", b"merged_checkpoints", "rank", b"rank", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraConfig: _TypeAlias = LoraConfig  # noqa: Y015
 
 @_typing.final
 class RolloutDumpConfig(_message.Message):
