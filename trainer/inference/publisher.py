@@ -18,6 +18,8 @@ the copy's version (GetWeightInfo `delta_base_weight_version`: a restarted worke
 takes no delta (WorkerInfo `weight_update_modes`), every `full_every` updates, and when the delta would not be
 smaller. After every update in delta mode the workers' checksums of the tensors it touched (all of them after
 a whole one) are checked against the copy's, so a worker that drifted is caught at the update that did it.
+Where a worker's engine takes no delta (vLLM on GPUs: NCCL, IPC) there is neither copy nor check: every
+update goes whole, as in full mode, and says why.
 
 The tensors are taken whole one bucket at a time through `gather` (a `Gather`): a sharded trainer (FSDP,
 trainer/ranks.py) gathers each bucket's tensors from its ranks just before the bucket is packed and drops
@@ -451,7 +453,8 @@ class WeightPublisher:
             begin.mode = weights_pb2.WEIGHT_UPDATE_MODE_DELTA
             begin.base_weight_version = plan.base_version
             begin.changed_elements.extend(plan.changed)
-        keep: list[torch.Tensor] | None = [] if self.mode == "delta" and plan is None else None
+        deltas = self._deltas_possible()
+        keep: list[torch.Tensor] | None = [] if deltas and plan is None else None
         try:
             if not in_flight:
                 pause = pb.PauseGenerationRequest(mode=PAUSE_MODES[mode])
@@ -495,7 +498,7 @@ class WeightPublisher:
                 ],
             )
         t5 = time.perf_counter()
-        verify_s = await self._settle(version, manifest, plan, keep) if self.mode == "delta" else 0.0
+        verify_s = await self._settle(version, manifest, plan, keep) if deltas else 0.0
         report = UpdateReport(
             version=version,
             workers=len(self.workers),
@@ -562,6 +565,12 @@ class WeightPublisher:
         if plan.bytes >= full_bytes:
             return None, "the delta would not be smaller"
         return plan, ""
+
+    def _deltas_possible(self) -> bool:
+        """Delta mode with workers that all take deltas: only then is a base kept and checked. A worker whose
+        engine takes none (vLLM over NCCL or IPC, whose checksums are in vLLM's own naming) gets every
+        update whole, as in full mode."""
+        return self.mode == "delta" and self.backend != "ipc" and all(self._delta_updates)
 
     async def _why_full(self, manifest: Sequence[Any]) -> str:
         """In delta mode, why this update must go whole; "" when a delta can go."""

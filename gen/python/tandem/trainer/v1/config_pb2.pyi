@@ -346,7 +346,10 @@ class WeightsConfig(_message.Message):
     changed since the version the workers hold, as indices and values, in the same buckets; a full update
     instead when the delta would not be smaller, when a worker does not hold that version, e.g. after a
     restart, and every `full_every` updates). Delta keeps a copy of the last weights sent in the trainer's
-    host memory (the model's size in its serving dtype). Unset means `full`.
+    host memory (the model's size in its serving dtype). Either engine: the torch engine and vLLM on a CPU
+    (Tandem's gloo transfer engine, which keeps a copy of its own in the worker's host memory) apply deltas;
+    vLLM on GPUs (its NCCL and IPC engines) takes whole updates only, so its workers get every update whole.
+    Unset means `full`.
     """
     full_every: _builtins.int
     """Optional. `mode = "delta"`: every how many updates one goes whole anyway, 1 to 100000; unset or 0 means
