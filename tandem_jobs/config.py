@@ -228,14 +228,9 @@ def _weights(config: config_pb2.TrainerConfig) -> list[FieldViolation]:
                 '(drop it, or set [inference] engine = "torch")',
             )
         )
-    if config.weights.mode == "delta" and config.inference.engine == "vllm":
-        found.append(
-            FieldViolation(
-                "weights.mode",
-                '"delta" needs the torch engine: vLLM\'s workers take whole updates only '
-                '(set mode = "full", or [inference] engine = "torch")',
-            )
-        )
+    # mode = "delta" takes either engine: the torch engine and vLLM on a CPU (Tandem's gloo transfer engine)
+    # apply deltas; vLLM on GPUs (NCCL, IPC: vLLM's own transfer engines) lists no DELTA in its WorkerInfo,
+    # so the publisher sends those workers every update whole, saying why in each weights.updated event.
     if config.weights.full_every and config.weights.mode != "delta":
         found.append(FieldViolation("weights.full_every", 'is for mode = "delta"'))
     found.extend(_lora(config))

@@ -313,3 +313,28 @@ async def test_an_in_flight_delta_lands_without_a_pause(model_dir: Path, stubs: 
         await publisher.verify(current)
     finally:
         publisher.close()
+
+
+@pytest.mark.slow
+async def test_workers_that_take_no_delta_get_every_update_whole_without_a_base(
+    model_dir: Path, stubs: list[object]
+) -> None:
+    """What a vLLM worker on GPUs (NCCL: no DELTA in its WorkerInfo) meets in delta mode: whole updates, and
+    no copy kept nor checksums checked against one (its checksums are in vLLM's own naming)."""
+    publisher = WeightPublisher(
+        stubs, bucket_size_bytes=1 << 20, transfer_timeout_s=20, rpc_timeout_s=30, mode="delta"
+    )
+    try:
+        await publisher.connect()
+        publisher._delta_updates = [True, False]  # what GetWorkerInfo says for a worker without DELTA
+        v = await top(stubs)
+        current = weights(model_dir)
+        for step in (1, 2):
+            current = nudged(current, 41, 0.25)
+            report = await publisher.publish(v + step, current)
+            assert report.mode == "full" and report.why_full == "the engine of worker 1 takes no delta"
+            assert report.bytes == report.full_bytes and report.verify_s == 0.0
+            assert publisher._base is None
+        await publisher.verify(current)
+    finally:
+        publisher.close()

@@ -151,13 +151,17 @@ def test_max_batch_is_the_torch_engines(tmp_path: Path) -> None:
     assert "inference.max_batch" in [v.field for v in info.value.violations]
 
 
-def test_the_weight_sync_mode_is_full_or_delta_and_delta_needs_the_torch_engine(tmp_path: Path) -> None:
+def test_the_weight_sync_mode_is_full_or_delta_with_either_engine(tmp_path: Path) -> None:
     assert Job(load_job(write(tmp_path, GOOD))).config.weights.mode == ""  # unset: full
     chosen = Job(load_job(write(tmp_path, GOOD + '\n[weights]\nmode = "delta"\nfull_every = 5\n')))
     assert (chosen.config.weights.mode, chosen.config.weights.full_every) == ("delta", 5)
+    # vLLM too: on a CPU its gloo transfer engine applies deltas; on GPUs its workers get whole updates
+    vllm = Job(
+        load_job(write(tmp_path, GOOD + '\n[weights]\nmode = "delta"\n\n[inference]\nengine = "vllm"\n'))
+    )
+    assert (vllm.config.weights.mode, vllm.config.inference.engine) == ("delta", "vllm")
     cases = [
         ('mode = "sparse"', "weights.mode"),
-        ('mode = "delta"\n\n[inference]\nengine = "vllm"', "weights.mode"),
         ("full_every = 5", "weights.full_every"),
         ('mode = "delta"\nfull_every = 100001', "weights.full_every"),
     ]

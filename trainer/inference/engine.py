@@ -106,7 +106,8 @@ class Engine(abc.ABC):
     # swaps the weights in between two generation steps and the generations in flight continue with them.
     # False for an engine that loads in place (vLLM), which must pause.
     in_flight_updates: bool = False
-    # Whether the engine applies delta updates (WEIGHT_UPDATE_MODE_DELTA, `commit_delta`).
+    # Whether the engine applies delta updates (WEIGHT_UPDATE_MODE_DELTA: `commit_delta`, or for a
+    # `RemoteTransfer` engine `receive_update(changed=...)`).
     delta_updates: bool = False
     # Whether the engine serves a LoRA adapter over its base weights (WEIGHT_UPDATE_MODE_LORA, `stage_lora`).
     lora_updates: bool = False
@@ -222,9 +223,12 @@ class RemoteTransfer(Protocol):
         *,
         bucket_size: int = 0,
         packed: bool = True,
+        changed: Sequence[int] | None = None,
     ) -> None:
         """Blocks until every tensor of `manifest` is loaded (NCCL, gloo: while the trainer broadcasts; gloo
-        plans its buckets from `bucket_size` and `packed` as the trainer does)."""
+        plans its buckets from `bucket_size` and `packed` as the trainer does). With `changed` (only where
+        the engine has `delta_updates`: gloo) the update is a delta: the buckets carry its wire tensors
+        (trainer/inference/delta.py `wire_manifest`), applied to the weights of the last complete update."""
 
     async def finish_update(self, version: int) -> None: ...
 

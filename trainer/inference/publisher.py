@@ -19,6 +19,8 @@ takes no delta (WorkerInfo `weight_update_modes`), every `full_every` updates, a
 smaller. Every update in delta mode is checked: after a whole one every tensor's checksum on every worker
 against the copy's, after a delta each worker's `applied_checksum` (what it wrote, read back) against the
 digest of the values sent.
+Where a worker's engine takes no delta (vLLM on GPUs: NCCL, IPC) there is neither copy nor check: every
+update goes whole, as in full mode, and says why.
 
 The tensors are taken whole one bucket at a time through `gather` (a `Gather`): a sharded trainer (FSDP,
 trainer/ranks.py) gathers each bucket's tensors from its ranks just before the bucket is packed and drops
@@ -456,7 +458,8 @@ class WeightPublisher:
         buckets = plan_buckets(wire, bucket_size)
         begin = self._begin_request(version, manifest, bucket_size, plan, in_flight)
         begin.ipc_handles = transport.handles(named)
-        keep: list[torch.Tensor] | None = [] if self.mode == "delta" and plan is None else None
+        deltas = self._deltas_possible()
+        keep: list[torch.Tensor] | None = [] if deltas and plan is None else None
         try:
             if not in_flight:
                 pause = pb.PauseGenerationRequest(mode=PAUSE_MODES[mode])
@@ -502,7 +505,7 @@ class WeightPublisher:
         t5 = time.perf_counter()
         verify_s = (
             await self._settle(version, manifest, plan, keep, [f.applied_checksum for f in finished])
-            if self.mode == "delta"
+            if deltas
             else 0.0
         )
         report = UpdateReport(
@@ -598,6 +601,12 @@ class WeightPublisher:
             return None, "the delta would not be smaller"
         return plan, ""
 
+    def _deltas_possible(self) -> bool:
+        """Delta mode with workers that all take deltas: only then is a base kept and checked. A worker whose
+        engine takes none (vLLM over NCCL or IPC, whose checksums are in vLLM's own naming) gets every
+        update whole, as in full mode."""
+        return self.mode == "delta" and self.backend != "ipc" and all(self._delta_updates)
+
     async def _why_full(self, manifest: Sequence[Any]) -> str:
         """In delta mode, why this update must go whole; "" when a delta can go."""
         if self.backend == "ipc":
@@ -672,7 +681,7 @@ class WeightPublisher:
             differ = {
                 i: f"what it wrote for v{version} does not read back as sent ({len(parts)} tensors changed)"
                 for i, got in enumerate(applied)
-                if got != expected
+                if got and got != expected
             }
             if differ:
                 raise WeightSyncError("verification", differ)
@@ -681,6 +690,12 @@ class WeightPublisher:
                 delta.apply(base.tensors[position[meta.name]], meta, count, tensors)
             base.version = version
             self._since_full += 1
+            # An engine that reads nothing back (vLLM's, which loads inside its engine core): the checksums of
+            # the tensors the delta touched, against the copy's.
+            silent = [i for i, got in enumerate(applied) if not got]
+            if silent:
+                touched = [(meta.name, base.tensors[position[meta.name]]) for meta, _, _ in parts]
+                await self._check(touched, only=silent)
         except WeightSyncError:
             self._base = None
             raise
@@ -713,8 +728,9 @@ class WeightPublisher:
         that differs and its first differing tensors."""
         return await self._check(named, gather=True)
 
-    async def _check(self, named: Named, *, gather: bool = False) -> str:
-        """`verify` for `named`, made whole through `gather` or, without it, as they are (host copies)."""
+    async def _check(self, named: Named, *, gather: bool = False, only: Sequence[int] = ()) -> str:
+        """`verify` for `named`, made whole through `gather` or, without it, as they are (host copies); on
+        the workers of index `only`, or on every one."""
         if not named:
             return checksum_digest([])
         if gather:
@@ -724,12 +740,16 @@ class WeightPublisher:
         request = pb.ComputeWeightChecksumsRequest(
             algorithm=weights_pb2.CHECKSUM_ALGORITHM_SHA256, names=list(expected)
         )
+        chosen = list(only) or list(range(len(self.workers)))
         answers = await self._all(
             "ComputeWeightChecksums",
-            [w.ComputeWeightChecksums(request, timeout=self.transfer_timeout_s) for w in self.workers],
+            [
+                self.workers[i].ComputeWeightChecksums(request, timeout=self.transfer_timeout_s)
+                for i in chosen
+            ],
         )
         differ: dict[int, str] = {}
-        for index, answer in enumerate(answers):
+        for index, answer in zip(chosen, answers, strict=True):
             held = {c.name: c.checksum for c in answer.checksums}
             wrong = [name for name, checksum in expected.items() if held.get(name) != checksum]
             if wrong:

@@ -265,7 +265,9 @@ class WeightSync:
                 )
             began = time.perf_counter()
             if self._remote:
-                return await self._begin_remote(version, manifest, bucket_size, packed, ipc_handles, began)
+                return await self._begin_remote(
+                    version, manifest, bucket_size, packed, ipc_handles, began, changed
+                )
             if lora is None:
                 buckets, staged = self._stage(manifest, changed, bucket_size, packed)
             else:
@@ -355,7 +357,10 @@ class WeightSync:
         packed: bool,
         ipc_handles: bytes,
         began: float,
+        changed: Sequence[int] | None = None,
     ) -> _Update:
+        """Start the update in the engine's own transfer engine; a delta (`changed`, checked by `begin`)
+        goes to it as well (vLLM's gloo engine applies it to its host mirror of the last update)."""
         engine = self.engine
         assert isinstance(engine, RemoteTransfer)
         problems = manifest_problems(manifest, engine.manifest())
@@ -371,19 +376,27 @@ class WeightSync:
             raise Aborted(
                 f"starting version {version} failed: {exc}", reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED
             ) from None
+        wire = manifest if changed is None else delta.wire_manifest(manifest, changed)
         update = _Update(
             version,
-            plan_buckets(manifest, bucket_size) if packed else plan_per_tensor(manifest),
+            plan_buckets(wire, bucket_size) if packed else plan_per_tensor(wire),
             {},
             threading.Event(),
             asyncio.get_running_loop().create_future(),
             began,
             time.perf_counter() - began,
+            delta=None if changed is None else (list(manifest), list(changed)),
         )
 
         async def receive() -> None:
             start = time.perf_counter()
-            await engine.receive_update(manifest, ipc_handles, bucket_size=bucket_size, packed=packed)
+            await engine.receive_update(
+                manifest,
+                ipc_handles,
+                bucket_size=bucket_size,
+                packed=packed,
+                changed=None if changed is None else list(changed),
+            )
             update.received_at.extend([start, time.perf_counter()])
 
         update.receive = asyncio.ensure_future(receive())
@@ -484,6 +497,7 @@ class WeightSync:
             update.cancelled.set()
             if self._remote:  # loaded in place, and an NCCL receive cannot be interrupted
                 self._update = None
+                self.delta_base = 0  # what is loaded matches no version: no delta can start from it
                 self.state = TransferState.INCONSISTENT
                 return
             if not update.receive.done():

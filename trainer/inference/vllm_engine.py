@@ -23,6 +23,13 @@ vLLM's own RL API:
   trainer's Hugging Face tensors, which `manifest()` lists from the checkpoint's safetensors headers. On a
   CPU they prove nothing: vLLM repacks the linear weights into oneDNN kernels and hashes the empty
   parameters left behind; greedy output equal to a fresh engine's on the same weights is the proof there.
+  With the gloo engine, once an update completed, the checksums are instead those of its host mirror of
+  that update (checkpoint naming, the trainer's bytes, comparable with the trainer's: `WeightPublisher.verify`
+  works), which the engine loaded into the model.
+- delta updates (`delta_updates`): only with the gloo engine, which applies a delta to its host mirror of
+  the last complete update and reloads the model from it (trainer/inference/vllm_transfer.py); vLLM's NCCL
+  and IPC engines take whole updates only, so those workers list no DELTA and the trainer sends them every
+  update whole.
 - device: `EngineInfo.device` is where vLLM runs: `cpu`, or `cuda:0`.. for the tensor-parallel ranks.
 """
 
@@ -61,6 +68,10 @@ VLLM_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 TRANSFER_BACKENDS = ("nccl", "ipc", "gloo")
 VLLM_BACKEND_NAMES = {"nccl": "nccl", "ipc": "ipc", "gloo": "tandem-gloo"}  # ours, and vLLM's own engines
 PLUGIN_ENTRY_POINT = "trainer.inference.vllm_transfer:register"
+WORKER_EXTENSION = (
+    "trainer.inference.vllm_transfer.TandemWorkerExtension"  # the gloo engine's mirror checksums
+)
+MIRROR_CHECKSUMS = "tandem_mirror_checksums"  # its method, called on every rank with collective_rpc
 
 
 def _plugin_missing() -> str:
@@ -125,6 +136,7 @@ class VllmEngine(Engine):
         self._paused = False
         self._in_flight: set[str] = set()
         self.transfer_backends: tuple[str, ...] = ("nccl",)
+        self.delta_updates = False  # the gloo engine's: set by `load`
 
     @classmethod
     async def load(
@@ -189,6 +201,8 @@ class VllmEngine(Engine):
                 f"TANDEM_WORKER_TOKENIZER_PATH: cannot load the tokenizer from {tokenizer_dir}: {exc}"
             ) from None
         optional: dict[str, Any] = {"max_model_len": max_model_len} if max_model_len else {}
+        if backend == "gloo":
+            optional["worker_extension_cls"] = WORKER_EXTENSION
         served: Any = dtype or "auto"  # one of VLLM_DTYPES, vLLM's Literal
         try:
             args = AsyncEngineArgs(
@@ -230,6 +244,7 @@ class VllmEngine(Engine):
         )
         engine = cls(llm, tokenizer, info, manifest)
         engine.transfer_backends = (backend,)
+        engine.delta_updates = backend == "gloo"
         return engine
 
     # ---- text ---------------------------------------------------------------------------------
@@ -382,9 +397,10 @@ class VllmEngine(Engine):
         *,
         bucket_size: int = 0,
         packed: bool = True,
+        changed: Sequence[int] | None = None,
     ) -> None:
         """Blocks until vLLM loaded every tensor: NCCL and gloo while the trainer broadcasts; IPC from the
-        handles.
+        handles. `changed`: a delta update, gloo only (the engine plans the same wire buckets from it).
 
         IPC handles arrive pickled from the trainer over the authenticated control plane (a mesh token of
         the job); unpickling them here is what vLLM's own HTTP route does with `ipc_handles_pickled`."""
@@ -397,8 +413,14 @@ class VllmEngine(Engine):
             "dtype_names": [m.dtype for m in manifest],
             "shapes": [list(m.shape) for m in manifest],
         }
+        if changed is not None and not self.delta_updates:
+            raise WeightTransferFailed(
+                f"receiving the weights: the {self.transfer_backends[0]} transfer engine takes no delta update"
+            )
         if "gloo" in self.transfer_backends:  # our engine plans buckets as the trainer does
             info.update(bucket_size_bytes=bucket_size, packed=packed)
+            if changed is not None:
+                info["changed"] = [int(count) for count in changed]
         if ipc_handles:
             info["ipc_handles"] = pickle.loads(ipc_handles)  # noqa: S301 - the job's own trainer, authenticated
         request = WeightTransferUpdateRequest(update_info=info)
@@ -431,10 +453,15 @@ class VllmEngine(Engine):
         """vLLM's own checksums, one name per parameter and tensor-parallel rank: `dp0:pp0:pcp0:tp0:<name>`
         in vLLM's naming. `names` select the parameters of those names on every rank; vLLM fuses some tensors
         (q/k/v, gate/up), whose Hugging Face names select nothing, so an empty `names` (every parameter) is
-        the request that covers the model."""
+        the request that covers the model. With the gloo engine after a completed update: its mirror's
+        checksums instead (`_mirror_checksums`), in checkpoint naming and manifest order."""
         from vllm.v1.engine.exceptions import EngineDeadError  # noqa: PLC0415
 
         try:
+            if self.delta_updates:
+                mirrored = await self._mirror_checksums(names)
+                if mirrored:
+                    return mirrored
             parts = await self._llm.compute_weight_checksums()
         except EngineDeadError as exc:
             raise EngineFailure(f"vLLM's engine core died: {exc}", dead=True) from None
@@ -445,6 +472,24 @@ class VllmEngine(Engine):
             merged.update(part)
         wanted = set(names)
         return sorted((n, c) for n, c in merged.items() if not wanted or n.rsplit(":", 1)[-1] in wanted)
+
+    async def _mirror_checksums(self, names: Sequence[str]) -> list[tuple[str, str]]:
+        """The gloo engine's mirror checksums of `names` (every manifest tensor when empty), in manifest
+        order; [] while it holds no mirror (no update completed since the start or since a failed one). Every
+        tensor-parallel rank receives the whole update; a tensor whose ranks disagree gets their checksums
+        joined by commas, which equals no trainer's."""
+        parts: list[dict[str, str]] = await self._llm.collective_rpc(MIRROR_CHECKSUMS, args=(list(names),))
+        if not parts or not all(parts):
+            return []
+        wanted = set(names)
+        out: list[tuple[str, str]] = []
+        for meta in self._manifest:
+            if wanted and meta.name not in wanted:
+                continue
+            held = sorted({part[meta.name] for part in parts if meta.name in part})
+            if held:
+                out.append((meta.name, ",".join(held)))
+        return out
 
     async def close(self) -> None:
         await asyncio.to_thread(self._llm.shutdown)

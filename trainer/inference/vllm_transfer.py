@@ -31,8 +31,27 @@ A receive that fails (the trainer died or stalled past the timeout) finalizes th
 the model holds real tensors again (partly new) and the next update starts from a clean state; the transfer
 group is closed, and the trainer forms a new one.
 
+Delta updates (WEIGHT_UPDATE_MODE_DELTA, trainer/inference/delta.py). The engine keeps a host mirror of the
+last complete update: its tensors in checkpoint naming and the manifest's dtype, exactly the trainer's bytes.
+A full update's receive targets already are such a copy, so they are kept instead of freed: the memory cost
+is one copy of the model in the manifest dtype in the engine-core process's host memory, for as long as the
+engine lives. A delta update (`GlooUpdateInfo.changed`, the `changed_elements` of BeginWeightUpdate, so that
+both sides plan the same buckets from `delta.wire_manifest`) receives only the wire tensors, checks them
+against the mirror (`delta.check`, every tensor before any is written), applies them to it (`delta.apply`)
+and then loads every mirror tensor through the same layerwise reload as a full update: the reload processes
+whole layers, and loading all of them is what keeps a delta's result the one of a full update of the same
+weights. The mirror is dropped when an update starts and set again only when it completed
+(`finish_weight_update`), so a worker that failed part-way, like one that just started, has no mirror and
+takes only a full update (the worker's `WeightSync.delta_base` says the same to the trainer).
+
+The mirror is also what the worker's checksums answer for in checkpoint naming (`mirror_checksums`, reached
+through the worker extension `TandemWorkerExtension`): on a CPU vLLM's own parameters cannot prove an update
+(see `VllmEngine.checksums`), the mirror proves bit for bit what the last update loaded.
+
 Shortcuts: the receive targets are one staging copy of the whole update in host memory (what
-`staging_targets` lays out), freed when the update ends; fine for the small models CPU workers serve.
+`staging_targets` lays out), kept as the mirror; each tensor is copied once more as it is handed to
+`load_weights`, so that what vLLM keeps or rewrites while it loads never aliases the mirror; fine for the
+small models CPU workers serve.
 """
 
 from __future__ import annotations
@@ -48,14 +67,17 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from trainer.inference import delta
 from trainer.inference.engine import TensorMeta
 from trainer.inference.weights import (
     Bucket,
     TransferGroup,
+    manifest_problems,
     plan_buckets,
     plan_per_tensor,
     receive_packed,
     staging_targets,
+    tensor_checksum,
 )
 
 BACKEND = "tandem-gloo"  # the name in vLLM's registry; "gloo" is left to vLLM should it ever ship one
@@ -84,13 +106,15 @@ class GlooInitInfo(WeightTransferInitInfo):  # type: ignore[misc, unused-ignore]
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc, unused-ignore]
-    """One update's manifest and the bucket geometry of `BeginWeightUpdate`."""
+    """One update's manifest and the bucket geometry of `BeginWeightUpdate`; for a delta update its
+    `changed_elements` (one count per manifest tensor), from which the wire tensors and their buckets follow."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
     bucket_size_bytes: int
     packed: bool = True
+    changed: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -107,6 +131,11 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc, unused-ign
             for name, dtype, shape in zip(self.names, self.dtype_names, self.shapes, strict=True)
         ]
 
+    def wire(self) -> list[TensorMeta]:
+        """The tensors on the wire: the manifest, or a delta's (ValueError when `changed` does not fit)."""
+        manifest = self.manifest()
+        return manifest if self.changed is None else delta.wire_manifest(manifest, self.changed)
+
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):  # type: ignore[misc, unused-ignore]
     init_info_cls = GlooInitInfo
@@ -117,6 +146,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self.group: TransferGroup | None = None
         self.timeout_s = 300.0
+        # The last complete update's tensors (checkpoint names, manifest order and dtype): a delta's base.
+        self.mirror: dict[str, torch.Tensor] = {}
+        self._loaded: dict[str, torch.Tensor] | None = None  # this update's, the mirror once it finished
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         from vllm.distributed.parallel_state import get_world_group  # noqa: PLC0415
@@ -152,26 +184,51 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError(
                 "the gloo weight transfer is not initialized: call init_weight_transfer_engine"
             )
-        manifest = update_info.manifest()
-        buckets = (
-            plan_buckets(manifest, update_info.bucket_size_bytes)
-            if update_info.packed
-            else plan_per_tensor(manifest)
-        )
-        targets = staging_targets(buckets)
+        base, self.mirror, self._loaded = self.mirror, {}, None  # no base until this update completes
+        model: Any = self.model  # a vLLM model: load_weights takes (name, tensor) pairs
 
-        def load(bucket: Bucket) -> None:
-            names = [entry.meta.name for entry in bucket.entries]
-            model: Any = self.model  # a vLLM model: load_weights takes (name, tensor) pairs
-            model.load_weights([(name, targets[name].to(self.device)) for name in names])
+        def copies(names: list[str], tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+            return [(name, tensors[name].to(self.device, copy=True)) for name in names]
 
         try:
+            manifest = update_info.manifest()
+            if update_info.changed is not None:
+                problems = manifest_problems(manifest, [_meta(name, t) for name, t in base.items()])
+                if not base or problems:
+                    raise ValueError(
+                        "a delta update needs the weights of the last complete update, and this worker holds "
+                        + ("none" if not base else "others: " + "; ".join(problems[:3]))
+                    )
+            wire = update_info.wire()
+            buckets = (
+                plan_buckets(wire, update_info.bucket_size_bytes)
+                if update_info.packed
+                else plan_per_tensor(wire)
+            )
+            targets = staging_targets(buckets)
+
+            def load(bucket: Bucket) -> None:
+                model.load_weights(copies([entry.meta.name for entry in bucket.entries], targets))
+
             with disable_mtp_completeness_check():
-                receive_packed(group, buckets, targets, self.timeout_s, on_bucket=load)
+                if update_info.changed is None:
+                    receive_packed(group, buckets, targets, self.timeout_s, on_bucket=load)
+                    loaded = {meta.name: targets[meta.name] for meta in manifest}
+                else:
+                    receive_packed(group, buckets, targets, self.timeout_s)
+                    touched = delta.wire_tensors(manifest, update_info.changed, targets)
+                    for meta, count, tensors in touched:  # all of them before any element is written
+                        delta.check(base[meta.name], meta, count, tensors)
+                    for meta, count, tensors in touched:
+                        delta.apply(base[meta.name], meta, count, tensors)
+                    # Every tensor: the layerwise reload processes whole layers, as after a full update.
+                    model.load_weights(copies([meta.name for meta in manifest], base))
+                    loaded = base
         except BaseException:
             self.shutdown()  # a failed collective leaves the group unusable
             self.finish_weight_update()  # real tensors again, partly new: the worker reports INCONSISTENT
             raise
+        self._loaded = loaded
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.layers.vocab_parallel_embedding import (  # noqa: PLC0415
@@ -179,13 +236,37 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         )
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload  # noqa: PLC0415
 
+        loaded, self._loaded = self._loaded, None
         finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call, unused-ignore]
         # A tied LM head shares the embedding's weight but not its packed kernel: repack it from the new one.
         for module in self.model.modules():
             if isinstance(module, VocabParallelEmbedding):
                 module.quant_method.process_weights_after_loading(module)
+        self.mirror = loaded or {}  # a complete update: the base of the next delta
+
+    def mirror_checksums(self, names: list[str]) -> dict[str, str]:
+        """The mirror's checksums (`tensor_checksum`) of `names`, or of every mirror tensor when empty;
+        nothing without a mirror."""
+        wanted = names or list(self.mirror)
+        return {name: tensor_checksum(self.mirror[name]) for name in wanted if name in self.mirror}
 
     def shutdown(self) -> None:
         if self.group is not None:
             self.group.close()
         self.group = None
+
+
+def _meta(name: str, tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+
+
+class TandemWorkerExtension:
+    """Methods vLLM adds to its worker class (`worker_extension_cls`, set by `VllmEngine` for the gloo
+    backend), reached with `collective_rpc` by name; vLLM refuses a name its worker already has."""
+
+    def tandem_mirror_checksums(self, names: list[str]) -> dict[str, str]:
+        """This rank's gloo engine's `mirror_checksums`; nothing when the engine is another."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, GlooWeightTransferEngine):
+            return {}
+        return engine.mirror_checksums(list(names))

@@ -344,10 +344,13 @@ class WeightsConfig(_message.Message):
     """
     mode: _builtins.str
     """Optional. What each update sends: `full` (every parameter, whole) or `delta` (only the elements that
-    changed since the version the workers hold, as indices and values, in the same buckets; a full update
+    changed since the version the workers hold, as positions and values, in the same buckets; a full update
     instead when the delta would not be smaller, when a worker does not hold that version, e.g. after a
     restart, and every `full_every` updates). Delta keeps a copy of the last weights sent in the trainer's
-    host memory (the model's size in its serving dtype). Unset means `full`.
+    host memory (the model's size in its serving dtype). Either engine: the torch engine and vLLM on a CPU
+    (Tandem's gloo transfer engine, which keeps a copy of its own in the worker's host memory) apply deltas;
+    vLLM on GPUs (its NCCL and IPC engines) takes whole updates only, so its workers get every update whole.
+    Unset means `full`.
 
     `lora`: the trainer trains a LoRA adapter (`[weights.lora]`) on the frozen base model, and each update
     sends only the adapter; the reference model of the KL term is the base itself (the adapter switched
