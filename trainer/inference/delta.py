@@ -139,9 +139,16 @@ def diff(meta: TensorMeta, base: torch.Tensor, new: torch.Tensor) -> TensorDelta
     return TensorDelta(changed, (wrapped.to(torch.int16), values))
 
 
-def check(target: torch.Tensor, meta: TensorMeta, changed: int, wire: Sequence[torch.Tensor]) -> None:
+def check(
+    target: torch.Tensor,
+    meta: TensorMeta,
+    changed: int,
+    wire: Sequence[torch.Tensor],
+    index: torch.Tensor | None = None,
+) -> None:
     """ValueError when one tensor's received delta does not fit `target`: a gap of 0 (each element is
-    written once), a position past its end, or a size that disagrees with `changed`."""
+    written once), a position past its end, or a size that disagrees with `changed`. `index`: the gaps'
+    `positions`, when the caller has them already."""
     if not is_sparse(meta, changed):
         if changed and (len(wire) != 1 or wire[0].numel() != target.numel()):
             raise ValueError(f"{meta.name}: a dense delta needs the tensor whole")
@@ -153,11 +160,17 @@ def check(target: torch.Tensor, meta: TensorMeta, changed: int, wire: Sequence[t
         )
     if bool((gaps == 0).any()):
         raise ValueError(f"{meta.name}: a delta gap is 0 (positions must strictly increase)")
-    if int(positions(gaps)[-1]) >= target.numel():
+    if int((positions(gaps) if index is None else index)[-1]) >= target.numel():
         raise ValueError(f"{meta.name}: a delta position is past its {target.numel()} elements")
 
 
-def apply(target: torch.Tensor, meta: TensorMeta, changed: int, wire: Sequence[torch.Tensor]) -> None:
+def apply(
+    target: torch.Tensor,
+    meta: TensorMeta,
+    changed: int,
+    wire: Sequence[torch.Tensor],
+    index: torch.Tensor | None = None,
+) -> None:
     """Write one tensor's delta (`check`ed) into `target`, the weights held at the base version, in place."""
     if changed == 0:
         return
@@ -166,7 +179,7 @@ def apply(target: torch.Tensor, meta: TensorMeta, changed: int, wire: Sequence[t
         target.copy_(whole.view(target.shape))
         return
     gaps, values = wire
-    index = positions(gaps).to(target.device)
+    index = (positions(gaps) if index is None else index).to(target.device)
     source = values.to(device=target.device)
     if target.is_contiguous():
         target.view(-1).index_copy_(0, index, source)
@@ -177,12 +190,22 @@ def apply(target: torch.Tensor, meta: TensorMeta, changed: int, wire: Sequence[t
 
 
 def read_back(
-    target: torch.Tensor, meta: TensorMeta, changed: int, wire: Sequence[torch.Tensor]
+    target: torch.Tensor,
+    meta: TensorMeta,
+    changed: int,
+    wire: Sequence[torch.Tensor],
+    index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What a delta wrote into `target`, read from it: the elements at its positions, or the whole tensor."""
     if not is_sparse(meta, changed):
         return target.detach()
-    return target.detach().reshape(-1).index_select(0, positions(wire[0]).to(target.device))
+    where = positions(wire[0]) if index is None else index
+    return target.detach().reshape(-1).index_select(0, where.to(target.device))
+
+
+def index_of(meta: TensorMeta, changed: int, wire: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The positions of a sparse tensor's entries (computed once for `check`, `apply` and `read_back`)."""
+    return positions(wire[0]) if is_sparse(meta, changed) else None
 
 
 def digest(tensors: Iterable[torch.Tensor]) -> str:

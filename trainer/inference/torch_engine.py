@@ -493,21 +493,26 @@ class TorchEngine(Engine):
     ) -> str:
         """Write the delta's elements into the weights in service between two steps (the weights are not
         copied: unlike a full update, nothing is staged beside them) and serve them as `version`."""
-        touched = delta.wire_tensors(manifest, changed, dict(wire))
-        for meta, count, tensors in touched:
-            delta.check(self._served[meta.name], meta, count, tensors)
+        touched = [
+            (m, c, t, delta.index_of(m, c, t))
+            for m, c, t in delta.wire_tensors(manifest, changed, dict(wire))
+        ]
+        for meta, count, tensors, index in touched:
+            delta.check(self._served[meta.name], meta, count, tensors, index)
         loop = asyncio.get_running_loop()
         async with self._step_lock:
             applied = await loop.run_in_executor(self._executor, self._apply_delta, touched)
             self._version = version
         return applied
 
-    def _apply_delta(self, touched: Sequence[tuple[TensorMeta, int, Sequence[torch.Tensor]]]) -> str:
+    def _apply_delta(
+        self, touched: Sequence[tuple[TensorMeta, int, Sequence[torch.Tensor], torch.Tensor | None]]
+    ) -> str:
         with torch.no_grad():
-            for meta, count, tensors in touched:
-                delta.apply(self._served[meta.name], meta, count, tensors)
+            for meta, count, tensors, index in touched:
+                delta.apply(self._served[meta.name], meta, count, tensors, index)
         self._kv = None
-        return delta.digest(delta.read_back(self._served[m.name], m, c, t) for m, c, t in touched)
+        return delta.digest(delta.read_back(self._served[m.name], m, c, t, i) for m, c, t, i in touched)
 
     def discard_update(self) -> None:
         self._staged = None
