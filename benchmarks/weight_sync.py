@@ -8,6 +8,7 @@ Run from the repository root:
     .venv/bin/python benchmarks/weight_sync.py --quick     # the 10M model only, ~20 s
     .venv/bin/python benchmarks/weight_sync.py --bucket-mib 8 --repeats 9
     .venv/bin/python benchmarks/weight_sync.py --models 10M,100M --split 1   # plain 32 MiB buckets
+    .venv/bin/python benchmarks/weight_sync.py --modes-only          # (e) alone: full, delta, LoRA; ~10 min
 
 (or `make bench-weights`). Memory: about 10 GB at the 500M model (each worker holds the model three times:
 staging, weights, flat buffer).
@@ -48,6 +49,17 @@ byte (the figures of (a) and (c) are the transport's, the others include their c
     gloo broadcast -> Finish -> Resume) puts new weights into each pair, the engines taking turns each round;
     printed with its phases and the ratio of vLLM's time to the torch engine's. The torch workers stage and
     swap; vLLM's engine core receives with Tandem's gloo engine and loads through its layerwise reload.
+
+(e) the update modes, `[weights] mode` (`--modes-only` for this part alone; `--modes no` leaves it out): at the
+    100M and 500M shapes and Qwen2-0.5B's (the 500M shape with Qwen2's q/k/v biases), a float32 model
+    initialised as transformers does (std 0.02) takes --mode-steps real AdamW steps (next-token loss on random
+    tokens) at --mode-lr (1e-6), and each step's bf16 cast is published into two real torch worker processes
+    serving the model in bf16: once whole (`mode="full"`) and once as a delta from the step before
+    (`mode="delta"`); then a LoRA adapter of rank 16 and of rank 64 on every linear layer, trained at --lora-lr,
+    is published as adapter-only updates (`mode="lora"`) into fresh workers. Printed per shape and mode: MB on
+    the wire and their share of a full update, the median seconds per update on the trainer's clock and the
+    ratio to full, each phase in ms, and the share of bf16 elements each step changed. Every mode ends with
+    `verify`: the workers hold the trainer's tensors bit for bit. Memory: about 12 GB at the 500M shapes.
 
 Two variants are printed below the table: (a) into separately allocated targets (what an engine does when
 its staging is not laid out as the plan: each bucket of several tensors is unpacked with a copy), and one
