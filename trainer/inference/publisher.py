@@ -741,13 +741,16 @@ class WeightPublisher:
             algorithm=weights_pb2.CHECKSUM_ALGORITHM_SHA256, names=list(expected)
         )
         chosen = list(only) or list(range(len(self.workers)))
-        answers = await self._all(
-            "ComputeWeightChecksums",
-            [
-                self.workers[i].ComputeWeightChecksums(request, timeout=self.transfer_timeout_s)
-                for i in chosen
-            ],
-        )
+        try:
+            answers = await self._all(
+                "ComputeWeightChecksums",
+                [
+                    self.workers[i].ComputeWeightChecksums(request, timeout=self.transfer_timeout_s)
+                    for i in chosen
+                ],
+            )
+        except WeightSyncError as exc:  # named by the workers' own indices, not their places in `chosen`
+            raise WeightSyncError(exc.phase, {chosen[i]: why for i, why in exc.failures.items()}) from None
         differ: dict[int, str] = {}
         for index, answer in zip(chosen, answers, strict=True):
             held = {c.name: c.checksum for c in answer.checksums}
