@@ -243,14 +243,8 @@ def _lora(config: config_pb2.TrainerConfig) -> list[FieldViolation]:
             return [FieldViolation("weights.lora", 'is for mode = "lora"')]
         return []
     found: list[FieldViolation] = []
-    if config.inference.engine == "vllm":
-        found.append(
-            FieldViolation(
-                "weights.mode",
-                '"lora" needs the torch engine for now: Tandem\'s vLLM workers load whole weights only '
-                '(set [inference] engine = "torch", or mode = "full")',
-            )
-        )
+    if config.inference.engine == "vllm" and config.weights.lora.rank > 512:
+        found.append(FieldViolation("weights.lora.rank", "vLLM serves LoRA adapters up to rank 512"))
     if config.topology.cpu_trainer_ranks > 1 or config.topology.sharding == config_pb2.SHARDING_FSDP:
         found.append(
             FieldViolation(

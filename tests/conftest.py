@@ -5,6 +5,11 @@ scale-out store and the Slurm backend cannot silently go untested."""
 from __future__ import annotations
 
 import os
+
+# Tests start worker processes (fork, then exec) while in-process gRPC servers and clients run; gRPC's fork
+# handlers are for children that go on using gRPC without exec, and a child caught while they are skipped can
+# abort before its exec. None of these children uses gRPC before exec (the trainer sets the same).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import re
 from collections.abc import Iterator
 from pathlib import Path

@@ -269,6 +269,10 @@ async def _start_workers(
             extra["TANDEM_WORKER_ENFORCE_EAGER"] = "true" if inference.enforce_eager else "false"
             if len(gpus) > 1:
                 extra["TANDEM_WORKER_TENSOR_PARALLEL_SIZE"] = str(len(gpus))
+            if job.weights_mode == "lora":  # vLLM loads each update as an adapter of at most this rank
+                from trainer import lora  # noqa: PLC0415 - peft, for LoRA jobs only
+
+                extra["TANDEM_WORKER_MAX_LORA_RANK"] = str(lora.spec_of(job.config.weights.lora).rank)
             if not gpus and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
                 # vLLM's CPU build otherwise takes most of the machine's memory for its KV cache (GiB).
                 extra["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KV_CACHE_GIB)

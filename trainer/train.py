@@ -516,8 +516,9 @@ class Trainer:
                 report.step, self._named_weights(), in_flight=self.job.config.weights.in_flight
             )
             report.metrics["weight_sync_s"] = sync.total_s
-            if self.publisher.mode == "delta":  # what went on the wire, against a whole update
+            if self.publisher.mode != "full":  # what went on the wire (LoRA: the adapter)
                 report.metrics["weight_sync/bytes"] = float(sync.bytes)
+            if self.publisher.mode == "delta":  # against a whole update
                 report.metrics["weight_sync/full_bytes"] = float(sync.full_bytes)
         async with self._step_done:
             self.step = report.step

@@ -186,9 +186,13 @@ def test_lora_mode_takes_its_adapter_table_and_one_torch_trainer(tmp_path: Path)
         8,
         ["q_proj", "v_proj"],
     )
+    served_by_vllm = Job(
+        load_job(write(tmp_path, GOOD + '\n[weights]\nmode = "lora"\n\n[inference]\nengine = "vllm"\n'))
+    )
+    assert (served_by_vllm.weights_mode, served_by_vllm.config.inference.engine) == ("lora", "vllm")
     cases = [
         ("[weights.lora]\nrank = 8", "weights.lora"),  # a table without the mode
-        ('mode = "lora"\n\n[inference]\nengine = "vllm"', "weights.mode"),
+        ('mode = "lora"\n\n[weights.lora]\nrank = 1024\n\n[inference]\nengine = "vllm"', "weights.lora.rank"),
         ('mode = "lora"\n\n[topology]\ncpu_trainer_ranks = 2', "weights.mode"),
         ('mode = "lora"\n\n[weights.lora]\nrank = 2000', "weights.lora.rank"),
         ('mode = "lora"\n\n[weights.lora]\ntarget_modules = ["q proj"]', "weights.lora.target_modules[0]"),

@@ -5,14 +5,18 @@ the stage cannot pass by skipping everything."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import pytest
-from tandem.inference.v1 import generation_pb2
+from tandem.inference.v1 import generation_pb2, weights_pb2
 from tandem.inference.v1 import inference_service_pb2 as pb
+
+from tests.support.workers import start_worker, stop_worker, worker_stub
 
 # Eager mode starts vLLM in 12-23 s on 2 cores instead of ~60 s with a cold torch.compile cache; 1 GiB of
 # KV cache is ample for these models; the mesh's 20 s transfer timeout is kept.
@@ -49,3 +53,22 @@ async def greedy(stub: object, prompt: list[int], max_tokens: int = 12) -> list[
     )
     items = [item async for item in stub.Generate(request)]  # type: ignore[attr-defined]
     return [t for item in items if item.HasField("delta") for t in item.delta.token_ids]
+
+
+async def weight_info(stub: object) -> weights_pb2.WeightInfo:
+    info: weights_pb2.WeightInfo = (await stub.GetWeightInfo(pb.GetWeightInfoRequest())).weight_info  # type: ignore[attr-defined]
+    return info
+
+
+async def fresh_outputs(
+    model_path: Path, folder: Path, mesh_key: str, env: Mapping[str, str], prompts: Sequence[Sequence[int]]
+) -> list[list[int]]:
+    """Greedy outputs for `prompts` of a vLLM worker started fresh on `model_path` (a model folder, or a
+    saved adapter folder: its base with it), stopped after."""
+    fresh = await asyncio.to_thread(start_worker, model_path, folder, mesh_key, env, START_S)
+    channel, stub = worker_stub(fresh, mesh_key)
+    try:
+        return [await greedy(stub, list(prompt)) for prompt in prompts]
+    finally:
+        await channel.close()
+        await asyncio.to_thread(stop_worker, fresh)

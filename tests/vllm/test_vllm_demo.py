@@ -21,14 +21,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 4
 
 
-def test_the_demo_job_trains_with_vllm_sampling(tmp_path: Path) -> None:
-    config = (ROOT / "examples" / "jobs" / "demo-vllm.toml").read_text()
-    assert "\nsteps = 80\n" in config
-    (tmp_path / "short.toml").write_text(config.replace("\nsteps = 80\n", f"\nsteps = {STEPS}\n"))
-    env = {"VLLM_CPU_KVCACHE_SPACE": VLLM_CPU["VLLM_CPU_KVCACHE_SPACE"]}  # vLLM logs at INFO: checked below
+def run_job(folder: Path, config: str) -> subprocess.CompletedProcess[str]:
+    """`python -m trainer` on the job file `config` in `folder`, its output in `folder/out`; it must succeed."""
+    (folder / "job.toml").write_text(config)
+    env = {"VLLM_CPU_KVCACHE_SPACE": VLLM_CPU["VLLM_CPU_KVCACHE_SPACE"]}  # vLLM logs at INFO: checked after
     done = subprocess.run(
-        [sys.executable, "-m", "trainer", "--config", "short.toml", "--output", "out"],
-        cwd=tmp_path,
+        [sys.executable, "-m", "trainer", "--config", "job.toml", "--output", "out"],
+        cwd=folder,
         capture_output=True,
         text=True,
         timeout=840,
@@ -36,6 +35,13 @@ def test_the_demo_job_trains_with_vllm_sampling(tmp_path: Path) -> None:
         env={**os.environ, **env},
     )
     assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def test_the_demo_job_trains_with_vllm_sampling(tmp_path: Path) -> None:
+    config = (ROOT / "examples" / "jobs" / "demo-vllm.toml").read_text()
+    assert "\nsteps = 80\n" in config
+    done = run_job(tmp_path, config.replace("\nsteps = 80\n", f"\nsteps = {STEPS}\n"))
     steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == STEPS and all("mismatch |r-1|" in line for line in steps)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -46,3 +52,23 @@ def test_the_demo_job_trains_with_vllm_sampling(tmp_path: Path) -> None:
     worker_log = (tmp_path / "out" / "worker-0" / "worker.log").read_text()
     assert "V1 LLM engine" in worker_log  # vLLM served the episodes, not the torch engine
     assert (tmp_path / "out" / "checkpoints" / f"step-{STEPS:06d}" / "model.safetensors").is_file()
+
+
+def test_the_demo_job_in_lora_mode_trains_an_adapter_that_vllm_serves(tmp_path: Path) -> None:
+    """`[weights] mode = "lora"` with vLLM: the launcher starts the worker with LoRA serving, each update
+    sends the adapter alone and vLLM loads it as a new adapter version, and vLLM samples with the log-probs
+    of the policy being trained (base + adapter); checkpoints are adapter folders."""
+    config = (ROOT / "examples" / "jobs" / "demo-vllm.toml").read_text()
+    config = config.replace("\nsteps = 80\n", "\nsteps = 2\n")
+    config += '\n[weights]\nmode = "lora"\n\n[weights.lora]\nrank = 8\n'
+    run_job(tmp_path, config)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    base_bytes = (tmp_path / "runs" / "demo-model" / "model.safetensors").stat().st_size
+    for row in rows:
+        assert 0 <= row["mismatch/ratio_abs"] < 1e-3, row
+        assert 0 < row["weight_sync/bytes"] < 0.2 * base_bytes, row
+    worker_log = (tmp_path / "out" / "worker-0" / "worker.log").read_text()
+    assert "V1 LLM engine" in worker_log
+    checkpoint = tmp_path / "out" / "checkpoints" / "step-000002"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in checkpoint.iterdir()}

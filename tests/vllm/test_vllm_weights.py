@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from tandem.inference.v1 import inference_service_pb2 as pb
 from mesh.status import RpcError
 from tests.support.weights_peer import publisher_that_dies
 from tests.support.workers import Worker, start_worker, stop_worker, worker_stub
-from tests.vllm.conftest import START_S, VLLM_CPU, greedy
+from tests.vllm.conftest import START_S, VLLM_CPU, fresh_outputs, greedy, weight_info
 from trainer.inference.publisher import WeightPublisher, WeightSyncError
 from trainer.models import build_tiny_model
 
@@ -95,27 +95,11 @@ def save_checkpoint(model_dir: Path, target: Path, named: list[tuple[str, torch.
     return target
 
 
-async def fresh_outputs(checkpoint: Path, mesh_key: str) -> list[list[int]]:
-    """Greedy outputs of a vLLM worker started from `checkpoint`."""
-    fresh = await asyncio.to_thread(
-        start_worker,
-        checkpoint,
-        checkpoint.parent / f"fresh-{checkpoint.name}",
-        mesh_key,
-        WORKER_ENV,
-        START_S,
+def fresh(checkpoint: Path, mesh_key: str) -> Awaitable[list[list[int]]]:
+    """Greedy outputs of a fresh vLLM worker on `checkpoint`."""
+    return fresh_outputs(
+        checkpoint, checkpoint.parent / f"fresh-{checkpoint.name}", mesh_key, WORKER_ENV, PROMPTS
     )
-    channel, stub = worker_stub(fresh, mesh_key)
-    try:
-        return [await greedy(stub, list(prompt)) for prompt in PROMPTS]
-    finally:
-        await channel.close()
-        await asyncio.to_thread(stop_worker, fresh)
-
-
-async def weight_info(stub: object) -> weights_pb2.WeightInfo:
-    info: weights_pb2.WeightInfo = (await stub.GetWeightInfo(pb.GetWeightInfoRequest())).weight_info  # type: ignore[attr-defined]
-    return info
 
 
 async def test_each_version_serves_what_a_fresh_vllm_serves_from_its_checkpoint(
@@ -129,9 +113,7 @@ async def test_each_version_serves_what_a_fresh_vllm_serves_from_its_checkpoint(
             named = trainer_weights(pair.model_dir, version)
             report = await publisher.publish(version, named)
             assert report.workers == 2 and report.buckets > 1
-            expected = await fresh_outputs(
-                save_checkpoint(pair.model_dir, tmp_path / f"v{version}", named), mesh_key
-            )
+            expected = await fresh(save_checkpoint(pair.model_dir, tmp_path / f"v{version}", named), mesh_key)
             assert expected != before  # the version changes what greedy decoding says
             for stub in stubs:
                 info = await weight_info(stub)
@@ -195,7 +177,7 @@ async def test_a_trainer_killed_mid_broadcast_leaves_the_workers_inconsistent_un
         await publisher.publish(current + 2, named)
     finally:
         publisher.close()
-    expected = await fresh_outputs(save_checkpoint(pair.model_dir, tmp_path / "recovered", named), mesh_key)
+    expected = await fresh(save_checkpoint(pair.model_dir, tmp_path / "recovered", named), mesh_key)
     for stub in stubs:
         info = await weight_info(stub)
         assert info.transfer_state == weights_pb2.WeightInfo.TRANSFER_STATE_READY and not info.paused
@@ -270,7 +252,7 @@ async def test_delta_updates_land_bit_exact_and_serve_what_a_fresh_vllm_serves(
                 held = await weight_info(stub)
                 assert held.weight_version == held.delta_base_weight_version == v + step
                 assert held.transfer_state == weights_pb2.WeightInfo.TRANSFER_STATE_READY
-        expected = await fresh_outputs(save_checkpoint(pair.model_dir, tmp_path / "v3", named), mesh_key)
+        expected = await fresh(save_checkpoint(pair.model_dir, tmp_path / "v3", named), mesh_key)
         assert expected != before  # the deltas changed what greedy decoding says
         for stub in stubs:
             assert [await greedy(stub, list(p)) for p in PROMPTS] == expected

@@ -37,6 +37,14 @@ class WorkerSettings(BaseSettings):
     max_model_len: int = Field(
         0, ge=0, le=1 << 24, description="vLLM engine: the context length served; 0: the model's."
     )
+    max_lora_rank: int = Field(
+        0,
+        ge=0,
+        le=512,
+        description="vLLM engine: serve LoRA adapters up to this rank (vLLM's `enable_lora`; rounded up to a "
+        "rank vLLM accepts), taking LoRA weight updates only; 0: whole-weight updates. A job in "
+        '`[weights] mode = "lora"` sets it; a worker started on a saved adapter folder needs none.',
+    )
     max_batch: int = Field(32, ge=1, le=4096, description="torch engine: most sequences per forward step.")
     http_host: str = Field("127.0.0.1", description="Interface of the OpenAI-compatible endpoint.")
     http_port: int = Field(0, ge=0, le=65535, description="Its port; 0 picks a free one.")

@@ -111,6 +111,9 @@ class Engine(abc.ABC):
     delta_updates: bool = False
     # Whether the engine serves a LoRA adapter over its base weights (WEIGHT_UPDATE_MODE_LORA, `stage_lora`).
     lora_updates: bool = False
+    # Whether it takes whole-weight updates (WEIGHT_UPDATE_MODE_FULL); False for a vLLM engine serving LoRA
+    # adapters, whose base weights are fixed.
+    full_updates: bool = True
 
     @property
     @abc.abstractmethod
@@ -231,6 +234,15 @@ class RemoteTransfer(Protocol):
         (trainer/inference/delta.py `wire_manifest`), applied to the weights of the last complete update."""
 
     async def finish_update(self, version: int) -> None: ...
+
+
+def remote_transfer(engine: Engine) -> RemoteTransfer | None:
+    """The engine as a `RemoteTransfer` when its own transfer engine receives its updates, else None: the
+    worker's transfer group fills its staging buffers (the torch engine; a vLLM engine serving LoRA adapters,
+    which lists no transfer backend of its own)."""
+    if isinstance(engine, RemoteTransfer) and engine.transfer_backends:
+        return engine
+    return None
 
 
 class EngineError(Exception):

@@ -15,8 +15,9 @@ version serving; the transfer group is unusable after a failed collective, so th
 UNINITIALIZED and the trainer re-forms the group. Every wait is bounded: the join and each bucket by
 `transfer_timeout_s`.
 
-An engine with a transfer engine of its own (`RemoteTransfer`: vLLM, over NCCL, IPC or Tandem's gloo engine)
-moves through the same states, but it loads in place, so an update that fails once started (the receive
+An engine with a transfer engine of its own (`remote_transfer`: vLLM, over NCCL, IPC or Tandem's gloo engine;
+not a vLLM engine serving LoRA adapters, which stages and commits as the torch engine does) moves through
+the same states, but it loads in place, so an update that fails once started (the receive
 fails on its own, say the trainer died mid-broadcast; an abort; a failure in vLLM's engine core, raised as
 an `EngineError`) goes to INCONSISTENT instead: the worker stays paused and refuses to resume until a new
 group is joined (InitWeightTransfer keeps INCONSISTENT) and an update completes (FinishWeightUpdate: READY).
@@ -44,6 +45,7 @@ from trainer.inference.engine import (
     ManifestMismatch,
     RemoteTransfer,
     TensorMeta,
+    remote_transfer,
 )
 from trainer.inference.weights import (
     Bucket,
@@ -144,7 +146,7 @@ class WeightSync:
                     f"version {self.pending_version} is being received; abort or finish it first",
                     reason=R.ERROR_REASON_WEIGHT_UPDATE_CONFLICT,
                 )
-            if isinstance(self.engine, RemoteTransfer):  # vLLM: its own transfer engine, gloo included
+            if remote_transfer(self.engine) is not None:  # vLLM: its own transfer engine, gloo included
                 return await self._init_remote(params)
             if self.params == params and self._group is not None:
                 return [params.rank]
@@ -261,6 +263,12 @@ class WeightSync:
             if lora is not None and not self.engine.lora_updates:
                 raise FailedPrecondition(
                     f"the {self.engine.info.kind} engine serves no LoRA adapter",
+                    reason=R.ERROR_REASON_WEIGHT_UPDATE_MODE_UNSUPPORTED,
+                )
+            if lora is None and changed is None and not self.engine.full_updates:
+                raise FailedPrecondition(
+                    f"the {self.engine.info.kind} engine serves LoRA adapters over fixed base weights; "
+                    "send a LORA update",
                     reason=R.ERROR_REASON_WEIGHT_UPDATE_MODE_UNSUPPORTED,
                 )
             began = time.perf_counter()
@@ -481,7 +489,16 @@ class WeightSync:
                     reason=R.ERROR_REASON_WEIGHT_MANIFEST_MISMATCH,
                 ) from None
         else:
-            await self.engine.commit_update(version)
+            try:
+                await self.engine.commit_update(version)
+            except EngineError as exc:  # the engine refused what arrived; nothing in service changed
+                self.engine.discard_update()
+                self._update = None
+                self.state = TransferState.READY
+                raise Aborted(
+                    f"loading version {version} failed: {exc}; the previous version stays in service",
+                    reason=R.ERROR_REASON_WEIGHT_TRANSFER_FAILED,
+                ) from None
         return ""
 
     async def abort(self, version: int) -> None:

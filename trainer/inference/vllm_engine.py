@@ -30,6 +30,10 @@ vLLM's own RL API:
   the last complete update and reloads the model from it (trainer/inference/vllm_transfer.py); vLLM's NCCL
   and IPC engines take whole updates only, so those workers list no DELTA and the trainer sends them every
   update whole.
+- LoRA adapters (`max_lora_rank`, or a saved adapter folder as the model path): vLLM runs with `enable_lora`
+  and each update is a new adapter version loaded with `add_lora` (trainer/inference/vllm_lora.py); such an
+  engine receives through the worker's own gloo group (it lists no transfer backend of its own, so
+  `remote_transfer` is None) and takes LoRA updates only.
 - device: `EngineInfo.device` is where vLLM runs: `cpu`, or `cuda:0`.. for the tensor-parallel ranks.
 """
 
@@ -54,6 +58,7 @@ from trainer.inference.engine import (
     Finished,
     FinishReason,
     Generation,
+    ManifestMismatch,
     ModelLoadError,
     PauseMode,
     PromptTooLong,
@@ -62,6 +67,7 @@ from trainer.inference.engine import (
     TokenChunk,
     WeightTransferFailed,
 )
+from trainer.inference.vllm_lora import LoraPlan, VllmAdapters, lora_plan
 
 FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 VLLM_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
@@ -137,6 +143,7 @@ class VllmEngine(Engine):
         self._in_flight: set[str] = set()
         self.transfer_backends: tuple[str, ...] = ("nccl",)
         self.delta_updates = False  # the gloo engine's: set by `load`
+        self.adapters: VllmAdapters | None = None  # LoRA mode (trainer/inference/vllm_lora.py): set by `load`
 
     @classmethod
     async def load(
@@ -151,19 +158,31 @@ class VllmEngine(Engine):
         transfer_backend: str = "auto",
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        max_lora_rank: int = 0,
     ) -> VllmEngine:
         """Start vLLM on `model_path`. ModelLoadError, naming the worker setting at fault, when the directory
         is missing or vLLM cannot load it, when vLLM refuses the dtype, or when the transfer backend is not
         available (gloo: Tandem's vLLM plugin is not installed); never a hang: vLLM's engine core fails its
-        start-up by itself. `transfer_backend` "auto" is gloo where vLLM runs on the CPU, nccl elsewhere."""
+        start-up by itself. `transfer_backend` "auto" is gloo where vLLM runs on the CPU, nccl elsewhere.
+
+        LoRA mode (trainer/inference/vllm_lora.py), with `max_lora_rank` above 0 or on a saved adapter folder
+        (`adapter_config.json`, no `config.json`: its base model is served with that adapter): vLLM runs with
+        `enable_lora`, the engine takes LoRA updates only, through the worker's own gloo group, and
+        `transfer_backend` is not used."""
         import vllm  # noqa: PLC0415
-        from transformers import AutoTokenizer  # noqa: PLC0415
-        from vllm.config.weight_transfer import WeightTransferConfig  # noqa: PLC0415
         from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415
         from vllm.platforms import current_platform  # noqa: PLC0415
         from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415
 
         directory = Path(model_path)
+        try:
+            lora = lora_plan(directory, max_lora_rank)
+        except ValueError as exc:
+            raise ModelLoadError(f"TANDEM_WORKER_MODEL_PATH={model_path}: {exc}") from None
+        if lora is not None and lora.saved is not None:  # its base model, named after the adapter
+            tokenizer_path = tokenizer_path or lora.base
+            model_id = model_id or lora.saved.name
+            model_path, directory = lora.base, Path(lora.base)
         if not (directory / "config.json").is_file():
             raise ModelLoadError(
                 f"TANDEM_WORKER_MODEL_PATH={model_path} is not a Hugging Face model directory (no config.json)"
@@ -173,36 +192,10 @@ class VllmEngine(Engine):
                 f"TANDEM_WORKER_DTYPE={dtype!r} is not a dtype vLLM serves; use one of {', '.join(VLLM_DTYPES)}"
             )
         on_cpu = bool(current_platform.is_cpu())
-        backend = transfer_backend if transfer_backend != "auto" else ("gloo" if on_cpu else "nccl")
-        if backend not in TRANSFER_BACKENDS:
-            raise ModelLoadError(
-                f"TANDEM_WORKER_TRANSFER_BACKEND={transfer_backend!r} is not one of auto, "
-                + ", ".join(TRANSFER_BACKENDS)
-            )
-        missing = _plugin_missing() if backend == "gloo" else ""
-        if missing:
-            raise ModelLoadError(
-                f"TANDEM_WORKER_TRANSFER_BACKEND={transfer_backend} (gloo) needs Tandem's vLLM plugin, the "
-                f"`vllm.general_plugins` entry point {PLUGIN_ENTRY_POINT}; {missing}"
-            )
-        try:
-            manifest = checkpoint_manifest(directory)
-        except ModelLoadError as exc:
-            raise ModelLoadError(f"TANDEM_WORKER_MODEL_PATH={model_path}: {exc}") from None
-        except Exception as exc:  # a damaged safetensors header
-            raise ModelLoadError(
-                f"TANDEM_WORKER_MODEL_PATH={model_path}: unreadable weights: {exc}"
-            ) from None
+        backend = _transfer_backend(transfer_backend, on_cpu, lora)
+        manifest, tokenizer = _checkpoint(model_path, tokenizer_path)
         tokenizer_dir = tokenizer_path or model_path
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(
-                f"TANDEM_WORKER_TOKENIZER_PATH: cannot load the tokenizer from {tokenizer_dir}: {exc}"
-            ) from None
-        optional: dict[str, Any] = {"max_model_len": max_model_len} if max_model_len else {}
-        if backend == "gloo":
-            optional["worker_extension_cls"] = WORKER_EXTENSION
+        optional = _engine_options(backend, lora, max_model_len)
         served: Any = dtype or "auto"  # one of VLLM_DTYPES, vLLM's Literal
         try:
             args = AsyncEngineArgs(
@@ -213,7 +206,6 @@ class VllmEngine(Engine):
                 gpu_memory_utilization=gpu_memory_utilization,
                 enforce_eager=enforce_eager,
                 logprobs_mode="processed_logprobs",
-                weight_transfer_config=WeightTransferConfig(backend=VLLM_BACKEND_NAMES[backend]),
                 enable_log_requests=False,
                 **optional,
             )
@@ -243,9 +235,28 @@ class VllmEngine(Engine):
             vocab_size=int(llm.model_config.get_vocab_size()),
         )
         engine = cls(llm, tokenizer, info, manifest)
+        if lora is not None:
+            await engine._serve_adapters(lora)
+            return engine
         engine.transfer_backends = (backend,)
         engine.delta_updates = backend == "gloo"
         return engine
+
+    async def _serve_adapters(self, plan: LoraPlan) -> None:
+        """LoRA mode: updates arrive through the worker's gloo group into host buffers (`stage_lora`), and
+        a saved adapter folder is served from the start."""
+        self.transfer_backends = ()
+        self.lora_updates, self.full_updates = True, False
+        self.adapters = VllmAdapters(self._llm, plan.base, self._manifest, self.info.dtype, plan.max_rank)
+        if plan.saved is None:
+            return
+        try:
+            await self.adapters.load_folder(plan.saved, plan.spec, self._version)
+        except (ManifestMismatch, WeightTransferFailed) as exc:
+            await self.close()
+            raise ModelLoadError(
+                f"TANDEM_WORKER_MODEL_PATH={plan.saved}: vLLM cannot serve this adapter: {exc}"
+            ) from None
 
     # ---- text ---------------------------------------------------------------------------------
 
@@ -255,6 +266,8 @@ class VllmEngine(Engine):
 
     def label_loaded_weights(self, version: int) -> None:
         self._version = version
+        if self.adapters is not None and self.adapters.current is not None:
+            self.adapters.current.version = version
 
     def render(self, messages: Sequence[Mapping[str, str]], template_kwargs: Mapping[str, Any]) -> list[int]:
         ids = self._tokenizer.apply_chat_template(
@@ -310,13 +323,21 @@ class VllmEngine(Engine):
         self._in_flight.add(request_id)
         produced = 0
         first_version = last_version = self._version
-        stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id)
+        # LoRA mode: the request runs with the adapter current now to its end, so its version is fixed.
+        adapter = self.adapters.admit() if self.adapters is not None else None
+        fixed = adapter.version if adapter is not None else None
+        stream = self._llm.generate(
+            TokensPrompt(prompt_token_ids=prompt),
+            params,
+            request_id,
+            lora_request=adapter.request if adapter is not None else None,
+        )
         try:
             async for output in stream:
                 completion = output.outputs[0]
                 tokens = [int(t) for t in completion.token_ids]
                 if tokens:
-                    version = self._version
+                    version = self._version if fixed is None else fixed
                     if not produced:
                         first_version = version
                     last_version = version
@@ -324,7 +345,7 @@ class VllmEngine(Engine):
                     logprobs, tops = _logprobs(tokens, completion.logprobs, sampling.top_logprobs)
                     yield TokenChunk(tokens, logprobs, completion.text, tops, version)
                 if output.finished:
-                    spans = completion.weight_versions or []
+                    spans = (completion.weight_versions or []) if fixed is None else []
                     if spans:  # vLLM's own record of which weights sampled which tokens
                         first_version = _version_number(spans[0].version, first_version)
                         last_version = _version_number(spans[-1].version, last_version)
@@ -342,6 +363,8 @@ class VllmEngine(Engine):
             self._in_flight.discard(request_id)
             with contextlib.suppress(Exception):  # a dead engine core fails the abort too
                 await stream.aclose()  # a caller that stops listening aborts the request in vLLM
+            if self.adapters is not None:
+                self.adapters.done(adapter)
 
     # ---- pause --------------------------------------------------------------------------------
 
@@ -368,18 +391,34 @@ class VllmEngine(Engine):
     def manifest(self) -> list[TensorMeta]:
         return list(self._manifest)
 
+    def tensor_names(self) -> set[str]:
+        adapter = self.adapters.names() if self.adapters is not None else set()
+        return {meta.name for meta in self._manifest} | adapter
+
     def stage_update(self, manifest: Sequence[TensorMeta]) -> Mapping[str, torch.Tensor]:
         raise EngineError(
             "the vLLM engine receives weights through its weight-transfer engine (NCCL, IPC, gloo)"
         )
 
+    async def stage_lora(self, manifest: Sequence[TensorMeta], spec: Any) -> Mapping[str, torch.Tensor]:
+        """Host buffers for a LoRA update (LoRA mode only); the first probes vLLM with the adapter's shape."""
+        if self.adapters is None:
+            return await super().stage_lora(manifest, spec)
+        return await self.adapters.stage(manifest, spec, self._version)
+
     async def commit_update(self, version: int) -> None:
-        raise EngineError(
-            "the vLLM engine receives weights through its weight-transfer engine (NCCL, IPC, gloo)"
-        )
+        """LoRA mode: load the staged adapter into vLLM as the current one. Otherwise weights arrive through
+        vLLM's weight-transfer engine (`RemoteTransfer`), never here."""
+        if self.adapters is None:
+            raise EngineError(
+                "the vLLM engine receives weights through its weight-transfer engine (NCCL, IPC, gloo)"
+            )
+        await self.adapters.commit(version)
+        self._version = version
 
     def discard_update(self) -> None:
-        return None
+        if self.adapters is not None:
+            self.adapters.discard()
 
     async def join_transfer(self, init_info: Mapping[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest  # noqa: PLC0415
@@ -457,6 +496,14 @@ class VllmEngine(Engine):
         checksums instead (`_mirror_checksums`), in checkpoint naming and manifest order."""
         from vllm.v1.engine.exceptions import EngineDeadError  # noqa: PLC0415
 
+        adapter: list[tuple[str, str]] = []
+        if self.adapters is not None:  # the adapter's host copies; the base's from vLLM, if asked for
+            held = self.adapters.names()
+            asked = [n for n in names if n in held]
+            adapter = self.adapters.checksums(asked)
+            if names and len(asked) == len(names):
+                return adapter
+            names = [n for n in names if n not in held]
         try:
             if self.delta_updates:
                 mirrored = await self._mirror_checksums(names)
@@ -471,7 +518,9 @@ class VllmEngine(Engine):
         for part in parts:
             merged.update(part)
         wanted = set(names)
-        return sorted((n, c) for n, c in merged.items() if not wanted or n.rsplit(":", 1)[-1] in wanted)
+        return adapter + sorted(
+            (n, c) for n, c in merged.items() if not wanted or n.rsplit(":", 1)[-1] in wanted
+        )
 
     async def _mirror_checksums(self, names: Sequence[str]) -> list[tuple[str, str]]:
         """The gloo engine's mirror checksums of `names` (every manifest tensor when empty), in manifest
@@ -493,6 +542,61 @@ class VllmEngine(Engine):
 
     async def close(self) -> None:
         await asyncio.to_thread(self._llm.shutdown)
+        if self.adapters is not None:
+            self.adapters.close()
+
+
+def _transfer_backend(setting: str, on_cpu: bool, lora: LoraPlan | None) -> str:
+    """The weight-transfer backend of `TANDEM_WORKER_TRANSFER_BACKEND`; ModelLoadError when it is unknown or
+    Tandem's gloo engine is not installed where it is needed (not in LoRA mode, which does not use it)."""
+    backend = setting if setting != "auto" else ("gloo" if on_cpu else "nccl")
+    if backend not in TRANSFER_BACKENDS:
+        raise ModelLoadError(
+            f"TANDEM_WORKER_TRANSFER_BACKEND={setting!r} is not one of auto, " + ", ".join(TRANSFER_BACKENDS)
+        )
+    missing = _plugin_missing() if backend == "gloo" and lora is None else ""
+    if missing:
+        raise ModelLoadError(
+            f"TANDEM_WORKER_TRANSFER_BACKEND={setting} (gloo) needs Tandem's vLLM plugin, the "
+            f"`vllm.general_plugins` entry point {PLUGIN_ENTRY_POINT}; {missing}"
+        )
+    return backend
+
+
+def _checkpoint(model_path: str, tokenizer_path: str | None) -> tuple[list[TensorMeta], Any]:
+    """The checkpoint's tensors (from its headers) and its tokenizer; ModelLoadError naming the setting."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    try:
+        manifest = checkpoint_manifest(Path(model_path))
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"TANDEM_WORKER_MODEL_PATH={model_path}: {exc}") from None
+    except Exception as exc:  # a damaged safetensors header
+        raise ModelLoadError(f"TANDEM_WORKER_MODEL_PATH={model_path}: unreadable weights: {exc}") from None
+    tokenizer_dir = tokenizer_path or model_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"TANDEM_WORKER_TOKENIZER_PATH: cannot load the tokenizer from {tokenizer_dir}: {exc}"
+        ) from None
+    return manifest, tokenizer
+
+
+def _engine_options(backend: str, lora: LoraPlan | None, max_model_len: int | None) -> dict[str, Any]:
+    """vLLM engine arguments beyond the model's: the weight-transfer engine, or LoRA serving."""
+    from vllm.config.weight_transfer import WeightTransferConfig  # noqa: PLC0415
+
+    optional: dict[str, Any] = {"max_model_len": max_model_len} if max_model_len else {}
+    if lora is not None:
+        # Two adapters in one batch: the current one and the one a request admitted before an update still
+        # runs with; requests with a third wait for a slot.
+        optional.update(enable_lora=True, max_lora_rank=lora.vllm_rank, max_loras=2, max_cpu_loras=4)
+        return optional
+    optional["weight_transfer_config"] = WeightTransferConfig(backend=VLLM_BACKEND_NAMES[backend])
+    if backend == "gloo":
+        optional["worker_extension_cls"] = WORKER_EXTENSION
+    return optional
 
 
 def _version_number(label: str, fallback: int) -> int:

@@ -53,10 +53,10 @@ from trainer.inference.engine import (
     ModelLoadError,
     PauseMode,
     PromptTooLong,
-    RemoteTransfer,
     Sampling,
     TensorMeta,
     TokenChunk,
+    remote_transfer,
 )
 from trainer.inference.sync import GroupParams, Timings, TransferState, WeightSync
 from trainer.inference.traces import FINISH_REASONS, TraceStore
@@ -275,8 +275,8 @@ class InferenceWorker:
                 )
 
     def transfer_backends(self) -> tuple[str, ...]:
-        engine = self.engine
-        return engine.transfer_backends if isinstance(engine, RemoteTransfer) else ("gloo",)
+        remote = remote_transfer(self.engine)
+        return remote.transfer_backends if remote is not None else ("gloo",)
 
     # ---- pause --------------------------------------------------------------------------------
 
@@ -345,7 +345,7 @@ class InferenceWorker:
             incarnation=self.incarnation,
             start_time=_timestamp(self.start_time),
             in_flight_updates=self.engine.in_flight_updates,
-            weight_update_modes=[weights_pb2.WEIGHT_UPDATE_MODE_FULL]
+            weight_update_modes=([weights_pb2.WEIGHT_UPDATE_MODE_FULL] if self.engine.full_updates else [])
             + ([weights_pb2.WEIGHT_UPDATE_MODE_DELTA] if self.engine.delta_updates else [])
             + ([weights_pb2.WEIGHT_UPDATE_MODE_LORA] if self.engine.lora_updates else []),
         )
@@ -597,6 +597,7 @@ async def load_engine(settings: WorkerSettings) -> Engine:
             transfer_backend=settings.transfer_backend,
             max_model_len=settings.max_model_len or None,
             enforce_eager=settings.enforce_eager,
+            max_lora_rank=settings.max_lora_rank,
         )
     from trainer.inference.torch_engine import TorchEngine  # noqa: PLC0415
 
