@@ -68,7 +68,8 @@ def resolved(model: torch.nn.Module) -> weights_pb2.LoraAdapterSpec:
 
 def wrap(model: torch.nn.Module, spec: weights_pb2.LoraAdapterSpec) -> peft.PeftModel:
     """The policy of a LoRA job: `model` frozen, an adapter of `spec` trainable (A random, B zero, so the
-    policy starts as the base). The initialisation draws from torch's generator: the job's seed fixes it."""
+    policy starts as the base). The initialisation draws from torch's global generator: `load_policy` seeds
+    it with the job's seed for the call."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"expected a model, got {type(model).__name__}")
     try:

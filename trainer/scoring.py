@@ -446,7 +446,9 @@ def load_policy(path: Path, device: torch.device, job: Job) -> Any:
         return model
     from trainer import lora  # noqa: PLC0415  # peft is imported by LoRA jobs only
 
-    policy = lora.wrap(model, lora.spec_of(job.config.weights.lora))
+    with torch.random.fork_rng(devices=[]):  # the adapter's initialisation follows from the job's seed alone
+        torch.manual_seed(job.config.seed)
+        policy = lora.wrap(model, lora.spec_of(job.config.weights.lora))
     if (path / lora.ADAPTER_WEIGHTS).exists():
         lora.load_adapter(policy, path)
     return policy

@@ -25,6 +25,7 @@ from tests.trainer.test_train_loop import demo_job
 from trainer import lora
 from trainer.launch import local_environment
 from trainer.models import build_tiny_model
+from trainer.scoring import load_policy
 from trainer.train import Trainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -35,6 +36,22 @@ def test_the_adapter_spec_fills_in_its_defaults() -> None:
     assert (spec.rank, spec.alpha, list(spec.target_modules)) == (16, 32.0, ["all-linear"])
     spec = lora.spec_of(config_pb2.LoraConfig(rank=4, alpha=4, target_modules=["q_proj", "v_proj"]))
     assert (spec.rank, spec.alpha, list(spec.target_modules)) == (4, 4.0, ["q_proj", "v_proj"])
+
+
+def test_the_adapter_s_initialisation_follows_from_the_job_s_seed_alone(tmp_path: Path) -> None:
+    """Whatever the process drew from torch's generator before (a run's start is not the same twice), the
+    job's seed fixes the adapter's random A matrices, so a LoRA run is reproducible from its seed."""
+    model_dir = build_tiny_model(tmp_path / "tiny", layers=1)
+    job = lora_job(model_dir, steps=1)
+    torch.manual_seed(1)
+    first = dict(lora.adapter_weights(load_policy(model_dir, torch.device("cpu"), job), torch.float32))
+    torch.rand(7)  # another history
+    again = dict(lora.adapter_weights(load_policy(model_dir, torch.device("cpu"), job), torch.float32))
+    assert first.keys() == again.keys() and all(torch.equal(first[n], again[n]) for n in first)
+    other = Job(config_pb2.TrainerConfig.FromString(job.config.SerializeToString()))
+    other.config.seed = job.config.seed + 1
+    moved = dict(lora.adapter_weights(load_policy(model_dir, torch.device("cpu"), other), torch.float32))
+    assert any(not torch.equal(first[n], moved[n]) for n in first if ".lora_A." in n)
 
 
 def lora_job(model_dir: Path, steps: int) -> Job:
