@@ -108,6 +108,7 @@ async def test_a_lora_job_sends_only_the_adapter_and_its_worker_serves_base_plus
         stub = env.workers[0].stub
         info = (await stub.GetWorkerInfo(ipb.GetWorkerInfoRequest())).worker_info
         assert weights_pb2.WEIGHT_UPDATE_MODE_LORA in info.weight_update_modes
+        assert info.weight_transfer_ranks == 1
         prompt, served = await greedy(stub, "ep-lora-greedy")
         listed = await env.events.ListEvents(epb.ListEventsRequest(job=env.job, types=["weights.updated"]))
         await refusals(stub, trainer)

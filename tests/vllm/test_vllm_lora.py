@@ -113,6 +113,7 @@ async def test_each_adapter_version_serves_what_a_fresh_vllm_serves_from_its_fol
     info = (await stub.GetWorkerInfo(pb.GetWorkerInfoRequest())).worker_info  # type: ignore[attr-defined]
     assert list(info.weight_update_modes) == [weights_pb2.WEIGHT_UPDATE_MODE_LORA]
     assert list(info.weight_transfer_backends) == [weights_pb2.WEIGHT_TRANSFER_BACKEND_GLOO]
+    assert info.weight_transfer_ranks == 1  # the worker process receives, whatever vLLM's tensor parallelism
     base = [await greedy(stub, list(p)) for p in PROMPTS]
     current = (await weight_info(stub)).weight_version
     publisher = WeightPublisher([stub], backend="gloo", transfer_timeout_s=60, mode="lora", lora=served.spec)

@@ -394,7 +394,10 @@ class WeightPublisher:
                 if not able
             }
             raise WeightSyncError("GetWorkerInfo", unable)
-        sizes = [max(i.worker_info.tensor_parallel_size, 1) for i in infos]
+        # Each worker's ranks in the group; a worker older than `weight_transfer_ranks` took one per TP rank.
+        sizes = [
+            i.worker_info.weight_transfer_ranks or max(i.worker_info.tensor_parallel_size, 1) for i in infos
+        ]
         offsets = [1 + sum(sizes[:index]) for index in range(len(sizes))]
         world = 1 + sum(sizes)
         if self.backend == "auto":

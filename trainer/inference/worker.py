@@ -274,6 +274,11 @@ class InferenceWorker:
                     completion_weight_versions=versions,
                 )
 
+    def transfer_ranks(self) -> int:
+        """The ranks this worker takes in the transfer group: vLLM's transfer engine receives on each of its
+        tensor-parallel ranks; otherwise this process receives, as one rank."""
+        return self.engine.info.tensor_parallel_size if remote_transfer(self.engine) is not None else 1
+
     def transfer_backends(self) -> tuple[str, ...]:
         remote = remote_transfer(self.engine)
         return remote.transfer_backends if remote is not None else ("gloo",)
@@ -345,6 +350,7 @@ class InferenceWorker:
             incarnation=self.incarnation,
             start_time=_timestamp(self.start_time),
             in_flight_updates=self.engine.in_flight_updates,
+            weight_transfer_ranks=self.transfer_ranks(),
             weight_update_modes=([weights_pb2.WEIGHT_UPDATE_MODE_FULL] if self.engine.full_updates else [])
             + ([weights_pb2.WEIGHT_UPDATE_MODE_DELTA] if self.engine.delta_updates else [])
             + ([weights_pb2.WEIGHT_UPDATE_MODE_LORA] if self.engine.lora_updates else []),

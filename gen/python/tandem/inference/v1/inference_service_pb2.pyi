@@ -406,7 +406,9 @@ class InitWeightTransferRequest(_message.Message):
     world_size: _builtins.int
     """Required. The group's world size: the trainer's rank plus every worker's ranks, 2 to 65536."""
     rank_offset: _builtins.int
-    """Required. The worker's first rank, 1 to 65535; it takes `tensor_parallel_size` consecutive ranks."""
+    """Required. The worker's first rank, 1 to 65535; it takes WorkerInfo `weight_transfer_ranks` consecutive
+    ranks.
+    """
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
         """Optional. How long to wait for the rendezvous and for each later collective operation, 1 second to

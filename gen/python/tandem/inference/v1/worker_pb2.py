@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tandem.inference.v1 import weights_pb2 as tandem_dot_inference_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n tandem/inference/v1/worker.proto\x12\x13tandem.inference.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!tandem/inference/v1/weights.proto\"\xf4\x03\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x11\n\ttokenizer\x18\x03 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x34\n\x0b\x65ngine_kind\x18\x05 \x01(\x0e\x32\x1f.tandem.inference.v1.EngineKind\x12\x16\n\x0e\x65ngine_version\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x17\n\x0fopenai_base_url\x18\n \x01(\t\x12L\n\x18weight_transfer_backends\x18\x0b \x03(\x0e\x32*.tandem.inference.v1.WeightTransferBackend\x12\x13\n\x0bincarnation\x18\x0c \x01(\t\x12.\n\nstart_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11in_flight_updates\x18\x0e \x01(\x08\x12\x42\n\x13weight_update_modes\x18\x0f \x03(\x0e\x32%.tandem.inference.v1.WeightUpdateMode*V\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45NGINE_KIND_TORCH\x10\x01\x12\x14\n\x10\x45NGINE_KIND_VLLM\x10\x02\x42/Z-tandem/gen/go/tandem/inference/v1;inferencev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n tandem/inference/v1/worker.proto\x12\x13tandem.inference.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!tandem/inference/v1/weights.proto\"\x93\x04\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x11\n\ttokenizer\x18\x03 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x34\n\x0b\x65ngine_kind\x18\x05 \x01(\x0e\x32\x1f.tandem.inference.v1.EngineKind\x12\x16\n\x0e\x65ngine_version\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x17\n\x0fopenai_base_url\x18\n \x01(\t\x12L\n\x18weight_transfer_backends\x18\x0b \x03(\x0e\x32*.tandem.inference.v1.WeightTransferBackend\x12\x13\n\x0bincarnation\x18\x0c \x01(\t\x12.\n\nstart_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11in_flight_updates\x18\x0e \x01(\x08\x12\x42\n\x13weight_update_modes\x18\x0f \x03(\x0e\x32%.tandem.inference.v1.WeightUpdateMode\x12\x1d\n\x15weight_transfer_ranks\x18\x10 \x01(\r*V\n\nEngineKind\x12\x1b\n\x17\x45NGINE_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45NGINE_KIND_TORCH\x10\x01\x12\x14\n\x10\x45NGINE_KIND_VLLM\x10\x02\x42/Z-tandem/gen/go/tandem/inference/v1;inferencev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.inference.v1.worker_
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z-tandem/gen/go/tandem/inference/v1;inferencev1'
-  _globals['_ENGINEKIND']._serialized_start=628
-  _globals['_ENGINEKIND']._serialized_end=714
+  _globals['_ENGINEKIND']._serialized_start=659
+  _globals['_ENGINEKIND']._serialized_end=745
   _globals['_WORKERINFO']._serialized_start=126
-  _globals['_WORKERINFO']._serialized_end=626
+  _globals['_WORKERINFO']._serialized_end=657
 # @@protoc_insertion_point(module_scope)

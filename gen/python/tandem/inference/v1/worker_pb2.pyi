@@ -66,6 +66,7 @@ class WorkerInfo(_message.Message):
     START_TIME_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_UPDATES_FIELD_NUMBER: _builtins.int
     WEIGHT_UPDATE_MODES_FIELD_NUMBER: _builtins.int
+    WEIGHT_TRANSFER_RANKS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Output only. The model id the worker serves: the `model` to send on its OpenAI-compatible endpoint."""
     model_path: _builtins.str
@@ -79,9 +80,7 @@ class WorkerInfo(_message.Message):
     engine_version: _builtins.str
     """Output only. The engine's version, e.g. `0.33.0` for vLLM or the torch version."""
     tensor_parallel_size: _builtins.int
-    """Output only. The tensor-parallel size; also the number of ranks the worker takes in the weight transfer
-    group.
-    """
+    """Output only. The tensor-parallel size."""
     device: _builtins.str
     """Output only. The devices the worker runs on, e.g. `cpu` or `cuda:0,cuda:1`."""
     dtype: _builtins.str
@@ -95,6 +94,12 @@ class WorkerInfo(_message.Message):
     receives while generating and swaps the new weights in between two generation steps. True for the
     torch engine; false for vLLM, which loads in place and must pause.
     """
+    weight_transfer_ranks: _builtins.int
+    """Output only. How many consecutive ranks the worker takes in the weight transfer group (InitWeightTransfer
+    `rank_offset` is the first): `tensor_parallel_size` where vLLM's own transfer engine receives on every
+    tensor-parallel rank, 1 where the worker process itself receives (the torch engine, and a vLLM worker
+    serving LoRA adapters). 0 from a worker older than this field: read `tensor_parallel_size`.
+    """
     @_builtins.property
     def weight_transfer_backends(self) -> _containers.RepeatedScalarFieldContainer[_weights_pb2.WeightTransferBackend.ValueType]:
         """Output only. The weight-transfer backends this worker supports."""
@@ -105,7 +110,10 @@ class WorkerInfo(_message.Message):
 
     @_builtins.property
     def weight_update_modes(self) -> _containers.RepeatedScalarFieldContainer[_weights_pb2.WeightUpdateMode.ValueType]:
-        """Output only. The update modes the engine takes (BeginWeightUpdate `mode`); FULL always."""
+        """Output only. The update modes the engine takes (BeginWeightUpdate `mode`); FULL unless the worker serves
+        LoRA adapters over fixed base weights (a vLLM worker started with `TANDEM_WORKER_MAX_LORA_RANK` or on an
+        adapter folder lists LORA alone).
+        """
 
     def __init__(
         self,
@@ -125,10 +133,11 @@ class WorkerInfo(_message.Message):
         start_time: _timestamp_pb2.Timestamp | None = ...,
         in_flight_updates: _builtins.bool = ...,
         weight_update_modes: _abc.Iterable[_weights_pb2.WeightUpdateMode.ValueType] | None = ...,
+        weight_transfer_ranks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "engine_kind", b"engine_kind", "engine_version", b"engine_version", "in_flight_updates", b"in_flight_updates", "incarnation", b"incarnation", "max_context_tokens", b"max_context_tokens", "model", b"model", "model_path", b"model_path", "openai_base_url", b"openai_base_url", "start_time", b"start_time", "tensor_parallel_size", b"tensor_parallel_size", "tokenizer", b"tokenizer", "weight_transfer_backends", b"weight_transfer_backends", "weight_update_modes", b"weight_update_modes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "dtype", b"dtype", "engine_kind", b"engine_kind", "engine_version", b"engine_version", "in_flight_updates", b"in_flight_updates", "incarnation", b"incarnation", "max_context_tokens", b"max_context_tokens", "model", b"model", "model_path", b"model_path", "openai_base_url", b"openai_base_url", "start_time", b"start_time", "tensor_parallel_size", b"tensor_parallel_size", "tokenizer", b"tokenizer", "weight_transfer_backends", b"weight_transfer_backends", "weight_transfer_ranks", b"weight_transfer_ranks", "weight_update_modes", b"weight_update_modes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
