@@ -4,8 +4,10 @@
 #
 #   gpu tests        tests/gpu (marker gpu): the vLLM engine on CUDA generating with processed log-probs
 #                    and recording the trace; a CUDA IPC weight update proved by checksums against a
-#                    fresh vLLM loaded from the same weights; with three GPUs or more, NCCL weight
-#                    transfer into two vLLM workers (versions 1 and 2, each proved by checksums) (360 s)
+#                    fresh vLLM loaded from the same weights; a LoRA adapter update proved by checksums
+#                    and by greedy output against a fresh vLLM on the adapter's folder; with three GPUs
+#                    or more, NCCL weight transfer into two vLLM workers (versions 1 and 2, each proved
+#                    by checksums)                                                                  (450 s)
 #   ipc benchmark    benchmarks/weight_sync_gpu.py: a CUDA IPC update of a ~500M vLLM worker against one
 #                    device copy of the same bytes                                                  (180 s)
 #   nccl benchmark   benchmarks/weight_sync_nccl.py, with two GPUs or more: an 8B-shaped (Llama-3-8B,
@@ -58,7 +60,7 @@ skip() {  # skip NAME WHY: a row for a check this machine cannot run
 }
 
 gpus=$(nvidia-smi -L | wc -l)
-check "gpu tests" 360 "$PY" -m pytest -q -rs -m gpu tests/gpu -p no:cacheprovider
+check "gpu tests" 450 "$PY" -m pytest -q -rs -m gpu tests/gpu -p no:cacheprovider
 check "ipc benchmark" 180 "$PY" benchmarks/weight_sync_gpu.py --params 500e6 --rounds 3
 if ((gpus >= 2)); then
     check "nccl benchmark" 180 "$PY" benchmarks/weight_sync_nccl.py --shape llama-8b --rounds 3
