@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, for a machine with an NVIDIA GPU, ending in one summary table (check, status,
-# seconds). Each check has its own time limit and together they stay under 10 minutes:
+# seconds). Each check has its own time limit: 10.5 minutes at most in all on one GPU (the NCCL benchmark
+# skips there), 13.5 with two or more:
 #
 #   gpu tests        tests/gpu (marker gpu): the vLLM engine on CUDA generating with processed log-probs
 #                    and recording the trace; a CUDA IPC weight update proved by checksums against a
