@@ -40,9 +40,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -95,6 +97,7 @@ def bucket_groups(buckets: Sequence[Bucket]) -> list[list[int]]:
     return groups
 
 
+DIFF_THREADS = max(2, min(8, os.cpu_count() or 1))  # threads comparing a delta update with its base
 log = logging.getLogger("tandem.weights")
 T = TypeVar("T")
 PAUSE_MODES = {
@@ -638,15 +641,22 @@ class WeightPublisher:
         return ""
 
     def _diff(self, named: Named, manifest: Sequence[Any]) -> _DeltaPlan:
-        """Each tensor against the base, made whole a bucket at a time."""
+        """Each tensor against the base, made whole a bucket at a time; a bucket's tensors are compared on
+        several threads (torch's ops release the GIL, and `nonzero` runs on one core)."""
         base = self._base
         assert base is not None
         groups = bucket_groups(plan_buckets(manifest, bucket_size_for(manifest, self.bucket_size)))
         parts: list[delta.TensorDelta] = []
-        with self._gather(named, groups) as tensors:
-            whole = itertools.chain.from_iterable(tensors)
-            for meta, old, new in zip(manifest, base.tensors, whole, strict=True):
-                parts.append(delta.diff(meta, old, new.detach().to("cpu").contiguous()))
+        pairs = zip(manifest, base.tensors, strict=True)
+        with self._gather(named, groups) as tensors, ThreadPoolExecutor(DIFF_THREADS) as pool:
+            for group in tensors:
+                compared = [
+                    pool.submit(delta.diff, *next(pairs), new.detach().to("cpu").contiguous())
+                    for new in group
+                ]
+                parts.extend(job.result() for job in compared)
+        if next(pairs, None) is not None:
+            raise ValueError("the update holds fewer tensors than its manifest")
         changed = [p.changed for p in parts]
         wire_meta = delta.wire_manifest(manifest, changed)
         wire_tensors = [t for p in parts for t in p.wire]
