@@ -6,34 +6,24 @@ that of a fresh worker started on the adapter's saved folder."""
 
 from __future__ import annotations
 
-import importlib.util
 import secrets
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
 import torch
 from tandem.trainer.v1 import config_pb2
 from transformers import AutoModelForCausalLM
 
+from tests.gpu.conftest import GPU_VLLM_MARKS, VLLM_ON_GPU
 from tests.support.workers import Worker, start_worker, stop_worker, worker_stub
 from tests.vllm.conftest import greedy
 from trainer import lora
 from trainer.inference.publisher import WeightPublisher
 from trainer.models import build_tiny_model
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason="the gpu extra (vLLM) is not installed"
-    ),
-]
-VLLM = {
-    "TANDEM_WORKER_ENGINE": "vllm",
-    "TANDEM_WORKER_GPU_MEMORY_UTILIZATION": "0.3",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}
+pytestmark = GPU_VLLM_MARKS
+VLLM = VLLM_ON_GPU
 PROMPTS = ([11, 42, 7, 300, 5], list(range(20, 60, 3)))
 
 

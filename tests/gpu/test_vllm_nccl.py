@@ -10,7 +10,6 @@ the trainer's weights of that version on disk reports the same digest.
 
 from __future__ import annotations
 
-import importlib.util
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,15 +20,13 @@ from safetensors.torch import load_file, save_file
 from tandem.inference.v1 import inference_service_pb2 as pb
 from tandem.inference.v1 import weights_pb2
 
+from tests.gpu.conftest import GPU_VLLM_MARKS
 from tests.support.workers import Worker, start_worker, stop_worker, worker_stub
 from trainer.inference.publisher import WeightPublisher
 from trainer.models import build_tiny_model
 
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason="the gpu extra (vLLM) is not installed"
-    ),
+    *GPU_VLLM_MARKS,
     pytest.mark.skipif(
         not torch.cuda.is_available() or torch.cuda.device_count() < 3,
         reason="NCCL into two vLLM workers needs three GPUs: the trainer's and one per worker",

@@ -8,7 +8,6 @@ same checksums as the updated one, which proves the update put exactly the train
 
 from __future__ import annotations
 
-import importlib.util
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,22 +19,13 @@ from safetensors.torch import load_file, save_file
 from tandem.inference.v1 import generation_pb2
 from tandem.inference.v1 import inference_service_pb2 as pb
 
+from tests.gpu.conftest import GPU_VLLM_MARKS, VLLM_ON_GPU
 from tests.support.workers import Worker, start_worker, stop_worker, worker_stub
 from trainer.inference.publisher import WeightPublisher
 from trainer.models import build_tiny_model
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason="the gpu extra (vLLM) is not installed"
-    ),
-]
-VLLM = {
-    "TANDEM_WORKER_ENGINE": "vllm",
-    "TANDEM_WORKER_TRANSFER_BACKEND": "ipc",
-    "TANDEM_WORKER_GPU_MEMORY_UTILIZATION": "0.3",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}
+pytestmark = GPU_VLLM_MARKS
+VLLM = {**VLLM_ON_GPU, "TANDEM_WORKER_TRANSFER_BACKEND": "ipc"}
 
 
 @pytest.fixture(scope="module")
