@@ -80,6 +80,15 @@ class Served:
     def base_weights(self) -> dict[str, torch.Tensor]:
         return load_file(str(self.model_dir / "model.safetensors"))
 
+    async def settled(self) -> int:
+        """The adapter versions held once the worker's event loop has removed the unused ones (a request's
+        end removes the adapter it held just after its last answer is sent): polled up to 5 s."""
+        for _ in range(50):
+            if len(self.adapter_folders()) == 1:
+                break
+            await asyncio.sleep(0.1)
+        return len(self.adapter_folders())
+
     def adapter_folders(self) -> list[Path]:
         """The adapter versions the worker's vLLM holds (each a folder in the worker's temp directory)."""
         return sorted(self.tmp.glob("worker-tmp/tandem-vllm-lora-*/v*"))
@@ -132,7 +141,7 @@ async def test_each_adapter_version_serves_what_a_fresh_vllm_serves_from_its_fol
         assert held.weight_version == version
         assert held.transfer_state == weights_pb2.WeightInfo.TRANSFER_STATE_READY
         assert [await greedy(stub, list(p)) for p in PROMPTS] == expected
-        assert len(served.adapter_folders()) == 1  # the version it replaced is gone
+        assert await served.settled() == 1  # the version it replaced is gone
 
 
 async def test_a_request_keeps_its_adapter_across_an_update_and_the_old_one_goes_when_it_ends(
@@ -169,11 +178,7 @@ async def test_a_request_keeps_its_adapter_across_an_update_and_the_old_one_goes
     assert held_during == 2  # the old adapter stayed while the request used it
     newer = await greedy(stub, prompt, max_tokens=long)
     assert newer != alone
-    for _ in range(50):  # removed by the last request's end, on the worker's event loop
-        if len(served.adapter_folders()) == 1:
-            break
-        await asyncio.sleep(0.1)
-    assert len(served.adapter_folders()) == 1
+    assert await served.settled() == 1
 
 
 async def test_a_lora_worker_refuses_what_it_cannot_serve_and_keeps_serving(
