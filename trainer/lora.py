@@ -117,20 +117,62 @@ class FrozenBase(torch.nn.Module):
             return self.module(*args, **kwargs)
 
 
-def save_checkpoint(policy: peft.PeftModel, folder: Path, dtype: torch.dtype, *, merged: bool) -> None:
-    """The adapter as peft saves it (`adapter_config.json`, `adapter_model.safetensors`, its tensors in
-    `dtype`: what the workers served), and with `merged` the base with the adapter folded in, as a whole
-    model folder in `dtype`, under `merged/`."""
-    config: Any = policy.peft_config[ADAPTER]
-    weights = {name: tensor.contiguous() for name, tensor in adapter_weights(policy, dtype)}
-    save_file(weights, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+def write_adapter(folder: Path, config: Any, weights: dict[str, torch.Tensor]) -> None:
+    """An adapter folder as peft saves one: `adapter_config.json` from the peft `config` (its base an absolute
+    path where it is a directory here, so a worker started anywhere finds it) and `adapter_model.safetensors`
+    holding `weights` (saved naming)."""
+    save_file(
+        {name: tensor.contiguous() for name, tensor in weights.items()},
+        str(folder / ADAPTER_WEIGHTS),
+        metadata={"format": "pt"},
+    )
     saved = config.to_dict()
     saved["target_modules"] = sorted(config.target_modules)  # a set in memory, a list on disk
     saved["inference_mode"] = True
     base = Path(str(saved.get("base_model_name_or_path") or ""))
-    if base.is_dir():  # an absolute path, so a worker started anywhere finds the base (torch_engine.load)
+    if base.is_dir():
         saved["base_model_name_or_path"] = str(base.resolve())
     (folder / ADAPTER_CONFIG).write_text(json.dumps(saved, indent=2, sort_keys=True, default=str))
+
+
+def write_spec_adapter(
+    folder: Path, spec: weights_pb2.LoraAdapterSpec, base_model: str, weights: dict[str, torch.Tensor]
+) -> None:
+    """`write_adapter` for an adapter of `spec` over `base_model` (a new folder), with no peft model at hand:
+    what a vLLM worker writes for vLLM to load each update from."""
+    folder.mkdir(parents=True)
+    config = _peft_config(spec)
+    config.base_model_name_or_path = base_model
+    write_adapter(folder, config, weights)
+
+
+def read_adapter(folder: Path) -> tuple[str, weights_pb2.LoraAdapterSpec]:
+    """(base model directory, LoraAdapterSpec) of a saved adapter folder; ValueError when its config is not a
+    LoRA adapter's, its base is not a directory here, or its weights file is missing."""
+    config_file = folder / ADAPTER_CONFIG
+    try:
+        config = json.loads(config_file.read_text())
+        base = str(config["base_model_name_or_path"])
+        targets = config["target_modules"]
+        spec = weights_pb2.LoraAdapterSpec(
+            rank=int(config["r"]),
+            alpha=float(config["lora_alpha"]),
+            target_modules=sorted([targets] if isinstance(targets, str) else targets),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{config_file} is not a LoRA adapter's config: {exc}") from None
+    if not Path(base).is_dir():
+        raise ValueError(f"the adapter at {folder} names base model {base}, which is not a directory here")
+    if not (folder / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(f"{folder} has no {ADAPTER_WEIGHTS}")
+    return base, spec
+
+
+def save_checkpoint(policy: peft.PeftModel, folder: Path, dtype: torch.dtype, *, merged: bool) -> None:
+    """The adapter as peft saves it (`adapter_config.json`, `adapter_model.safetensors`, its tensors in
+    `dtype`: what the workers served), and with `merged` the base with the adapter folded in, as a whole
+    model folder in `dtype`, under `merged/`."""
+    write_adapter(folder, policy.peft_config[ADAPTER], dict(adapter_weights(policy, dtype)))
     if merged:
         whole = copy.deepcopy(policy).merge_and_unload()
         whole.to(dtype).save_pretrained(folder / MERGED)

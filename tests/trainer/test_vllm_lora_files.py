@@ -1,7 +1,7 @@
-"""What a vLLM worker in LoRA mode derives without vLLM (trainer/inference/vllm_lora.py): the adapter's tensors
-from the base checkpoint's headers, the peft folder it writes for vLLM to load, and the plan a worker's
-settings and model folder give. The folder is checked against peft itself, which must load it and compute
-what the trainer's policy computes."""
+"""What a vLLM worker in LoRA mode derives without vLLM (trainer/inference/vllm_lora.py, trainer/lora.py):
+the adapter's tensors from the base checkpoint's headers, the peft folder it writes for vLLM to load, and the
+plan a worker's settings and model folder give. The folder is checked against peft itself, which must load
+it and compute what the trainer's policy computes."""
 
 from __future__ import annotations
 
@@ -15,13 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from trainer import lora
 from trainer.inference.vllm_engine import checkpoint_manifest
-from trainer.inference.vllm_lora import (
-    adapter_manifest,
-    lora_plan,
-    spec_of_folder,
-    vllm_max_rank,
-    write_folder,
-)
+from trainer.inference.vllm_lora import adapter_manifest, lora_plan, vllm_max_rank
 from trainer.models import build_tiny_model
 
 
@@ -61,8 +55,8 @@ def test_the_folder_written_for_vllm_is_one_peft_loads_and_computes_the_policy_w
             parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator))
     spec = lora.resolved(policy)
     folder = tmp_path / "adapter"
-    write_folder(folder, spec, str(model_dir), dict(lora.adapter_weights(policy, torch.float32)))
-    base_dir, read = spec_of_folder(folder)
+    lora.write_spec_adapter(folder, spec, str(model_dir), dict(lora.adapter_weights(policy, torch.float32)))
+    base_dir, read = lora.read_adapter(folder)
     assert (base_dir, read) == (str(model_dir), spec)
     loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), folder)
     ids = torch.tensor([[11, 42, 7, 300, 5]])

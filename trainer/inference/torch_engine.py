@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import secrets
@@ -814,26 +813,14 @@ def _merge(left: _KvBatch, right: _KvBatch) -> _KvBatch:
 def _saved_adapter(model_path: str) -> tuple[str, Any] | None:
     """(base model directory, LoraAdapterSpec) of a saved LoRA adapter folder, or None for a model folder."""
     root = Path(model_path)
-    config_file = root / "adapter_config.json"
-    if not config_file.is_file() or (root / "config.json").exists():
+    if not (root / "adapter_config.json").is_file() or (root / "config.json").exists():
         return None
-    from tandem.inference.v1 import weights_pb2  # noqa: PLC0415
+    from trainer import lora  # noqa: PLC0415  # peft is imported only by a worker that serves an adapter
 
     try:
-        config = json.loads(config_file.read_text())
-        base = str(config["base_model_name_or_path"])
-        spec = weights_pb2.LoraAdapterSpec(
-            rank=int(config["r"]),
-            alpha=float(config["lora_alpha"]),
-            target_modules=sorted(config["target_modules"]),
-        )
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"{config_file} is not a LoRA adapter's config: {exc}") from None
-    if not Path(base).is_dir():
-        raise ModelLoadError(
-            f"the adapter at {model_path} names base model {base}, which is not a directory here"
-        )
-    return base, spec
+        return lora.read_adapter(root)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def _load_adapter(model: PreTrainedModel, folder: Path, spec: Any) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -33,12 +32,10 @@ from typing import Any
 
 import torch
 
+from trainer import lora
 from trainer.inference.engine import LoraMismatch, ManifestMismatch, TensorMeta, WeightTransferFailed
 from trainer.inference.weights import dtype_name, dtype_of, manifest_problems, tensor_checksum
 
-SAVED_PREFIX = "base_model.model."  # peft's saved naming (trainer/lora.py), kept here so vLLM needs no peft
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # vLLM's accepted `max_lora_rank` values (vllm/config/lora.py, 0.32); a setting is rounded up to the next one.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -68,8 +65,8 @@ def lora_plan(model_path: Path, max_lora_rank: int) -> LoraPlan | None:
     and no `config.json`), whose base model is then served with it. ValueError naming what is wrong."""
     saved: tuple[Path, Any] | None = None
     base = model_path
-    if (model_path / ADAPTER_CONFIG).is_file() and not (model_path / "config.json").exists():
-        base_dir, spec = spec_of_folder(model_path)
+    if (model_path / lora.ADAPTER_CONFIG).is_file() and not (model_path / "config.json").exists():
+        base_dir, spec = lora.read_adapter(model_path)
         saved, base = (model_path, spec), Path(base_dir)
         max_lora_rank = max(max_lora_rank, spec.rank)
     if not max_lora_rank:
@@ -101,60 +98,13 @@ def adapter_manifest(base: Sequence[TensorMeta], spec: Any, dtype: str) -> list[
         if module not in targets and module.rsplit(".", 1)[-1] not in targets:
             continue
         out_features, in_features = meta.shape
-        found.append(TensorMeta(f"{SAVED_PREFIX}{module}.lora_A.weight", dtype, (spec.rank, in_features)))
-        found.append(TensorMeta(f"{SAVED_PREFIX}{module}.lora_B.weight", dtype, (out_features, spec.rank)))
-    return found
-
-
-def spec_of_folder(folder: Path) -> tuple[str, Any]:
-    """(base model directory, LoraAdapterSpec) of a saved peft adapter folder; ValueError when its config is
-    not a LoRA adapter's or names no base directory here."""
-    from tandem.inference.v1 import weights_pb2  # noqa: PLC0415
-
-    config_file = folder / ADAPTER_CONFIG
-    try:
-        config = json.loads(config_file.read_text())
-        base = str(config["base_model_name_or_path"])
-        targets = config["target_modules"]
-        spec = weights_pb2.LoraAdapterSpec(
-            rank=int(config["r"]),
-            alpha=float(config["lora_alpha"]),
-            target_modules=sorted([targets] if isinstance(targets, str) else targets),
+        found.append(
+            TensorMeta(f"{lora.SAVED_PREFIX}{module}.lora_A.weight", dtype, (spec.rank, in_features))
         )
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{config_file} is not a LoRA adapter's config: {exc}") from None
-    if not Path(base).is_dir():
-        raise ValueError(f"the adapter at {folder} names base model {base}, which is not a directory here")
-    if not (folder / ADAPTER_WEIGHTS).is_file():
-        raise ValueError(f"{folder} has no {ADAPTER_WEIGHTS}")
-    return base, spec
-
-
-def write_folder(folder: Path, spec: Any, base_model: str, tensors: Mapping[str, torch.Tensor]) -> None:
-    """A peft adapter folder of `spec` over `base_model` holding `tensors` (saved naming)."""
-    from safetensors.torch import save_file  # noqa: PLC0415
-
-    folder.mkdir(parents=True)
-    alpha = int(spec.alpha) if float(spec.alpha).is_integer() else float(spec.alpha)
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": int(spec.rank),
-        "lora_alpha": alpha,
-        "target_modules": sorted(spec.target_modules),
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "modules_to_save": None,
-    }
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
-    save_file(
-        {name: tensor.contiguous() for name, tensor in tensors.items()},
-        str(folder / ADAPTER_WEIGHTS),
-        metadata={"format": "pt"},
-    )
+        found.append(
+            TensorMeta(f"{lora.SAVED_PREFIX}{module}.lora_B.weight", dtype, (out_features, spec.rank))
+        )
+    return found
 
 
 @dataclass
@@ -212,13 +162,11 @@ class VllmAdapters:
         """Host buffers for the update's tensors; the first update fixes the adapter's shape and probes vLLM
         with it (the probe then serves version `serving`: the base's output). LoraMismatch for a shape this
         worker cannot serve or another than the first's; ManifestMismatch for tensors not that adapter's."""
-        from trainer import lora as lora_names  # noqa: PLC0415 - peft is in the worker's environment too
-
         if self.spec is None:
             await self._adopt(spec, serving)
-        elif not lora_names.same_shape(self.spec, spec):
+        elif not lora.same_shape(self.spec, spec):
             raise LoraMismatch(
-                f"the model serves an adapter of {lora_names.describe(self.spec)}, not {lora_names.describe(spec)}"
+                f"the model serves an adapter of {lora.describe(self.spec)}, not {lora.describe(spec)}"
             )
         problems = manifest_problems(manifest, self._manifest)
         if problems:
@@ -227,9 +175,7 @@ class VllmAdapters:
         return dict(self._staged)
 
     async def _adopt(self, spec: Any, serving: int) -> None:
-        from trainer import lora as lora_names  # noqa: PLC0415
-
-        described = lora_names.describe(spec)
+        described = lora.describe(spec)
         if "all-linear" in spec.target_modules:
             raise LoraMismatch(
                 f"the adapter ({described}) names peft's all-linear: send the module names it resolved to"
@@ -273,7 +219,7 @@ class VllmAdapters:
         manifest = adapter_manifest(self._base_manifest, spec, self.dtype)
         saved = {
             name: tensor.to(dtype_of(self.dtype))
-            for name, tensor in load_file(str(folder / ADAPTER_WEIGHTS)).items()
+            for name, tensor in load_file(str(folder / lora.ADAPTER_WEIGHTS)).items()
         }
         held = [TensorMeta(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in saved.items()]
         problems = manifest_problems(held, manifest) + [
@@ -290,7 +236,7 @@ class VllmAdapters:
         lora_id = self._next_id
         self._next_id += 1
         folder = self._root / f"v{version}-{lora_id}"
-        await asyncio.to_thread(write_folder, folder, spec, self._base_model, tensors)
+        await asyncio.to_thread(lora.write_spec_adapter, folder, spec, self._base_model, tensors)
         request = LoRARequest(
             lora_name=f"tandem-v{version}-{lora_id}", lora_int_id=lora_id, lora_path=str(folder)
         )
