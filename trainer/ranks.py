@@ -59,6 +59,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -672,5 +673,23 @@ def main() -> int:
     return 0 if same else 1
 
 
+def run_child() -> None:
+    """A child rank's process: `main`, then an exit that skips the interpreter's finalization. Gloo's worker
+    threads can still hold the last asynchronous collectives' work (FSDP's reduce-scatters), whose tensors
+    reach back into Python; freed during finalization they take the GIL of an interpreter being torn down,
+    and the process dies of SIGABRT after a job that succeeded. Logs and streams are flushed first."""
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # a child reports every failure in its log and its exit status
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_child()

@@ -424,7 +424,8 @@ async def test_a_two_rank_job_runs_end_to_end_over_the_mesh(
             print(f"weight sync: peak {peaks} of {total} bytes")
             assert all(0 < peak <= 3 * bucket < total for peak in peaks)
         child = env.ranks.children[0]
-        assert await asyncio.to_thread(child.proc.wait, 30) == 0
+        await asyncio.to_thread(child.proc.wait, 30)
+        assert child.proc.returncode == 0, child.describe()
         assert "digests agree: True" in child.log_path.read_text()
     # The final checkpoint holds the weights the workers were verified on.
     final = AutoModelForCausalLM.from_pretrained(t.checkpoints() / "step-000002")
