@@ -25,13 +25,17 @@ correlation id, for a short warm-up that is not counted and then a measured wind
 
 * direct: POST /rollout on one shared `httpx.AsyncClient` (1,024 connections, as the proxy) with the key and
   the very JSON body the proxy sends (`spec_json` of the same RolloutSpec); the answer is parsed and its
-  echoed correlation id checked.
+  echoed correlation id checked. The goals are judged against this path, a researcher's usual client.
+* app capacity: the same call on one aiohttp session made as the proxy makes its own
+  (`rollouts.http_session`). aiohttp costs this client far less CPU per call than httpx, so at 16 and 256
+  this is the app's own rate, which httpx's one process cannot reach: the ratio against it says how much of
+  what the app can serve the proxy passes on. Reported, not judged.
 * proxy: `TaskAppService.Rollout` on one gRPC channel with a `job` token of org bench that names the app
   (as the scheduler's token for a job whose config names it), the request naming the job (so the proxy
   also records a `rollout.completed` event per rollout, as for a trainer); a result carrying an error
   counts as a failure.
 
-Direct and proxy alternate in rounds at each concurrency (summed), so slow drifts of the shared machine
+The paths alternate in rounds at each concurrency (summed), so slow drifts of the shared machine
 touch both columns alike. Rollouts/s counts rollouts completed in the measured windows; the latency of a
 rollout is its wall time in the client, and added p50/p99 is the proxy's percentile minus the direct one at
 the same concurrency. Goals (from the issue): added p50 <= 2 ms, judged at 1 concurrent rollout, where it is
@@ -67,6 +71,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import httpx
 import nacl.signing
@@ -78,7 +83,7 @@ from tandem.vault.v1 import vault_service_pb2, vault_service_pb2_grpc
 from mesh.identity import TokenSigner
 from mesh.launcher import MESH_SERVICES
 from mesh.secrets import seal_for_upload
-from services.taskapp_proxy.rollouts import spec_json
+from services.taskapp_proxy.rollouts import http_session, spec_json
 
 pb = taskapp_service_pb2
 SCRIPT = Path(__file__).resolve()
@@ -95,6 +100,14 @@ PROCESSES = ("client", "app", "mesh")
 BUSY_CORES = 0.8  # a process this busy is at its limit: one Python process cannot use much more than one core
 Metadata = tuple[tuple[str, str], ...]
 Call = Callable[[str], Awaitable[None]]
+PATH_ERRORS = (
+    grpc.aio.AioRpcError,
+    httpx.HTTPError,
+    aiohttp.ClientError,
+    TimeoutError,
+    RuntimeError,
+    ValueError,
+)
 
 
 @dataclass(frozen=True)
@@ -277,25 +290,49 @@ def rollout_spec(correlation: str = "") -> rollout_pb2.RolloutSpec:
 
 
 class Direct:
-    """POST /rollout straight to the app, with the body and headers the proxy would send."""
+    """POST /rollout straight to the app, with the body and headers the proxy would send, on one httpx client
+    (`Capacity`: on one aiohttp session)."""
 
     name = "direct"
 
-    def __init__(self, http: httpx.AsyncClient, url: str, key: str) -> None:
+    def __init__(self, http: httpx.AsyncClient | aiohttp.ClientSession, url: str, key: str) -> None:
         self._http = http
         self._url = f"{url}/rollout"
         self._key = key
         self._body = spec_json(rollout_spec("template"))
 
     async def __call__(self, correlation: str) -> None:
-        body = {**self._body, "trace_correlation_id": correlation}
-        headers = {"X-API-Key": self._key, "X-Trace-Correlation-Id": correlation}
-        response = await self._http.post(self._url, json=body, headers=headers, timeout=CALL_TIMEOUT_S)
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
-        echoed = json.loads(response.content).get("trace_correlation_id")
+        body = json.dumps({**self._body, "trace_correlation_id": correlation}).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "X-API-Key": self._key,
+            "X-Trace-Correlation-Id": correlation,
+        }
+        status, content = await self._post(body, headers)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {content[:200]!r}")
+        echoed = json.loads(content).get("trace_correlation_id")
         if echoed != correlation:
             raise RuntimeError(f"answer for {echoed!r}, not {correlation!r}")
+
+    async def _post(self, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        assert isinstance(self._http, httpx.AsyncClient)
+        response = await self._http.post(self._url, content=body, headers=headers, timeout=CALL_TIMEOUT_S)
+        return response.status_code, response.content
+
+
+class Capacity(Direct):
+    """The same call on the proxy's own kind of aiohttp session: what the app serves a cheap client."""
+
+    name = "capacity"
+
+    async def _post(self, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        assert isinstance(self._http, aiohttp.ClientSession)
+        async with (
+            asyncio.timeout(CALL_TIMEOUT_S),
+            self._http.post(self._url, data=body, headers=headers) as response,
+        ):
+            return response.status, await response.read()
 
 
 class Proxied:
@@ -366,7 +403,7 @@ async def closed_loop(
             n += 1
             try:
                 await call(f"{prefix}-{index}-{n}")
-            except (grpc.aio.AioRpcError, httpx.HTTPError, RuntimeError, ValueError) as error:
+            except PATH_ERRORS as error:
                 into.errors += 1
                 into.first_error = into.first_error or f"{type(error).__name__}: {error}"[:300]
                 await asyncio.sleep(0.01)  # a failing path must not spin
@@ -392,6 +429,7 @@ class Row:
     concurrency: int
     direct: Sample
     proxy: Sample
+    capacity: Sample
 
 
 async def measure(
@@ -405,7 +443,7 @@ async def measure(
                 print(f"  {concurrency:>3} concurrent, {path.name}, round {round_ + 1} ...", flush=True)
                 prefix = f"{run}-{path.name}-c{concurrency}-r{round_}"
                 await closed_loop(path, concurrency, plan, prefix, pids, samples[path.name])
-        rows.append(Row(concurrency, samples["direct"], samples["proxy"]))
+        rows.append(Row(concurrency, samples["direct"], samples["proxy"], samples["capacity"]))
     return rows
 
 
@@ -450,11 +488,14 @@ def report(rows: Sequence[Row], plan: Plan, elapsed_s: float, load: tuple[float,
             "proxy p50/p99 ms",
             "added p50/p99 ms",
             "goal",
+            "app capacity rollouts/s",
+            "proxy / capacity",
         )
     ]
     for row in rows:
         d, p = row.direct, row.proxy
         ratio = p.per_s / d.per_s if d.per_s else math.nan
+        of_capacity = p.per_s / row.capacity.per_s if row.capacity.per_s else math.nan
         d50, d99, p50, p99 = (
             d.percentile_ms(0.5),
             d.percentile_ms(0.99),
@@ -471,6 +512,8 @@ def report(rows: Sequence[Row], plan: Plan, elapsed_s: float, load: tuple[float,
                 pair(p50, p99),
                 pair(p50 - d50, p99 - d99, signed=True),
                 goal(row, ratio, p50 - d50),
+                number(row.capacity.per_s),
+                "n/a" if math.isnan(of_capacity) else f"{of_capacity:.2f}x",
             )
         )
     widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
@@ -483,26 +526,32 @@ def report(rows: Sequence[Row], plan: Plan, elapsed_s: float, load: tuple[float,
         f"{os.cpu_count()} cores; {plan.rounds} x {plan.window_s:.1f} s measured per cell after "
         f"{plan.warmup_s:.1f} s warm-ups; run took {elapsed_s:.0f} s; load average (1 min) before/after "
         f"{load[0]:.2f}/{load[1]:.2f}" + ("; --quick: short windows, rough figures" if plan is QUICK else ""),
-        "cores busy, client/app/mesh, direct vs proxy: "
+        "cores busy, client/app/mesh, direct vs proxy vs capacity: "
         + "; ".join(
             f"{row.concurrency}: "
-            + " vs ".join("/".join(number(s.cores(n), 2) for n in PROCESSES) for s in (row.direct, row.proxy))
+            + " vs ".join(
+                "/".join(number(s.cores(n), 2) for n in PROCESSES)
+                for s in (row.direct, row.proxy, row.capacity)
+            )
             for row in rows
         ),
-        "CPU ms per rollout, app/mesh, direct vs proxy: "
+        "CPU ms per rollout, app/mesh, direct vs proxy vs capacity: "
         + "; ".join(
             f"{row.concurrency}: "
             + " vs ".join(
                 "/".join(number(s.cpu_ms_per_rollout(n), 2) for n in ("app", "mesh"))
-                for s in (row.direct, row.proxy)
+                for s in (row.direct, row.proxy, row.capacity)
             )
             for row in rows
         ),
-        f"limited by (the process at >= {BUSY_CORES} cores), direct vs proxy: "
-        + "; ".join(f"{row.concurrency}: {limiter(row.direct)} vs {limiter(row.proxy)}" for row in rows),
+        f"limited by (the process at >= {BUSY_CORES} cores), direct vs proxy vs capacity: "
+        + "; ".join(
+            f"{row.concurrency}: {limiter(row.direct)} vs {limiter(row.proxy)} vs {limiter(row.capacity)}"
+            for row in rows
+        ),
     ]
     for row in rows:
-        for sample, name in ((row.direct, "direct"), (row.proxy, "proxy")):
+        for sample, name in ((row.direct, "direct"), (row.proxy, "proxy"), (row.capacity, "capacity")):
             if sample.errors:
                 lines.append(
                     f"{row.concurrency} concurrent, {name}: {sample.errors} failed calls, first: {sample.first_error}"
@@ -538,6 +587,7 @@ async def run_benchmark(plan: Plan, profile_path: Path | None) -> int:
             child_process("mesh", [sys.executable, *profiler, "-m", "gateway.cli", "up"], env, folder)
         )
         http = httpx.AsyncClient(limits=HTTP_LIMITS)
+        session = http_session()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{ports['taskapp_proxy']}")
         try:
             await wait_for_app(app, http, app_url)
@@ -545,11 +595,15 @@ async def run_benchmark(plan: Plan, profile_path: Path | None) -> int:
             print(f"Task App at {app_url}; mesh up (proxy at 127.0.0.1:{ports['taskapp_proxy']})", flush=True)
             await upload_key_and_register(ports, signer, app_url, key)
             job = bearer(signer.issue("job", JOB, org=ORG, ttl_s=3600, extra={"task_apps": [APP_NAME]}))
-            paths: list[Direct | Proxied] = [Direct(http, app_url, key), Proxied(channel, job)]
+            paths: list[Direct | Proxied] = [
+                Direct(http, app_url, key),
+                Proxied(channel, job),
+                Capacity(session, app_url, key),
+            ]
             for path in paths:  # one call each, so a broken setup fails here with its own message
                 try:
                     await path(f"{run}-{path.name}-first")
-                except (grpc.aio.AioRpcError, httpx.HTTPError, RuntimeError) as error:
+                except PATH_ERRORS as error:
                     raise RuntimeError(
                         f"{path.name}: the first rollout failed: {error}\n{mesh.tail()}"
                     ) from None
@@ -559,6 +613,7 @@ async def run_benchmark(plan: Plan, profile_path: Path | None) -> int:
             rows = await measure(paths, plan, pids, run)
         finally:
             await channel.close()
+            await session.close()
             await http.aclose()
     print()
     print(report(rows, plan, time.perf_counter() - started, (load_before, os.getloadavg()[0])))
