@@ -76,8 +76,8 @@ Goals: (a) reaches >= 0.85x the ceiling's GB/s; (a) + Begin/Finish is >= 5x fast
 model.
 
 Bucket size: as the trainer's publisher chooses it (`bucket_size_for`): up to --bucket-mib (32 MiB by
-default), and a model smaller than --split (8) such buckets goes in about --split buckets of at least 1 MiB,
-so that the 10M model's 22 MB moves in 8 buckets, not one that is packed whole before its first byte moves;
+default), and a model smaller than --split (2) such buckets goes in about --split buckets of at least 1 MiB,
+so that the 10M model's 22 MB moves in 3 buckets, not one that is packed whole before its first byte moves;
 `--split 1` gives the plain --bucket-mib plan (one bucket for 10M, six for 100M), for a before/after in the
 same conditions. A tensor larger than the bucket goes on its own, from and into its memory without a copy,
 and the sender packs bucket k+1 while bucket k is on the wire. Earlier, on the 2-core machine this was

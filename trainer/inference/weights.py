@@ -66,7 +66,11 @@ from trainer.inference.engine import TensorMeta
 
 ALIGNMENT = 16  # byte offset of every tensor in a bucket: the widest element (complex128) views in place
 MIN_BUCKET_BYTES = 1 << 20  # the contract's smallest bucket_size_bytes (BeginWeightUpdate)
-OVERLAP_BUCKETS = 8  # a model smaller than this many full buckets is split into about this many
+# A model smaller than this many full buckets is split into about this many: packing bucket 2 overlaps
+# sending bucket 1, and every further bucket adds a collective's fixed cost. On the 2-core VM (10M model,
+# 2026-12-06, alternated) 2 gave 3 buckets at 0.71-0.94x the flat ceiling (mean 0.83, 8 runs), 8 gave
+# 0.61-0.84x (mean 0.75, 7 runs).
+OVERLAP_BUCKETS = 2
 ROOT = 0  # the trainer's rank, the root of every broadcast
 _WAIT_SLICE_S = 0.05  # how often a wait looks at the cancellation event
 _BACKSTOP_S = 2.0  # the wait gives gloo this long past its own timeout before it gives up by itself
