@@ -314,3 +314,57 @@ def test_the_task_reaches_its_folders_under_a_folder_others_cannot_enter() -> No
         assert (own / "written").exists()
     finally:
         shutil.rmtree(closed)
+
+
+@needs_root_and_bwrap
+def test_a_checkout_others_cannot_enter_is_opened_for_the_task_without_the_state_inside_it() -> None:
+    """Tandem run from a checkout that is itself private (made by `mktemp -d`, or a home): binding the
+    checkout back whole would bring back its 0700, so the task could not start Tandem's own Python. The
+    checkout's entries are bound back one by one instead, a link as a link; the mesh's state inside it stays
+    empty."""
+    account = org_account("acme")
+    checkout = Path(tempfile.mkdtemp(prefix="tandem-checkout-"))  # 0700
+    try:
+        env_bin = checkout / ".venv" / "bin"
+        env_bin.mkdir(parents=True)
+        (env_bin / "tool").write_text("#!/bin/sh\necho tool ran\n")
+        (env_bin / "tool").chmod(0o755)
+        (checkout / "Makefile").write_text("the checkout's")
+        (checkout / "Makefile").chmod(0o644)
+        (checkout / "tool-link").symlink_to(env_bin / "tool")
+        private = checkout / "private"
+        private.mkdir(mode=0o700)
+        (private / "inner").mkdir()
+        (private / "inner" / "code.py").write_text("inside a private folder of the checkout")
+        (private / "inner" / "code.py").chmod(0o644)
+        state = checkout / ".tandem"
+        (state / "vault").mkdir(parents=True)
+        (state / "vault" / "master.key").write_text("the mesh's")
+        own = state / "scheduler" / "jobs" / "orgs-acme-jobs-j1" / "main"
+        own.mkdir(parents=True)
+        os.chown(own, account.pw_uid, account.pw_gid)
+        script = (
+            f"{env_bin}/tool; {checkout}/tool-link; cat {checkout}/Makefile; echo;"
+            f" cat {private}/inner/code.py; echo; touch {own}/written;"
+            f" ls -A {state}/vault | wc -l; test -e {state}/vault/master.key || echo no key"
+        )
+        argv = sandbox.command(
+            ["sh", "-c", script], account, cwd=own, hide=[state, state / "scheduler"], own=[own],
+            runtime=[checkout, checkout / ".venv"],
+        )  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert lines[:4] == [
+            "tool ran",
+            "tool ran",
+            "the checkout's",
+            "inside a private folder of the checkout",
+        ]
+        assert lines[4:] == ["0", "no key"], done.stdout + done.stderr
+        assert (own / "written").exists()
+        joined = " ".join(argv)
+        assert f"--ro-bind {checkout} {checkout}" not in joined  # its entries, not the folder
+        assert f"--symlink {env_bin / 'tool'} {checkout / 'tool-link'}" in joined
+    finally:
+        shutil.rmtree(checkout)

@@ -15,7 +15,8 @@ What the task sees:
   scheduler hands the task still holds. The backend refuses a mount of anything else there.
 - **The Python environment Tandem runs in**, even where it lies under a folder others may not enter (a
   virtual environment under `/root`, say): each such folder is a tmpfs others may enter but not list, with
-  only the environment's own folders bound back, read-only.
+  only the environment's own folders bound back, read-only. One of those that others may not enter itself
+  (a checkout made by `mktemp -d`) is made enter-only too, and its entries are bound back one by one.
 - The rest of the machine as the organization's user finds it: files readable by everyone stay readable,
   devices (GPUs) stay usable, the network is the host's.
 
@@ -115,6 +116,53 @@ def _inside(path: Path, roots: Sequence[Path]) -> bool:
     return any(path == r or path.is_relative_to(r) for r in roots)
 
 
+class _Mounts:
+    """bubblewrap's mount options for one sandbox, in order: the host's root, then folders made in tmpfses."""
+
+    def __init__(self) -> None:
+        self.options: list[str] = ["--dev-bind", "/", "/"]
+        self._made: set[Path] = set()
+        self._covered: list[Path] = []  # runtime paths bound back whole
+
+    def enterable(self, path: Path, under: Sequence[Path]) -> None:
+        """The folders between the first of `under` holding `path` and it, made enterable inside that tmpfs
+        (bubblewrap would make them for root alone)."""
+        top = next(r for r in under if _inside(path, [r]))
+        for folder in reversed(path.parents):
+            if folder.is_relative_to(top) and folder != top and folder not in self._made:
+                self._made.add(folder)
+                self.options.extend(["--perms", "0711", "--dir", str(folder)])
+
+    def bind(self, path: Path, under: Sequence[Path], option: str) -> None:
+        self.enterable(path, under)
+        self.options.extend([option, str(path), str(path)])
+
+    def bind_runtime(self, path: Path, opened: Sequence[Path]) -> None:
+        """`path`, inside one of the `opened` tmpfses, bound back read-only. A folder others may not enter
+        itself (a checkout in a private folder, whose bind would bring its mode back) is made an enter-only
+        folder instead, and what it holds bound back the same way, each entry at its path; a link is made
+        again as a link."""
+        try:
+            mode = path.lstat().st_mode
+        except OSError:
+            return  # gone since it was listed: nothing to open
+        if _inside(path, self._covered):
+            return
+        if stat.S_ISLNK(mode):
+            self.enterable(path, opened)
+            self.options.extend(["--symlink", os.readlink(path), str(path)])
+        elif stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+            if path not in opened and path not in self._made:
+                self.enterable(path, opened)
+                self._made.add(path)
+                self.options.extend(["--perms", "0711", "--dir", str(path)])
+            for entry in sorted(path.iterdir()):
+                self.bind_runtime(entry, opened)
+        else:
+            self.bind(path, opened, "--ro-bind")
+            self._covered.append(path)
+
+
 def command(
     argv: Sequence[str],
     account: pwd.struct_passwd,
@@ -133,41 +181,26 @@ def command(
     runtime = runtime_paths() if runtime is None else runtime
     resolved = [p.resolve() for p in hide]
     hidden = [p for p in resolved if not any(p != q and p.is_relative_to(q) for q in resolved)]
-    binds: list[str] = ["--dev-bind", "/", "/"]
-    made: set[Path] = set()
-
-    def enterable(path: Path, under: Sequence[Path]) -> None:
-        """The folders between the first of `under` holding `path` and it, made enterable inside that tmpfs
-        (bubblewrap would make them for root alone)."""
-        top = next(r for r in under if _inside(path, [r]))
-        for folder in reversed(path.parents):
-            if folder.is_relative_to(top) and folder != top and folder not in made:
-                made.add(folder)
-                binds.extend(["--perms", "0711", "--dir", str(folder)])
-
-    def bind(path: Path, under: Sequence[Path], option: str) -> None:
-        enterable(path, under)
-        binds.extend([option, str(path), str(path)])
-
+    made = _Mounts()
     # Folders others may not enter above the runtime or the hidden folders (a home; pytest's temporary root,
     # which any pytest run shuts again): an enter-only tmpfs each, holding only what is bound back into it.
     opened = closed_ancestors([*runtime, *(h.parent for h in hidden)])
     for folder in opened:  # others may enter, not list; only the runtime's folders inside
-        binds += ["--perms", "0711", "--tmpfs", str(folder)]
+        made.options += ["--perms", "0711", "--tmpfs", str(folder)]
     for path in runtime:
         if _inside(path, opened) and not _inside(path, hidden):
-            bind(path, opened, "--ro-bind")
+            made.bind_runtime(path, opened)
     bound_runtime = [r for r in runtime if _inside(r, opened)]
     for folder in hidden:
         if _inside(folder, opened) and not _inside(folder, bound_runtime):  # its mount point: enterable too
-            enterable(folder, opened)
-        binds += ["--perms", "0711", "--tmpfs", str(folder)]
+            made.enterable(folder, opened)
+        made.options += ["--perms", "0711", "--tmpfs", str(folder)]
     bound = {p.resolve(): False for p in own}
     for path, read_only in mounts:
         bound.setdefault(path.resolve(), read_only)
     for path, read_only in bound.items():  # elsewhere the task finds a mount as its user may
         if _inside(path, hidden):
-            bind(path, hidden, "--ro-bind" if read_only else "--bind")
+            made.bind(path, hidden, "--ro-bind" if read_only else "--bind")
     drop = [
         "env",
         f"--default-signal={RESET_SIGNALS}",
@@ -178,6 +211,6 @@ def command(
         "--no-new-privs",
         "--",
     ]
-    sandbox = [*binds, "--unshare-pid", "--proc", "/proc", "--chdir", str(cwd), "--", *drop, *argv]
+    sandbox = [*made.options, "--unshare-pid", "--proc", "/proc", "--chdir", str(cwd), "--", *drop, *argv]
     # bubblewrap outlives the signals the task handles (see the module's text); `exec` keeps its pid the rank's.
     return ["bash", "-c", f'trap "" {RESET_SIGNALS.replace(",", " ")}; exec "$0" "$@"', bwrap, *sandbox]
