@@ -286,6 +286,20 @@ def test_tandem_up_refuses_a_sandbox_it_cannot_build(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr and "bug" not in done.stderr
 
 
+def environment_with_a_tool(env: Path) -> Path:
+    """`env`/bin holding `tool`, a program anyone may run that prints "tool ran"; returns the bin folder."""
+    env_bin = env / "bin"
+    env_bin.mkdir(parents=True)
+    (env_bin / "tool").write_text("#!/bin/sh\necho tool ran\n")
+    (env_bin / "tool").chmod(0o755)
+    return env_bin
+
+
+def readable(path: Path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o644)
+
+
 @needs_root_and_bwrap
 def test_the_task_reaches_its_folders_under_a_folder_others_cannot_enter() -> None:
     """The mesh's state folder inside a private folder (a home), the environment too: the task still runs
@@ -293,12 +307,8 @@ def test_the_task_reaches_its_folders_under_a_folder_others_cannot_enter() -> No
     account = org_account("acme")
     closed = Path(tempfile.mkdtemp(prefix="tandem-home-"))  # 0700
     try:
-        env_bin = closed / "env" / "bin"
-        env_bin.mkdir(parents=True)
-        (env_bin / "tool").write_text("#!/bin/sh\necho tool ran\n")
-        (env_bin / "tool").chmod(0o755)
-        (closed / "notes.txt").write_text("the owner's")
-        (closed / "notes.txt").chmod(0o644)  # readable, were the folder not private
+        env_bin = environment_with_a_tool(closed / "env")
+        readable(closed / "notes.txt", "the owner's")  # readable, were the folder not private
         state = closed / "state"
         own = state / "scheduler" / "jobs" / "orgs-acme-jobs-j1" / "main"
         own.mkdir(parents=True)
@@ -325,18 +335,13 @@ def test_a_checkout_others_cannot_enter_is_opened_for_the_task_without_the_state
     account = org_account("acme")
     checkout = Path(tempfile.mkdtemp(prefix="tandem-checkout-"))  # 0700
     try:
-        env_bin = checkout / ".venv" / "bin"
-        env_bin.mkdir(parents=True)
-        (env_bin / "tool").write_text("#!/bin/sh\necho tool ran\n")
-        (env_bin / "tool").chmod(0o755)
-        (checkout / "Makefile").write_text("the checkout's")
-        (checkout / "Makefile").chmod(0o644)
+        env_bin = environment_with_a_tool(checkout / ".venv")
+        readable(checkout / "Makefile", "the checkout's")
         (checkout / "tool-link").symlink_to(env_bin / "tool")
         private = checkout / "private"
         private.mkdir(mode=0o700)
         (private / "inner").mkdir()
-        (private / "inner" / "code.py").write_text("inside a private folder of the checkout")
-        (private / "inner" / "code.py").chmod(0o644)
+        readable(private / "inner" / "code.py", "inside a private folder of the checkout")
         state = checkout / ".tandem"
         (state / "vault").mkdir(parents=True)
         (state / "vault" / "master.key").write_text("the mesh's")
