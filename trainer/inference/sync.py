@@ -244,6 +244,18 @@ class WeightSync:
                     "in-flight update; pause generation and update without in_flight",
                     reason=R.ERROR_REASON_IN_FLIGHT_UPDATE_UNSUPPORTED,
                 )
+            # What the engine can never take is refused first, whatever the transfer's state.
+            if lora is not None and not self.engine.lora_updates:
+                raise FailedPrecondition(
+                    f"the {self.engine.info.kind} engine serves no LoRA adapter",
+                    reason=R.ERROR_REASON_WEIGHT_UPDATE_MODE_UNSUPPORTED,
+                )
+            if lora is None and changed is None and not self.engine.full_updates:
+                raise FailedPrecondition(
+                    f"the {self.engine.info.kind} engine serves LoRA adapters over fixed base weights; "
+                    "send a LORA update",
+                    reason=R.ERROR_REASON_WEIGHT_UPDATE_MODE_UNSUPPORTED,
+                )
             if self._group is None and not self._remote:
                 raise FailedPrecondition(
                     "the weight transfer group is not initialized; call InitWeightTransfer",
@@ -260,17 +272,6 @@ class WeightSync:
                 )
             if changed is not None:
                 self._check_delta(manifest, changed, base_version)
-            if lora is not None and not self.engine.lora_updates:
-                raise FailedPrecondition(
-                    f"the {self.engine.info.kind} engine serves no LoRA adapter",
-                    reason=R.ERROR_REASON_WEIGHT_UPDATE_MODE_UNSUPPORTED,
-                )
-            if lora is None and changed is None and not self.engine.full_updates:
-                raise FailedPrecondition(
-                    f"the {self.engine.info.kind} engine serves LoRA adapters over fixed base weights; "
-                    "send a LORA update",
-                    reason=R.ERROR_REASON_WEIGHT_UPDATE_MODE_UNSUPPORTED,
-                )
             began = time.perf_counter()
             if self._remote:
                 return await self._begin_remote(
