@@ -89,6 +89,10 @@ class Served:
             await asyncio.sleep(0.1)
         return len(self.adapter_folders())
 
+    def publisher(self, stub: object) -> WeightPublisher:
+        """A trainer's publisher of this adapter's LoRA updates to the worker, over gloo."""
+        return WeightPublisher([stub], backend="gloo", transfer_timeout_s=60, mode="lora", lora=self.spec)
+
     def adapter_folders(self) -> list[Path]:
         """The adapter versions the worker's vLLM holds (each a folder in the worker's temp directory)."""
         return sorted(self.tmp.glob("worker-tmp/tandem-vllm-lora-*/v*"))
@@ -125,7 +129,7 @@ async def test_each_adapter_version_serves_what_a_fresh_vllm_serves_from_its_fol
     assert info.weight_transfer_ranks == 1  # the worker process receives, whatever vLLM's tensor parallelism
     base = [await greedy(stub, list(p)) for p in PROMPTS]
     current = (await weight_info(stub)).weight_version
-    publisher = WeightPublisher([stub], backend="gloo", transfer_timeout_s=60, mode="lora", lora=served.spec)
+    publisher = served.publisher(stub)
     base_bytes = sum(t.numel() * t.element_size() for t in served.base_weights().values())
     for version in (current + 1, current + 2):
         named = served.move(version)
@@ -147,7 +151,7 @@ async def test_each_adapter_version_serves_what_a_fresh_vllm_serves_from_its_fol
 async def test_a_request_keeps_its_adapter_across_an_update_and_the_old_one_goes_when_it_ends(
     served: Served, stub: object
 ) -> None:
-    publisher = WeightPublisher([stub], backend="gloo", transfer_timeout_s=60, mode="lora", lora=served.spec)
+    publisher = served.publisher(stub)
     first = (await weight_info(stub)).weight_version + 1
     await publisher.publish(first, served.move(first))
     prompt = list(PROMPTS[0])
@@ -186,7 +190,7 @@ async def test_a_lora_worker_refuses_what_it_cannot_serve_and_keeps_serving(
 ) -> None:
     # One update first: in whatever order the module's tests ran, the worker's transfer is then up and an
     # adapter is in service, so each refusal below is the request's own and not a missing group's.
-    publisher = WeightPublisher([stub], backend="gloo", transfer_timeout_s=60, mode="lora", lora=served.spec)
+    publisher = served.publisher(stub)
     first = (await weight_info(stub)).weight_version + 1
     await publisher.publish(first, served.move(first))
     held = await weight_info(stub)
@@ -229,7 +233,7 @@ async def test_vllm_serve_loads_a_lora_checkpoint_and_says_what_the_worker_says(
     import openai  # noqa: PLC0415 - vLLM's own requirement
 
     version = (await weight_info(stub)).weight_version + 1
-    publisher = WeightPublisher([stub], backend="gloo", transfer_timeout_s=60, mode="lora", lora=served.spec)
+    publisher = served.publisher(stub)
     await publisher.publish(version, served.move(version))
     folder = served.save(version)
     worker_says = [await greedy(stub, list(p)) for p in PROMPTS]
